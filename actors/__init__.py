@@ -1,0 +1,1 @@
+"""millpond.actors — filled in by later milestones."""

@@ -1,0 +1,1 @@
+"""millpond.deploy — filled in by later milestones."""

@@ -1,0 +1,1 @@
+"""millpond.learner — filled in by later milestones."""

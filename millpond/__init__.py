@@ -1,0 +1,44 @@
+"""millpond: a distributed actor-learner data service for reinforcement learning.
+
+Ray actors stream compact experience (each observation sent and stored once) to a sharded
+replay service; shards keep it in memory-mapped files and rebuild ``("next", obs)`` at
+sample time, so learners receive TorchRL-style TED TensorDicts.
+"""
+
+from millpond.errors import (
+    DeadlineExceededError,
+    InvalidConfigError,
+    InvalidDataError,
+    MillpondError,
+    RateLimiterTimeoutError,
+    ResourceExhaustedError,
+    StorageCorruptedError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from millpond.service.config import TableConfig
+from millpond.service.segments import Segment
+from millpond.service.shard import Shard
+from millpond.service.spec import FieldSpec, TableSpec
+from millpond.service.table import Table
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeadlineExceededError",
+    "FieldSpec",
+    "InvalidConfigError",
+    "InvalidDataError",
+    "MillpondError",
+    "RateLimiterTimeoutError",
+    "ResourceExhaustedError",
+    "Segment",
+    "Shard",
+    "StorageCorruptedError",
+    "Table",
+    "TableConfig",
+    "TableExistsError",
+    "TableNotFoundError",
+    "TableSpec",
+    "__version__",
+]

@@ -1,0 +1,1 @@
+"""millpond.protos — filled in by later milestones."""

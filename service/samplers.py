@@ -1,0 +1,282 @@
+"""Samplers: which step slots a sample returns.
+
+A sampler sees segments as they are published and evicted (under the table's lock) and
+picks slots when asked. It never reads or writes data: the table gathers the slots it picks
+from the storage. This is TorchRL's storage/sampler split, which keeps checkpoints simple.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import numpy as np
+
+from millpond.errors import InvalidDataError
+from millpond.service._sum_tree import SumMinTree
+from millpond.service.storage import SegmentBatch, ranges
+
+
+@dataclass
+class Selection:
+    """What a sampler picked.
+
+    Attributes:
+        slots: step slots, ``[B]`` (or ``[B, K]`` for slices).
+        weights: importance weights ``[B]`` (prioritized tables), else ``None``.
+        segment_lengths: for queue samples, the number of steps of each delivered segment.
+    """
+
+    slots: np.ndarray
+    weights: np.ndarray | None = None
+    segment_lengths: np.ndarray | None = None
+
+
+class Sampler:
+    """Base class. Subclasses track sampleable slots and implement :meth:`sample`."""
+
+    def __init__(self, capacity: int, seed: int | None = None) -> None:
+        self.capacity = capacity
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def size(self) -> int:
+        """Steps that can currently be sampled."""
+        raise NotImplementedError
+
+    @property
+    def mass(self) -> float:
+        """Sampleable mass: the size, or the total priority for prioritized samplers."""
+        return float(self.size)
+
+    def on_publish(self, segments: SegmentBatch) -> None:
+        raise NotImplementedError
+
+    def on_evict(self, segments: SegmentBatch) -> None:
+        raise NotImplementedError
+
+    def blocks_eviction(self, segments: SegmentBatch) -> bool:
+        """Whether overwriting ``segments`` must wait (a queue never drops unread steps)."""
+        return False
+
+    def can_sample(self, batch_size: int) -> bool:
+        return self.size > 0
+
+    def sample(self, batch_size: int) -> Selection:
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        return {"size": self.size}
+
+
+class _SlotSet:
+    """A set of slots with O(1) insert/remove and uniform sampling by rejection.
+
+    Slots are drawn from ``[0, high)`` (the highest slot ever added) and kept when they
+    are members; with segments laid out back to back, most draws are kept.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.member = np.zeros(capacity, dtype=bool)
+        self.count = 0
+        self.high = 0
+
+    def add(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.count += int((~self.member[slots]).sum())
+            self.member[slots] = True
+            self.high = max(self.high, int(slots.max()) + 1)
+
+    def remove(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.count -= int(self.member[slots].sum())
+            self.member[slots] = False
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        assert self.count > 0
+        if self.count * 16 < self.high:  # sparse: draw from the explicit list instead
+            return rng.choice(np.flatnonzero(self.member[: self.high]), size=n)
+        out = np.empty(n, dtype=np.int64)
+        filled = 0
+        while filled < n:
+            need = n - filled
+            draws = rng.integers(0, self.high, size=need + need // 2 + 8)
+            kept = draws[self.member[draws]][:need]
+            out[filled : filled + len(kept)] = kept
+            filled += len(kept)
+        return out
+
+
+class UniformSampler(Sampler):
+    """Every stored step equally likely, with replacement."""
+
+    def __init__(self, capacity: int, seed: int | None = None) -> None:
+        super().__init__(capacity, seed)
+        self._slots = _SlotSet(capacity)
+
+    @property
+    def size(self) -> int:
+        return self._slots.count
+
+    def on_publish(self, segments: SegmentBatch) -> None:
+        self._slots.add(segments.step_slots())
+
+    def on_evict(self, segments: SegmentBatch) -> None:
+        self._slots.remove(segments.step_slots())
+
+    def sample(self, batch_size: int) -> Selection:
+        return Selection(self._slots.sample(batch_size, self.rng))
+
+
+class PrioritizedSampler(Sampler):
+    """Proportional prioritized replay (Schaul et al., 2016) on a sum-tree.
+
+    ``P(i) = p_i^alpha / sum_j p_j^alpha``; importance weights ``w_i = (N P(i))^-beta``
+    normalised by their maximum. New steps get the largest priority seen so far.
+    Raw priorities live in ``priorities`` (a memory-mapped array, so they survive restarts).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        priorities: np.ndarray,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(capacity, seed)
+        self.alpha = alpha
+        self.beta = beta
+        self.priorities = priorities
+        self.max_priority = 1.0
+        self._tree = SumMinTree(capacity)
+        self._count = 0
+
+    @property
+    def size(self) -> int:
+        return self._count
+
+    @property
+    def mass(self) -> float:
+        return self._tree.total
+
+    def can_sample(self, batch_size: int) -> bool:
+        return self._count > 0 and self._tree.total > 0
+
+    def on_publish(self, segments: SegmentBatch) -> None:
+        slots = segments.step_slots()
+        self.priorities[slots] = self.max_priority
+        self._tree.set(slots, self.max_priority**self.alpha)
+        self._count += len(slots)
+
+    def restore(self, segments: SegmentBatch) -> None:
+        """Re-enter published segments with the priorities stored on disk."""
+        slots = segments.step_slots()
+        p = np.asarray(self.priorities[slots], dtype=np.float64)
+        self._tree.set(slots, p**self.alpha)
+        self._count += len(slots)
+        if len(p):
+            self.max_priority = max(1.0, float(p.max()))
+
+    def on_evict(self, segments: SegmentBatch) -> None:
+        slots = segments.step_slots()
+        self._tree.set(slots, 0.0)
+        self._count -= len(slots)
+
+    def sample(self, batch_size: int) -> Selection:
+        total = self._tree.total
+        slots = self._tree.find(self.rng.random(batch_size) * total)
+        p = self._tree.get(slots)
+        # Rounding at the edge of a tree node can land on an empty leaf; draw those again.
+        for _ in range(100):
+            bad = p <= 0
+            if not bad.any():
+                break
+            slots[bad] = self._tree.find(self.rng.random(int(bad.sum())) * total)
+            p = self._tree.get(slots)
+        probs = p / total
+        n = self._count
+        max_weight = (n * self._tree.min / total) ** (-self.beta)
+        weights = (n * probs) ** (-self.beta) / max_weight
+        return Selection(slots, weights=weights.astype(np.float32))
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        """Set the raw priorities of live step slots (the table drops stale ones first)."""
+        if not np.all(np.isfinite(priorities)) or np.any(priorities < 0):
+            raise InvalidDataError("priorities must be finite and >= 0")
+        if len(slots) == 0:
+            return
+        self.priorities[slots] = priorities
+        self._tree.set(slots, priorities**self.alpha)
+        self.max_priority = max(self.max_priority, float(priorities.max()))
+
+    def state(self) -> dict:
+        return {
+            "size": self.size,
+            "total_priority": self._tree.total,
+            "max_priority": self.max_priority,
+            "alpha": self.alpha,
+            "beta": self.beta,
+        }
+
+
+class QueueSampler(Sampler):
+    """FIFO for on-policy learners: each step delivered exactly once, in publication order.
+
+    A sample returns whole segments: as many, in order, as fit in the batch size (a single
+    segment longer than the batch is delivered alone). Unread segments are never
+    overwritten; writers wait for the learner instead. ``cursor`` (a 1-element int64 array,
+    memory-mapped by the table) holds the generation of the last delivered segment.
+    """
+
+    def __init__(self, capacity: int, cursor: np.ndarray, seed: int | None = None) -> None:
+        super().__init__(capacity, seed)
+        self._cursor = cursor
+        self._queue: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._steps = 0
+
+    @property
+    def size(self) -> int:
+        return self._steps
+
+    @property
+    def delivered_through(self) -> int:
+        return int(self._cursor[0])
+
+    def on_publish(self, segments: SegmentBatch) -> None:
+        for gen, start, length in zip(
+            segments.generations.tolist(), segments.starts.tolist(), segments.lengths.tolist()
+        ):
+            if gen > self._cursor[0]:
+                self._queue.append((gen, start, length))
+                self._steps += length
+
+    def on_evict(self, segments: SegmentBatch) -> None:
+        if self.blocks_eviction(segments):
+            raise RuntimeError("queue segments evicted before delivery")
+
+    def blocks_eviction(self, segments: SegmentBatch) -> bool:
+        return bool(len(segments)) and bool((segments.generations > self._cursor[0]).any())
+
+    def can_sample(self, batch_size: int) -> bool:
+        return self._steps > 0 and self._steps >= batch_size
+
+    def sample(self, batch_size: int) -> Selection:
+        taken: list[tuple[int, int, int]] = []
+        total = 0
+        while self._queue and (not taken or total + self._queue[0][2] <= batch_size):
+            seg = self._queue.popleft()
+            taken.append(seg)
+            total += seg[2]
+        self._steps -= total
+        self._cursor[0] = taken[-1][0]
+        starts = np.array([s for _, s, _ in taken], dtype=np.int64)
+        lengths = np.array([n for _, _, n in taken], dtype=np.int64)
+        return Selection(ranges(starts, lengths), segment_lengths=lengths)
+
+    def state(self) -> dict:
+        return {
+            "size": self.size,
+            "segments": len(self._queue),
+            "delivered_through_generation": self.delivered_through,
+        }

@@ -1,0 +1,219 @@
+"""Segments as writers hand them in: validation, episode-end flags, and packing into columns.
+
+A writer sends a segment as ``steps`` (a TensorDict of batch ``[L]`` in TED form without
+``("next", obs)``: observations, action and other per-step keys at the root, ``reward``,
+``terminated``, ``truncated`` (or ``done``) under ``"next"``) and ``tail`` (the observation
+keys, batch ``[]``): the observation that follows the last step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from millpond.errors import InvalidDataError
+from millpond.service.spec import DONE, RESERVED_KEYS, TERMINATED, TRUNCATED, Key, format_key
+
+
+@dataclass
+class Segment:
+    """One segment to insert.
+
+    Attributes:
+        steps: TensorDict ``[L]``: per-step keys (observations at the root, flags and reward
+            under ``"next"``).
+        tail: TensorDict ``[]``: the observation keys after the last step.
+        episode_id: the episode this segment belongs to (unique per writer and episode).
+        first_step: index within the episode of the segment's first step.
+    """
+
+    steps: TensorDictBase
+    tail: TensorDictBase
+    episode_id: int
+    first_step: int = 0
+
+
+@dataclass
+class PackedSegments:
+    """Several segments as columns: ``steps`` rows segment after segment, one ``tails`` row each."""
+
+    steps: dict[Key, torch.Tensor]
+    tails: dict[Key, torch.Tensor]
+    lengths: np.ndarray
+    episode_ids: np.ndarray
+    first_steps: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.lengths.sum())
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def split(self, max_slots: int) -> list[PackedSegments]:
+        """Consecutive groups of segments, each needing at most ``max_slots`` slots."""
+        groups: list[PackedSegments] = []
+        i, n = 0, len(self)
+        row = 0
+        while i < n:
+            j, slots = i, 0
+            while j < n and slots + self.lengths[j] + 1 <= max_slots:
+                slots += int(self.lengths[j]) + 1
+                j += 1
+            if j == i:
+                raise InvalidDataError(
+                    f"a segment of {int(self.lengths[i])} steps needs {int(self.lengths[i]) + 1} "
+                    f"slots, more than the table's capacity ({max_slots})"
+                )
+            steps_n = int(self.lengths[i:j].sum())
+            groups.append(
+                PackedSegments(
+                    {k: v[row : row + steps_n] for k, v in self.steps.items()},
+                    {k: v[i:j] for k, v in self.tails.items()},
+                    self.lengths[i:j],
+                    self.episode_ids[i:j],
+                    self.first_steps[i:j],
+                )
+            )
+            row += steps_n
+            i = j
+        return groups
+
+
+def flatten(td: TensorDictBase | Mapping) -> dict[Key, torch.Tensor]:
+    """``{key tuple: tensor}`` for every leaf of a TensorDict (or nested mapping)."""
+    if isinstance(td, TensorDictBase):
+        return {
+            (k,) if isinstance(k, str) else tuple(k): v
+            for k, v in td.items(include_nested=True, leaves_only=True)
+        }
+    out: dict[Key, torch.Tensor] = {}
+    for k, v in td.items():
+        key = (k,) if isinstance(k, str) else tuple(k)
+        if isinstance(v, Mapping | TensorDictBase):
+            out.update({(*key, *sub): t for sub, t in flatten(v).items()})
+        else:
+            out[key] = v
+    return out
+
+
+def _as_flags(t: torch.Tensor, n: int, key: Key) -> torch.Tensor:
+    if t.shape not in ((n,), (n, 1)):
+        raise InvalidDataError(
+            f"key {format_key(key)}: expected shape [{n}] or [{n}, 1], received {list(t.shape)}"
+        )
+    if t.dtype != torch.bool and t.dtype.is_floating_point:
+        raise InvalidDataError(f"key {format_key(key)}: expected bool flags, received {t.dtype}")
+    return t.reshape(n).to(torch.bool)
+
+
+def normalize_steps(steps: dict[Key, torch.Tensor], n: int) -> dict[Key, torch.Tensor]:
+    """Replace done/terminated/truncated by bool ``terminated`` and ``truncated`` of shape [n].
+
+    With only ``done``, it is taken as ``terminated``. Raises if ``done`` disagrees with the
+    other two, or if an episode ends anywhere but at the segment's last step.
+    """
+    steps = dict(steps)
+    done = steps.pop(DONE, None)
+    term = steps.pop(TERMINATED, None)
+    trunc = steps.pop(TRUNCATED, None)
+    if term is None and done is None:
+        raise InvalidDataError(
+            "steps need ('next', 'terminated') and ('next', 'truncated'), or ('next', 'done')"
+        )
+    trunc = _as_flags(trunc, n, TRUNCATED) if trunc is not None else torch.zeros(n, dtype=torch.bool)
+    if term is not None:
+        term = _as_flags(term, n, TERMINATED)
+        if done is not None and not torch.equal(_as_flags(done, n, DONE), term | trunc):
+            raise InvalidDataError(
+                "('next', 'done') disagrees with ('next', 'terminated') | ('next', 'truncated')"
+            )
+    else:
+        term = _as_flags(done, n, DONE) & ~trunc
+    ended = term | trunc
+    if n > 1 and bool(ended[:-1].any()):
+        at = int(torch.nonzero(ended[:-1])[0])
+        raise InvalidDataError(
+            f"the episode ends at step {at} of a segment of {n} steps: an episode end must be "
+            "a segment's last step (cut the segment there)"
+        )
+    steps[TERMINATED] = term
+    steps[TRUNCATED] = trunc
+    return steps
+
+
+def pack(segments: Sequence[Segment]) -> PackedSegments:
+    """Validate the layout of ``segments`` and concatenate them into columns.
+
+    Checks that keys are not reserved, that no observation key appears under ``"next"``,
+    that every segment has the same keys, and normalises the episode-end flags. Dtypes and
+    shapes are checked against the table's spec by the table.
+    """
+    if not segments:
+        raise InvalidDataError("no segments to insert")
+    steps_list, tails_list = [], []
+    obs_keys: list[Key] | None = None
+    for i, seg in enumerate(segments):
+        tail_td = seg.tail
+        if isinstance(tail_td, TensorDictBase) and tuple(tail_td.batch_size) == (1,):
+            tail_td = tail_td[0]  # a batch of one observation is accepted too
+        steps, tail = flatten(seg.steps), flatten(tail_td)
+        n = _length(seg.steps, steps, i)
+        if n == 0:
+            raise InvalidDataError(f"segment {i} has no steps")
+        if not tail:
+            raise InvalidDataError(f"segment {i}: the tail has no observation keys")
+        if obs_keys is None:
+            obs_keys = list(tail)
+        elif set(tail) != set(obs_keys):
+            raise InvalidDataError(f"segment {i}: tail keys differ from segment 0's")
+        for key in steps:
+            if key in RESERVED_KEYS:
+                raise InvalidDataError(f"key {format_key(key)} is reserved for sampled output")
+            if key[0] == "next" and key[1:] in tail:
+                raise InvalidDataError(
+                    f"steps carry {format_key(key)}: send each observation once, the tail "
+                    "holds the one after the last step"
+                )
+        missing = [format_key(k) for k in tail if k not in steps]
+        if missing:
+            raise InvalidDataError(f"segment {i}: steps lack observation key(s) {', '.join(missing)}")
+        steps_list.append(normalize_steps(steps, n))
+        tails_list.append(tail)
+    keys = list(steps_list[0])
+    for i, s in enumerate(steps_list[1:], 1):
+        if set(s) != set(keys):
+            raise InvalidDataError(f"segment {i}: step keys differ from segment 0's")
+    lengths = np.array([len(s[TERMINATED]) for s in steps_list], dtype=np.int64)
+    if len(segments) == 1:
+        cat_steps, cat_tails = steps_list[0], {k: v.unsqueeze(0) for k, v in tails_list[0].items()}
+    else:
+        cat_steps = {k: _cat([s[k] for s in steps_list], k) for k in keys}
+        cat_tails = {k: _cat([t[k].unsqueeze(0) for t in tails_list], k) for k in tails_list[0]}
+    return PackedSegments(
+        cat_steps,
+        cat_tails,
+        lengths,
+        np.array([int(s.episode_id) for s in segments], dtype=np.int64),
+        np.array([int(s.first_step) for s in segments], dtype=np.int64),
+    )
+
+
+def _length(td: TensorDictBase | Mapping, steps: dict[Key, torch.Tensor], i: int) -> int:
+    if isinstance(td, TensorDictBase) and td.batch_dims >= 1:
+        return int(td.batch_size[0])
+    sizes = {t.shape[0] if t.dim() else None for t in steps.values()}
+    if len(sizes) != 1 or None in sizes:
+        raise InvalidDataError(f"segment {i}: steps must share one leading (step) dimension")
+    return int(next(iter(sizes)))
+
+
+def _cat(tensors: list[torch.Tensor], key: Key) -> torch.Tensor:
+    try:
+        return torch.cat(tensors)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidDataError(f"key {format_key(key)}: segments disagree on dtype or shape: {e}") from e

@@ -1,0 +1,141 @@
+"""The slices sampler: sequences of K consecutive steps of one episode.
+
+Segments of an episode that follow each other (the next one starts at the step after the
+previous one's last) form a *chain*, wherever their slots lie. A step is a valid slice
+start when its chain holds at least K steps from it on; starts are drawn uniformly among
+valid ones, and a slice that crosses from one segment into the next continues there.
+Each step's next observation is still the slot after it, so a slice of K steps carries
+its K+1 observations without any special case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from millpond.service.samplers import Sampler, Selection, _SlotSet
+from millpond.service.storage import SegmentBatch, ranges
+
+
+class _Chain:
+    __slots__ = ("episode_id", "segments")
+
+    def __init__(self, episode_id: int) -> None:
+        self.episode_id = episode_id
+        # (start slot, length, first step) per segment, in step order
+        self.segments: list[tuple[int, int, int]] = []
+
+    @property
+    def next_step(self) -> int:
+        _, length, first = self.segments[-1]
+        return first + length
+
+
+class SliceSampler(Sampler):
+    """Uniform over valid slice starts; returns ``[B, slice_len]`` step slots."""
+
+    def __init__(self, capacity: int, slice_len: int, seed: int | None = None) -> None:
+        super().__init__(capacity, seed)
+        self.slice_len = slice_len
+        self._starts = _SlotSet(capacity)
+        self._steps = 0
+        self._chain_of: dict[int, _Chain] = {}  # segment start slot -> chain
+        self._open: dict[tuple[int, int], _Chain] = {}  # (episode, next step) -> chain
+        self._segment_start = np.zeros(capacity, dtype=np.int64)  # per step slot
+        self._segment_length = np.zeros(capacity, dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        return self._steps
+
+    @property
+    def mass(self) -> float:
+        return float(self._starts.count)
+
+    def can_sample(self, batch_size: int) -> bool:
+        return self._starts.count > 0
+
+    def on_publish(self, segments: SegmentBatch) -> None:
+        slots = segments.step_slots()
+        self._segment_start[slots] = np.repeat(segments.starts, segments.lengths)
+        self._segment_length[slots] = np.repeat(segments.lengths, segments.lengths)
+        touched: dict[int, _Chain] = {}
+        for start, length, ep, first in zip(
+            segments.starts.tolist(),
+            segments.lengths.tolist(),
+            segments.episode_ids.tolist(),
+            segments.first_steps.tolist(),
+        ):
+            chain = self._open.pop((ep, first), None)
+            if chain is None:
+                chain = _Chain(ep)
+            chain.segments.append((start, length, first))
+            self._chain_of[start] = chain
+            self._open[(ep, chain.next_step)] = chain
+            self._steps += length
+            touched[id(chain)] = chain
+        for chain in touched.values():
+            self._refresh(chain)
+
+    def on_evict(self, segments: SegmentBatch) -> None:
+        self._starts.remove(segments.step_slots())
+        touched: dict[int, _Chain] = {}
+        for start, length in zip(segments.starts.tolist(), segments.lengths.tolist()):
+            chain = self._chain_of.pop(start)
+            self._steps -= length
+            touched.pop(id(chain), None)
+            if self._open.get((chain.episode_id, chain.next_step)) is chain:
+                del self._open[(chain.episode_id, chain.next_step)]
+            i = next(j for j, seg in enumerate(chain.segments) if seg[0] == start)
+            before, after = chain.segments[:i], chain.segments[i + 1 :]
+            for part in (before, after):
+                if part:
+                    piece = _Chain(chain.episode_id)
+                    piece.segments = part
+                    for seg in part:
+                        self._chain_of[seg[0]] = piece
+                    touched[id(piece)] = piece
+                    if part is after:
+                        self._open[(piece.episode_id, piece.next_step)] = piece
+        for chain in touched.values():
+            self._refresh(chain)
+
+    def _refresh(self, chain: _Chain) -> None:
+        """Recompute which steps of ``chain`` start a full slice."""
+        starts = np.array([s[0] for s in chain.segments], dtype=np.int64)
+        lengths = np.array([s[1] for s in chain.segments], dtype=np.int64)
+        slots = ranges(starts, lengths)
+        remaining = len(slots) - np.arange(len(slots))
+        valid = remaining >= self.slice_len
+        self._starts.remove(slots[~valid])
+        self._starts.add(slots[valid])
+
+    def sample(self, batch_size: int) -> Selection:
+        k = self.slice_len
+        starts = self._starts.sample(batch_size, self.rng)
+        out = starts[:, None] + np.arange(k)[None, :]
+        # Slices that run past their segment's last step continue in the next segment.
+        seg_start = self._segment_start[starts]
+        crossing = np.flatnonzero(starts + k > seg_start + self._segment_length[starts])
+        for b in crossing.tolist():
+            out[b] = self._walk(int(starts[b]), int(seg_start[b]))
+        return Selection(out)
+
+    def _walk(self, slot: int, seg_start: int) -> np.ndarray:
+        chain = self._chain_of[seg_start]
+        i = next(j for j, s in enumerate(chain.segments) if s[0] == seg_start)
+        out: list[int] = []
+        start, length, _ = chain.segments[i]
+        pos = slot
+        while len(out) < self.slice_len:
+            if pos < start + length:
+                take = min(start + length - pos, self.slice_len - len(out))
+                out.extend(range(pos, pos + take))
+                pos += take
+            else:
+                i += 1
+                start, length, _ = chain.segments[i]
+                pos = start
+        return np.array(out, dtype=np.int64)
+
+    def state(self) -> dict:
+        return {"size": self.size, "slice_starts": self._starts.count, "slice_len": self.slice_len}

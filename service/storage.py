@@ -1,0 +1,352 @@
+"""Memory-mapped segment storage: one file per column plus slot metadata, laid out as a ring.
+
+A segment of L steps occupies L+1 consecutive slots: L step slots, then a tail slot that
+holds only the observation following the last step. So for every step slot ``i``,
+``("next", obs)[i] == obs[i + 1]``: one gather, no branch, lossless at episode boundaries.
+
+Slot metadata lives in ``slots.bin`` (int64, one row per slot): the segment's generation,
+episode id, step index, segment start, segment length and slot kind. The generation is the
+commit marker: it is written last, after every other byte of the segment, and cleared first
+when a segment is overwritten. On reopen, a segment counts only if all of its L+1 slots
+carry its generation, so a copy that was interrupted (a killed process) is never visible.
+
+This class does no locking: :class:`~millpond.service.table.Table` serialises allocation and
+publication and lets the copies run outside its lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tensordict import MemoryMappedTensor
+
+from millpond.errors import StorageCorruptedError
+from millpond.service.spec import OBSERVATION, Key, TableSpec
+
+SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
+_GEN, _EPISODE, _STEP, _SEG_START, _SEG_LEN, _KIND = range(6)
+_META_WIDTH = 6
+
+
+@dataclass
+class SegmentBatch:
+    """Segments by their slot layout; every field is an int64 array with one entry per segment.
+
+    Attributes:
+        starts: first slot of each segment.
+        lengths: number of steps (the segment occupies ``length + 1`` slots).
+        generations: publication number (0 while not yet published).
+        episode_ids: episode each segment belongs to.
+        first_steps: index within its episode of each segment's first step.
+    """
+
+    starts: np.ndarray
+    lengths: np.ndarray
+    generations: np.ndarray
+    episode_ids: np.ndarray
+    first_steps: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.lengths.sum())
+
+    def step_slots(self) -> np.ndarray:
+        """Slot of every step, segment after segment."""
+        return ranges(self.starts, self.lengths)
+
+    def all_slots(self) -> np.ndarray:
+        """Slot of every step and tail, segment after segment."""
+        return ranges(self.starts, self.lengths + 1)
+
+    def select(self, mask: np.ndarray) -> SegmentBatch:
+        return SegmentBatch(
+            self.starts[mask],
+            self.lengths[mask],
+            self.generations[mask],
+            self.episode_ids[mask],
+            self.first_steps[mask],
+        )
+
+    @classmethod
+    def empty(cls) -> SegmentBatch:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, z, z, z)
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _column_filename(key: Key) -> str:
+    return ".".join(urllib.parse.quote(p, safe="") for p in key) + ".bin"
+
+
+class SegmentStorage:
+    """The ring of slots of one table, in memory-mapped files under ``path``.
+
+    Args:
+        path: the table's directory (created if needed).
+        capacity: number of slots.
+        spec: the table's keys, or ``None`` until the first insert provides them
+            (see :meth:`set_spec`).
+        fsync: make :meth:`publish` flush the written files to disk, so that a published
+            segment survives a machine crash, not only a killed process.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, capacity: int, spec: TableSpec | None, *, fsync: bool = False
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.spec: TableSpec | None = None
+        self.columns: dict[Key, torch.Tensor] = {}
+        self._fds: list[int] = []
+        meta_file = self.path / "slots.bin"
+        fresh = not meta_file.exists()
+        if not fresh and meta_file.stat().st_size != capacity * _META_WIDTH * 8:
+            raise StorageCorruptedError(
+                f"{meta_file} has {meta_file.stat().st_size} bytes, expected "
+                f"{capacity * _META_WIDTH * 8} for capacity {capacity}"
+            )
+        self.meta = np.memmap(
+            meta_file, dtype=np.int64, mode="w+" if fresh else "r+", shape=(capacity, _META_WIDTH)
+        )
+        self._fds.append(os.open(meta_file, os.O_RDWR))
+        #: Next slot to allocate from; recovered from the newest segment on reopen.
+        self.cursor = 0
+        if spec is not None:
+            self.set_spec(spec)
+
+    # -- columns -------------------------------------------------------------------------
+    def set_spec(self, spec: TableSpec) -> None:
+        """Create (or open) the column files of ``spec``."""
+        if self.spec is not None:
+            raise RuntimeError("the storage spec is already set")
+        cols_dir = self.path / "columns"
+        cols_dir.mkdir(exist_ok=True)
+        index = {"columns": []}
+        for key, f in spec.fields.items():
+            filename = cols_dir / _column_filename(key)
+            shape = torch.Size([self.capacity, *f.shape])
+            expected = self.capacity * f.nbytes
+            if filename.exists():
+                if filename.stat().st_size != expected:
+                    raise StorageCorruptedError(
+                        f"column file {filename} has {filename.stat().st_size} bytes, "
+                        f"expected {expected}"
+                    )
+                mm = MemoryMappedTensor.from_filename(filename, dtype=f.dtype, shape=shape)
+            else:
+                mm = MemoryMappedTensor.empty(shape, dtype=f.dtype, filename=filename)
+            # A plain tensor view on the same pages: torch's own ops without the subclass
+            # dispatch, which costs more than the copy for small rows.
+            self.columns[key] = mm.as_subclass(torch.Tensor)
+            self._fds.append(os.open(filename, os.O_RDWR))
+            index["columns"].append({"key": list(key), "file": filename.name})
+        _atomic_write_json(cols_dir / "index.json", index)
+        self.spec = spec
+
+    # -- allocation ----------------------------------------------------------------------
+    def next_start(self, n_slots: int) -> int:
+        """Where a block of ``n_slots`` slots would start (wrapping to 0 if it does not fit)."""
+        return 0 if self.cursor + n_slots > self.capacity else self.cursor
+
+    def published_in(self, start: int, n_slots: int) -> SegmentBatch:
+        """The published segments that overlap slots ``[start, start + n_slots)``."""
+        rows = self.meta[start : start + n_slots]
+        live = rows[:, _GEN] > 0
+        if not live.any():
+            return SegmentBatch.empty()
+        seg_starts = np.unique(rows[live, _SEG_START])
+        return self._segments_at(seg_starts)
+
+    def _segments_at(self, seg_starts: np.ndarray) -> SegmentBatch:
+        rows = np.asarray(self.meta[seg_starts])
+        return SegmentBatch(
+            seg_starts.astype(np.int64),
+            rows[:, _SEG_LEN].copy(),
+            rows[:, _GEN].copy(),
+            rows[:, _EPISODE].copy(),
+            rows[:, _STEP].copy(),
+        )
+
+    def unpublish(self, segments: SegmentBatch) -> None:
+        """Clear the commit marker of every slot of ``segments``."""
+        if len(segments):
+            self.meta[segments.all_slots(), _GEN] = 0
+
+    def reserve(self, start: int, n_slots: int) -> None:
+        """Claim ``[start, start + n_slots)`` for a write; its slots must hold no live segment."""
+        self.meta[start : start + n_slots, _GEN] = 0
+        self.cursor = start + n_slots
+
+    # -- data ----------------------------------------------------------------------------
+    def write(
+        self,
+        layout: SegmentBatch,
+        steps: dict[Key, torch.Tensor],
+        tails: dict[Key, torch.Tensor],
+    ) -> None:
+        """Copy a block of segments into its reserved slots (no metadata is touched).
+
+        ``steps`` holds every key for all steps, segment after segment; ``tails`` holds the
+        observation keys, one row per segment.
+        """
+        assert self.spec is not None
+        base = int(layout.starts[0])
+        n_slots = int(layout.lengths.sum()) + len(layout)
+        step_rel = torch.from_numpy(layout.step_slots() - base)
+        tail_rel = torch.from_numpy(layout.starts + layout.lengths - base)
+        for key, f in self.spec.fields.items():
+            block = self.columns[key][base : base + n_slots]
+            block.index_copy_(0, step_rel, steps[key])
+            if f.role == OBSERVATION:
+                block.index_copy_(0, tail_rel, tails[key])
+
+    def publish(self, layout: SegmentBatch) -> None:
+        """Write the slot metadata of ``layout``, commit markers last, making it visible."""
+        steps = layout.step_slots()
+        tails = layout.starts + layout.lengths
+        seg_of_step = np.repeat(np.arange(len(layout)), layout.lengths)
+        step_in_seg = steps - np.repeat(layout.starts, layout.lengths)
+        meta = self.meta
+        for slots, seg, step_no, kind in (
+            (steps, seg_of_step, layout.first_steps[seg_of_step] + step_in_seg, SLOT_STEP),
+            (tails, np.arange(len(layout)), layout.first_steps + layout.lengths, SLOT_TAIL),
+        ):
+            meta[slots, _EPISODE] = layout.episode_ids[seg]
+            meta[slots, _STEP] = step_no
+            meta[slots, _SEG_START] = layout.starts[seg]
+            meta[slots, _SEG_LEN] = layout.lengths[seg]
+            meta[slots, _KIND] = kind
+        if self.fsync:
+            self.flush()  # the data must be on disk before the marker that vouches for it
+        meta[steps, _GEN] = layout.generations[seg_of_step]
+        meta[tails, _GEN] = layout.generations
+        if self.fsync:
+            self.flush()
+
+    def generations(self, slots: np.ndarray) -> np.ndarray:
+        return np.asarray(self.meta[slots, _GEN])
+
+    def slot_info(self, slots: np.ndarray) -> np.ndarray:
+        """Metadata rows of ``slots`` (columns: generation, episode, step, start, length, kind)."""
+        return np.asarray(self.meta[slots])
+
+    def gather(self, slots: np.ndarray) -> tuple[dict[Key, torch.Tensor], dict[Key, torch.Tensor]]:
+        """Read step slots: ``(values at slots, observations at slots + 1)``.
+
+        The first dict has every key (observations and step keys); the second has the
+        observation keys only: the next observations. ``slots`` may have any shape.
+        """
+        assert self.spec is not None
+        shape = slots.shape
+        flat = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64).reshape(-1))
+        flat_next = flat + 1
+        now: dict[Key, torch.Tensor] = {}
+        nxt: dict[Key, torch.Tensor] = {}
+        for key, f in self.spec.fields.items():
+            col = self.columns[key]
+            now[key] = torch.index_select(col, 0, flat).reshape(*shape, *f.shape)
+            if f.role == OBSERVATION:
+                nxt[key] = torch.index_select(col, 0, flat_next).reshape(*shape, *f.shape)
+        return now, nxt
+
+    # -- recovery and durability ---------------------------------------------------------
+    def recover(self) -> SegmentBatch:
+        """Find the complete published segments (oldest first) and clear torn ones.
+
+        A segment is complete when each of its L+1 slots carries its generation, the same
+        start and length, and the right kind. Anything else is the remains of an interrupted
+        write or overwrite, and is unpublished here.
+        """
+        meta = self.meta
+        live_slots = np.flatnonzero(meta[:, _GEN] > 0)
+        if len(live_slots) == 0:
+            self.cursor = 0
+            return SegmentBatch.empty()
+        rows = np.asarray(meta[live_slots])
+        gens, inverse, counts = np.unique(rows[:, _GEN], return_inverse=True, return_counts=True)
+        # Candidate start of each generation: where its first slot claims it starts.
+        first_idx = np.full(len(gens), len(live_slots), dtype=np.int64)
+        np.minimum.at(first_idx, inverse, np.arange(len(live_slots)))
+        seg_start = rows[first_idx, _SEG_START]
+        seg_len = rows[first_idx, _SEG_LEN]
+        good = (live_slots[first_idx] == seg_start) & (counts == seg_len + 1) & (seg_len > 0)
+        good &= seg_start + seg_len < self.capacity
+        # Every slot of a good generation must agree on start/length and be in its range.
+        slot_ok = (
+            (rows[:, _SEG_START] == seg_start[inverse])
+            & (rows[:, _SEG_LEN] == seg_len[inverse])
+            & (live_slots >= seg_start[inverse])
+            & (live_slots <= seg_start[inverse] + seg_len[inverse])
+        )
+        expected_kind = np.where(
+            live_slots == seg_start[inverse] + seg_len[inverse], SLOT_TAIL, SLOT_STEP
+        )
+        slot_ok &= rows[:, _KIND] == expected_kind
+        bad_gen = np.zeros(len(gens), dtype=bool)
+        np.logical_or.at(bad_gen, inverse, ~slot_ok)
+        good &= ~bad_gen
+        torn = live_slots[~good[inverse]]
+        if len(torn):
+            meta[torn, _GEN] = 0
+        order = np.argsort(gens[good], kind="stable")
+        segments = self._segments_at(seg_start[good][order])
+        newest = int(np.argmax(segments.generations)) if len(segments) else None
+        self.cursor = (
+            int(segments.starts[newest] + segments.lengths[newest] + 1) if newest is not None else 0
+        )
+        return segments
+
+    def flush(self) -> None:
+        """fsync every file of this storage."""
+        for fd in self._fds:
+            os.fsync(fd)
+
+    def nbytes_on_disk(self) -> int:
+        """Bytes the files really occupy (sparse regions that were never written cost nothing)."""
+        total = 0
+        for p in self.path.rglob("*"):
+            if p.is_file():
+                total += p.stat().st_blocks * 512
+        return total
+
+    def close(self) -> None:
+        if self.meta is not None:
+            self.meta.flush()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        self.columns = {}
+
+
+def _atomic_write_json(path: Path, obj: object) -> None:
+    """Write JSON so that readers see the old or the new file, never a mix (tmp, fsync, rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
