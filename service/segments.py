@@ -29,12 +29,15 @@ class Segment:
         tail: TensorDict ``[]``: the observation keys after the last step.
         episode_id: the episode this segment belongs to (unique per writer and episode).
         first_step: index within the episode of the segment's first step.
+        sequence: the writer's number for this segment (>= 1, increasing), which makes a
+            re-sent segment idempotent; ``None`` for anonymous inserts.
     """
 
     steps: TensorDictBase
     tail: TensorDictBase
     episode_id: int
     first_step: int = 0
+    sequence: int | None = None
 
 
 @dataclass
@@ -46,6 +49,7 @@ class PackedSegments:
     lengths: np.ndarray
     episode_ids: np.ndarray
     first_steps: np.ndarray
+    sequences: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
@@ -53,6 +57,19 @@ class PackedSegments:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def select(self, keep: np.ndarray) -> PackedSegments:
+        """The segments where ``keep`` (a bool mask over segments) is true."""
+        rows = torch.from_numpy(np.repeat(keep, self.lengths))
+        tails = torch.from_numpy(keep)
+        return PackedSegments(
+            {k: v[rows] for k, v in self.steps.items()},
+            {k: v[tails] for k, v in self.tails.items()},
+            self.lengths[keep],
+            self.episode_ids[keep],
+            self.first_steps[keep],
+            None if self.sequences is None else self.sequences[keep],
+        )
 
     def split(self, max_slots: int) -> list[PackedSegments]:
         """Consecutive groups of segments, each needing at most ``max_slots`` slots."""
@@ -77,6 +94,7 @@ class PackedSegments:
                     self.lengths[i:j],
                     self.episode_ids[i:j],
                     self.first_steps[i:j],
+                    None if self.sequences is None else self.sequences[i:j],
                 )
             )
             row += steps_n
@@ -194,12 +212,22 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
     else:
         cat_steps = {k: _cat([s[k] for s in steps_list], k) for k in keys}
         cat_tails = {k: _cat([t[k].unsqueeze(0) for t in tails_list], k) for k in tails_list[0]}
+    sequences = [s.sequence for s in segments]
+    if any(q is not None for q in sequences):
+        if any(q is None for q in sequences):
+            raise InvalidDataError("either every segment of an insert has a sequence or none")
+        seq = np.array(sequences, dtype=np.int64)
+        if seq[0] < 1 or np.any(np.diff(seq) <= 0):
+            raise InvalidDataError(f"sequences must be >= 1 and increasing, received {sequences}")
+    else:
+        seq = None
     return PackedSegments(
         cat_steps,
         cat_tails,
         lengths,
         np.array([int(s.episode_id) for s in segments], dtype=np.int64),
         np.array([int(s.first_step) for s in segments], dtype=np.int64),
+        seq,
     )
 
 

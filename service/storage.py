@@ -30,8 +30,8 @@ from millpond.errors import StorageCorruptedError
 from millpond.service.spec import OBSERVATION, Key, TableSpec
 
 SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
-_GEN, _EPISODE, _STEP, _SEG_START, _SEG_LEN, _KIND = range(6)
-_META_WIDTH = 6
+_GEN, _EPISODE, _STEP, _SEG_START, _SEG_LEN, _KIND, _WRITER, _SEQUENCE = range(8)
+_META_WIDTH = 8
 
 
 @dataclass
@@ -44,6 +44,8 @@ class SegmentBatch:
         generations: publication number (0 while not yet published).
         episode_ids: episode each segment belongs to.
         first_steps: index within its episode of each segment's first step.
+        writers: hash of the writer that sent each segment (0: anonymous).
+        sequences: each segment's number in its writer's stream (for idempotent re-sends).
     """
 
     starts: np.ndarray
@@ -51,6 +53,8 @@ class SegmentBatch:
     generations: np.ndarray
     episode_ids: np.ndarray
     first_steps: np.ndarray
+    writers: np.ndarray | None = None
+    sequences: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -74,6 +78,8 @@ class SegmentBatch:
             self.generations[mask],
             self.episode_ids[mask],
             self.first_steps[mask],
+            None if self.writers is None else self.writers[mask],
+            None if self.sequences is None else self.sequences[mask],
         )
 
     @classmethod
@@ -184,6 +190,8 @@ class SegmentStorage:
             rows[:, _GEN].copy(),
             rows[:, _EPISODE].copy(),
             rows[:, _STEP].copy(),
+            rows[:, _WRITER].copy(),
+            rows[:, _SEQUENCE].copy(),
         )
 
     def unpublish(self, segments: SegmentBatch) -> None:
@@ -235,6 +243,8 @@ class SegmentStorage:
             meta[slots, _SEG_START] = layout.starts[seg]
             meta[slots, _SEG_LEN] = layout.lengths[seg]
             meta[slots, _KIND] = kind
+            meta[slots, _WRITER] = 0 if layout.writers is None else layout.writers[seg]
+            meta[slots, _SEQUENCE] = 0 if layout.sequences is None else layout.sequences[seg]
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
         meta[steps, _GEN] = layout.generations[seg_of_step]
@@ -246,7 +256,10 @@ class SegmentStorage:
         return np.asarray(self.meta[slots, _GEN])
 
     def slot_info(self, slots: np.ndarray) -> np.ndarray:
-        """Metadata rows of ``slots`` (columns: generation, episode, step, start, length, kind)."""
+        """Metadata rows of ``slots``.
+
+        Columns: generation, episode, step, segment start, segment length, kind, writer, sequence.
+        """
         return np.asarray(self.meta[slots])
 
     def gather(self, slots: np.ndarray) -> tuple[dict[Key, torch.Tensor], dict[Key, torch.Tensor]]:

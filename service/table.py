@@ -8,6 +8,7 @@ generations, so a row overwritten meanwhile is drawn again rather than returned 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -62,6 +63,9 @@ class Table:
         # Trajectories seen by extend(): episode id -> next step, so that a trajectory that
         # continues in the next call keeps counting its steps (and slices chain across calls).
         self._extend_state: dict[int, int] = {}
+        # Highest stored sequence per writer hash, for idempotent re-sends.
+        self._writer_hwm: dict[int, int] = {}
+        self._writer_locks: dict[int, threading.Lock] = {}
         counters_file = path / "counters.bin"
         self._counters = np.memmap(
             counters_file, dtype=np.int64, mode="w+" if fresh else "r+", shape=(_N_COUNTERS,)
@@ -129,10 +133,24 @@ class Table:
             self.sampler.restore(segments)
         else:
             self.sampler.on_publish(segments)
+        writers_file = self.path / "writers.json"
+        if writers_file.exists():
+            try:
+                saved = json.loads(writers_file.read_text())
+                self._writer_hwm = {int(k): int(v) for k, v in saved.items()}
+            except (ValueError, AttributeError) as e:
+                raise StorageCorruptedError(f"{writers_file} is unreadable: {e}") from e
+        if len(segments) and segments.writers is not None and segments.sequences is not None:
+            for w, q in zip(segments.writers.tolist(), segments.sequences.tolist()):
+                if w and q > self._writer_hwm.get(w, 0):
+                    self._writer_hwm[w] = q
         newest = int(segments.generations.max()) if len(segments) else 0
         self._counters[_C_NEXT_GEN] = max(int(self._counters[_C_NEXT_GEN]), newest + 1)
 
     def _write_meta(self) -> None:
+        _atomic_write_json(
+            self.path / "writers.json", {str(k): v for k, v in self._writer_hwm.items()}
+        )
         _atomic_write_json(
             self.path / "meta.json",
             {
@@ -177,17 +195,47 @@ class Table:
         """
         return self.insert_many([Segment(steps, tail, episode_id, first_step)], timeout)
 
-    def insert_many(self, segments: Sequence[Segment], timeout: float | None = None) -> np.ndarray:
-        """Store several segments in one block; returns their generations."""
-        return self.insert_packed(pack(segments), timeout)
+    def insert_many(
+        self,
+        segments: Sequence[Segment],
+        timeout: float | None = None,
+        writer_id: str | None = None,
+    ) -> np.ndarray:
+        """Store several segments in one block; returns their generations.
 
-    def insert_packed(self, packed: PackedSegments, timeout: float | None = None) -> np.ndarray:
+        With a ``writer_id`` and segment sequences, a segment whose (writer, sequence) is
+        already stored is skipped (its generation is reported as 0): re-sending after a
+        lost acknowledgement never stores anything twice.
+        """
+        return self.insert_packed(pack(segments), timeout, writer_id)
+
+    def insert_packed(
+        self, packed: PackedSegments, timeout: float | None = None, writer_id: str | None = None
+    ) -> np.ndarray:
         """Store segments already packed into columns (see :func:`segments.pack`)."""
         self._check_spec(packed)
         if np.any(packed.episode_ids < 0) or np.any(packed.first_steps < 0):
             raise InvalidDataError("episode ids and first steps must be >= 0")
-        gens = [self._insert_block(p, timeout) for p in packed.split(self.config.capacity)]
-        return np.concatenate(gens)
+        if writer_id is None or packed.sequences is None:
+            blocks = packed.split(self.config.capacity)
+            return np.concatenate([self._insert_block(p, timeout, 0) for p in blocks])
+        writer = writer_hash(writer_id)
+        with self._cond:
+            lock = self._writer_locks.setdefault(writer, threading.Lock())
+        # One writer's inserts run one at a time, so that a re-sent segment racing the
+        # original (an old stream still finishing after a reconnect) is seen as a duplicate.
+        with lock:
+            fresh = packed.sequences > self._writer_hwm.get(writer, 0)
+            gens = np.zeros(len(packed), dtype=np.int64)
+            if fresh.any():
+                todo = packed if fresh.all() else packed.select(fresh)
+                blocks = todo.split(self.config.capacity)
+                gens[fresh] = np.concatenate([self._insert_block(p, timeout, writer) for p in blocks])
+            return gens
+
+    def writer_sequence(self, writer_id: str) -> int:
+        """The highest sequence stored from ``writer_id`` (0 if none)."""
+        return self._writer_hwm.get(writer_hash(writer_id), 0)
 
     def extend(self, td: TensorDictBase, timeout: float | None = None) -> np.ndarray:
         """Insert TED data (batch ``[T]`` or ``[P, T]``, e.g. a TorchRL collector's output).
@@ -216,7 +264,9 @@ class Table:
         spec.check(packed.tails, (OBSERVATION,), "tail")
         spec.check(packed.steps, (OBSERVATION, STEP), "steps")
 
-    def _insert_block(self, packed: PackedSegments, timeout: float | None) -> np.ndarray:
+    def _insert_block(
+        self, packed: PackedSegments, timeout: float | None, writer: int
+    ) -> np.ndarray:
         n_slots = packed.num_steps + len(packed)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -245,6 +295,8 @@ class Table:
             np.zeros(len(packed), dtype=np.int64),
             packed.episode_ids,
             packed.first_steps,
+            np.full(len(packed), writer, dtype=np.int64),
+            packed.sequences,
         )
         try:
             self.storage.write(layout, packed.steps, packed.tails)
@@ -260,6 +312,10 @@ class Table:
             self.storage.publish(layout)
             self.sampler.on_publish(layout)
             self.rate_limiter.on_insert(packed.num_steps)
+            if writer and packed.sequences is not None:
+                self._writer_hwm[writer] = max(
+                    self._writer_hwm.get(writer, 0), int(packed.sequences[-1])
+                )
             del self._inflight[start]
             self._cond.notify_all()
         return layout.generations
@@ -493,6 +549,12 @@ class Table:
             f"inserts {r.inserts}, samples {r.samples}, samples_per_insert "
             f"{r.samples_per_insert}, diff {r.diff:g} in [{r.min_diff:g}, {r.max_diff:g}]"
         )
+
+
+def writer_hash(writer_id: str) -> int:
+    """A stable, positive 63-bit hash of a writer id (the same in every process)."""
+    digest = hashlib.blake2b(writer_id.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & (2**63 - 1)) or 1
 
 
 def _put(d: dict[str, Any], key: Key, value: torch.Tensor) -> None:

@@ -1,0 +1,355 @@
+"""Helpers for millpond's tests: a checkable dict-observation env, rollouts and segmenting.
+
+Everything here builds *independent* references: a rollout records every step's observation
+and its true next observation (the real final observation at terminations and truncations,
+never the reset observation) in plain TED form, so tests can compare what a table returns
+with what the environment really produced, bit for bit.
+
+Observations of :class:`CountingDictEnv` (and the :func:`pattern` rows the other tests use)
+are pure functions of ``(episode, step)``, so a row read back anywhere can be checked on
+its own: a torn row, a row of another episode, or a stale next observation shows at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from millpond.service import storage as _storage
+from millpond.service.segments import Segment
+
+__all__ = [
+    "FLAG_KEYS",
+    "CountingDictEnv",
+    "SegmentRecord",
+    "chunk_segments",
+    "observation_keys",
+    "pattern",
+    "pixels_of",
+    "reference_index",
+    "rollout",
+    "state_of",
+    "stored_segments",
+    "stored_steps",
+]
+
+#: The per-step keys under ``"next"`` that are not observations.
+FLAG_KEYS = ("reward", "done", "terminated", "truncated")
+
+
+def pattern(
+    episodes: torch.Tensor | np.ndarray | int,
+    steps: torch.Tensor | np.ndarray | int,
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.uint8,
+) -> torch.Tensor:
+    """Rows that encode ``(episode, step)`` in every element: ``[N, *shape]`` (or ``shape``).
+
+    Each element is ``(episode * 131 + step * 17 + position * 7) % 251``; for integer dtypes
+    and rows of at least 16 bytes, the first 16 bytes then hold the episode and step as
+    little-endian int64 values, so two different ``(episode, step)`` pairs never share a
+    row. Vectorised over ``episodes``/``steps`` (broadcast together).
+    """
+    scalar = not isinstance(episodes, torch.Tensor | np.ndarray) and not isinstance(
+        steps, torch.Tensor | np.ndarray
+    )
+    ep = torch.as_tensor(episodes, dtype=torch.int64).reshape(-1)
+    st = torch.as_tensor(steps, dtype=torch.int64).reshape(-1)
+    ep, st = torch.broadcast_tensors(ep, st)
+    numel = int(np.prod(shape)) if len(shape) else 1
+    base = ((ep * 131 + st * 17) % 251).to(torch.int16)
+    pos = ((torch.arange(numel, dtype=torch.int64) * 7) % 251).to(torch.int16)
+    vals = base[:, None] + pos[None, :]  # < 502: int16 keeps big rows cheap
+    vals = torch.where(vals >= 251, vals - 251, vals)
+    out = vals.to(dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if not dtype.is_floating_point and dtype != torch.bool and numel * itemsize >= 16:
+        # The exact (episode, step) in the first 16 bytes.
+        raw = out.view(torch.uint8).reshape(len(ep), numel * itemsize)
+        header = torch.stack([ep, st], dim=1).contiguous().view(torch.uint8)
+        raw[:, :16] = header
+        out = raw.view(dtype).reshape(len(ep), numel)
+    out = out.reshape(len(ep), *shape)
+    return out[0] if scalar else out
+
+
+def pixels_of(episode: int, step: int, shape: Sequence[int]) -> np.ndarray:
+    """The ``pixels`` observation of :class:`CountingDictEnv` at ``(episode, step)``."""
+    return pattern(episode, step, shape, torch.uint8).numpy()
+
+
+def state_of(episode: int, step: int, dim: int = 8) -> np.ndarray:
+    """The ``state`` observation of :class:`CountingDictEnv`: ``[episode, step, ...]``, float32."""
+    i = np.arange(dim - 2, dtype=np.float64)
+    rest = np.sin(episode * 0.37 + step * 1.3 + i) * (1 + i)
+    return np.concatenate([[episode, step], rest]).astype(np.float32)
+
+
+class CountingDictEnv(gym.Env):
+    """A gymnasium env with dict observations that encode ``(episode, step)``.
+
+    Observations: ``{"pixels": uint8[pixel_shape], "state": float32[state_dim]}``, given by
+    :func:`pixels_of` and :func:`state_of` (``episode`` counts resets since construction,
+    starting at ``episode_offset``). Actions: ``float32[2]`` in ``[-1, 1]``. Reward:
+    ``episode + step / 1000``. Episodes end at random: each step terminates with
+    probability ``terminate_prob``, and an episode is truncated when it reaches its length
+    limit, drawn at reset uniformly from ``[min_len, max_len]``.
+    """
+
+    metadata = {"render_modes": []}  # noqa: RUF012
+
+    def __init__(
+        self,
+        pixel_shape: Sequence[int] = (3, 16, 16),
+        state_dim: int = 8,
+        terminate_prob: float = 0.05,
+        min_len: int = 3,
+        max_len: int = 40,
+        episode_offset: int = 0,
+    ) -> None:
+        super().__init__()
+        self.pixel_shape = tuple(pixel_shape)
+        self.state_dim = state_dim
+        self.terminate_prob = terminate_prob
+        self.min_len = min_len
+        self.max_len = max_len
+        self.observation_space = gym.spaces.Dict(
+            {
+                "pixels": gym.spaces.Box(0, 255, self.pixel_shape, dtype=np.uint8),
+                "state": gym.spaces.Box(-np.inf, np.inf, (state_dim,), dtype=np.float32),
+            }
+        )
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), dtype=np.float32)
+        self._episode = episode_offset - 1
+        self._step = 0
+        self._limit = max_len
+
+    def _obs(self) -> dict[str, np.ndarray]:
+        return {
+            "pixels": pixels_of(self._episode, self._step, self.pixel_shape),
+            "state": state_of(self._episode, self._step, self.state_dim),
+        }
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self._episode += 1
+        self._step = 0
+        self._limit = int(self.np_random.integers(self.min_len, self.max_len + 1))
+        return self._obs(), {"episode": self._episode}
+
+    def step(self, action):
+        reward = float(self._episode + self._step / 1000.0)
+        self._step += 1
+        terminated = bool(self.np_random.random() < self.terminate_prob)
+        truncated = not terminated and self._step >= self._limit
+        return self._obs(), reward, terminated, truncated, {"episode": self._episode}
+
+
+def _obs_td(obs: object) -> dict:
+    if isinstance(obs, dict):
+        return {k: _obs_td(v) for k, v in obs.items()}
+    return torch.as_tensor(np.array(obs, copy=True))
+
+
+def rollout(
+    env: gym.Env,
+    num_steps: int,
+    *,
+    seed: int,
+    episode_offset: int = 0,
+    policy: Callable[[object], object] | None = None,
+) -> TensorDict:
+    """Step ``env`` for ``num_steps`` steps and record them as a TED TensorDict ``[num_steps]``.
+
+    Keys: ``"observation"`` (a tensor, or nested keys for dict observations), ``"action"``,
+    ``("next", "observation")`` (the TRUE next observation: the real final one at
+    terminations and truncations, not the one the following reset returns),
+    ``("next", "reward")`` float32 ``[N, 1]``, ``("next", "done"/"terminated"/"truncated")``
+    bool ``[N, 1]``, ``("collector", "traj_ids")`` (``episode_offset`` + the episode's
+    index in this rollout) and ``"step_count"`` (the step within its episode), int64 ``[N]``.
+
+    The env is reset at the start (with ``seed``) and after every episode end. Actions come
+    from ``policy(obs)``, or from the action space (seeded with ``seed``).
+    """
+    obs, _ = env.reset(seed=seed)
+    env.action_space.seed(seed)
+    episode, t = episode_offset, 0
+    rows: list[dict] = []
+    for _ in range(num_steps):
+        action = policy(obs) if policy is not None else env.action_space.sample()
+        next_obs, reward, terminated, truncated, _ = env.step(action)
+        rows.append(
+            {
+                "observation": _obs_td(obs),
+                "action": torch.as_tensor(np.array(action, copy=True)),
+                "next": {
+                    "observation": _obs_td(next_obs),
+                    "reward": torch.tensor([reward], dtype=torch.float32),
+                    "terminated": torch.tensor([bool(terminated)]),
+                    "truncated": torch.tensor([bool(truncated)]),
+                    "done": torch.tensor([bool(terminated or truncated)]),
+                },
+                "collector": {"traj_ids": torch.tensor(episode, dtype=torch.int64)},
+                "step_count": torch.tensor(t, dtype=torch.int64),
+            }
+        )
+        if terminated or truncated:
+            obs, _ = env.reset()
+            episode, t = episode + 1, 0
+        else:
+            obs, t = next_obs, t + 1
+    return torch.stack([TensorDict(r, batch_size=[]) for r in rows])
+
+
+def observation_keys(ted: TensorDictBase) -> list[tuple[str, ...]]:
+    """The observation keys of a TED TensorDict: those under ``"next"`` that are not flags."""
+    keys = []
+    for k in ted["next"].keys(include_nested=True, leaves_only=True):
+        k = (k,) if isinstance(k, str) else tuple(k)
+        if k[0] not in FLAG_KEYS:
+            keys.append(k)
+    return keys
+
+
+def reference_index(ted: TensorDictBase) -> dict[tuple[int, int], int]:
+    """``{(episode id, step): row}`` over a :func:`rollout`'s rows."""
+    eps = ted["collector", "traj_ids"].tolist()
+    steps = ted["step_count"].tolist()
+    index = {(e, s): i for i, (e, s) in enumerate(zip(eps, steps))}
+    if len(index) != len(eps):
+        raise ValueError("the rollout repeats an (episode, step) pair")
+    return index
+
+
+@dataclass
+class SegmentRecord:
+    """Where a segment came from: its rows in the rollout and how it ends.
+
+    ``end`` is ``"terminated"``, ``"truncated"`` or ``"cut"`` (the chunk ended mid-episode).
+    """
+
+    episode_id: int
+    first_step: int
+    length: int
+    rows: range
+    end: str
+
+
+def chunk_segments(
+    ted: TensorDictBase,
+    chunk_lengths: Sequence[int] | np.random.Generator,
+    *,
+    max_chunk: int = 30,
+    with_done: bool = False,
+) -> list[list[tuple[Segment, SegmentRecord]]]:
+    """Cut a :func:`rollout` into chunks and each chunk into compact segments.
+
+    A chunk is a run of consecutive rows (lengths from ``chunk_lengths``, or drawn from
+    ``[1, max_chunk]`` with a generator), as an actor would send them; a segment is a
+    maximal run of one episode's steps within a chunk, so it ends at an episode end or at
+    the chunk's end. Its steps carry the observation keys at the root, ``"action"`` and
+    ``("next", "reward"/"terminated"/"truncated")`` (plus ``("next", "done")`` when
+    ``with_done``); its tail is the true next observation of its last step.
+    """
+    n = ted.shape[0]
+    if isinstance(chunk_lengths, np.random.Generator):
+        rng = chunk_lengths
+        lengths: list[int] = []
+        while sum(lengths) < n:
+            lengths.append(int(rng.integers(1, max_chunk + 1)))
+    else:
+        lengths = list(chunk_lengths)
+    obs_keys = observation_keys(ted)
+    eps = ted["collector", "traj_ids"].tolist()
+    done = ted["next", "done"].reshape(-1).tolist()
+    terminated = ted["next", "terminated"].reshape(-1).tolist()
+    truncated = ted["next", "truncated"].reshape(-1).tolist()
+    step_count = ted["step_count"].tolist()
+    flag_names = ("terminated", "truncated", "done") if with_done else ("terminated", "truncated")
+    chunks: list[list[tuple[Segment, SegmentRecord]]] = []
+    pos = 0
+    for length in lengths:
+        end = min(n, pos + length)
+        if pos >= end:
+            break
+        chunk: list[tuple[Segment, SegmentRecord]] = []
+        a = pos
+        while a < end:
+            b = a
+            while b + 1 < end and eps[b + 1] == eps[a] and not done[b]:
+                b += 1
+            rows = slice(a, b + 1)
+            steps: dict = {"action": ted["action"][rows], "next": {}}
+            for k in obs_keys:
+                _put(steps, k, ted[k][rows])
+            steps["next"]["reward"] = ted["next", "reward"][rows]
+            for f in flag_names:
+                steps["next"][f] = ted["next", f][rows]
+            tail: dict = {}
+            for k in obs_keys:
+                _put(tail, k, ted[("next", *k)][b])
+            if terminated[b]:
+                kind = "terminated"
+            elif truncated[b]:
+                kind = "truncated"
+            else:
+                kind = "cut"
+            first = step_count[a]
+            seg = Segment(
+                TensorDict(steps, batch_size=[b + 1 - a]),
+                TensorDict(tail, batch_size=[]),
+                eps[a],
+                first,
+            )
+            chunk.append((seg, SegmentRecord(eps[a], first, b + 1 - a, range(a, b + 1), kind)))
+            a = b + 1
+        chunks.append(chunk)
+        pos = end
+    return chunks
+
+
+def _put(d: dict, key: tuple[str, ...], value: torch.Tensor) -> None:
+    for part in key[:-1]:
+        d = d.setdefault(part, {})
+    d[key[-1]] = value
+
+
+def stored_segments(table) -> dict[tuple[int, int, int, int], int]:
+    """The published segments of a table, read from its slot metadata on disk.
+
+    Returns ``{(episode_id, first_step, length, start_slot): generation}``. Checks on the
+    way that every published slot belongs to a whole segment (its L step slots then its
+    tail, one generation, steps counting up), so a half-published segment fails here.
+    """
+    meta = np.asarray(table.storage.meta)
+    gen_c, ep_c, step_c = _storage._GEN, _storage._EPISODE, _storage._STEP
+    start_c, len_c, kind_c = _storage._SEG_START, _storage._SEG_LEN, _storage._KIND
+    out: dict[tuple[int, int, int, int], int] = {}
+    heads = np.flatnonzero((meta[:, gen_c] > 0) & (meta[:, start_c] == np.arange(len(meta))))
+    for start in heads.tolist():
+        gen, ep, first, length = (int(meta[start, c]) for c in (gen_c, ep_c, step_c, len_c))
+        rows = meta[start : start + length + 1]
+        assert len(rows) == length + 1, f"segment at slot {start} runs past the ring"
+        assert (rows[:, gen_c] == gen).all() and (rows[:, ep_c] == ep).all()
+        assert (rows[:, start_c] == start).all() and (rows[:, len_c] == length).all()
+        assert (rows[:, step_c] == np.arange(first, first + length + 1)).all()
+        assert (rows[:-1, kind_c] == _storage.SLOT_STEP).all()
+        assert rows[-1, kind_c] == _storage.SLOT_TAIL
+        out[(ep, first, length, start)] = gen
+    n_live = int((meta[:, gen_c] > 0).sum())
+    assert n_live == sum(k[2] + 1 for k in out), "published slots outside whole segments"
+    return out
+
+
+def stored_steps(table) -> set[tuple[int, int]]:
+    """``(episode_id, step)`` of every published step of a table."""
+    return {
+        (ep, first + i)
+        for (ep, first, length, _) in stored_segments(table)
+        for i in range(length)
+    }

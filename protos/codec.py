@@ -1,0 +1,230 @@
+"""The tensor codec: TensorDicts to protos and back (the only place that touches both).
+
+Tensors travel as raw little-endian bytes in C order with dtype and shape; they are never
+pickled. Decoding checks every field before trusting it, so a malformed message raises
+:class:`~millpond.errors.InvalidDataError` naming the key instead of crashing a server.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from millpond.errors import InvalidDataError
+from millpond.protos import millpond_pb2 as pb
+from millpond.service.spec import Key, dtype_name, format_key, parse_dtype
+
+_LITTLE = sys.byteorder == "little"
+_zstd_c = None
+_zstd_d = None
+
+
+def _compressor():
+    global _zstd_c
+    if _zstd_c is None:
+        import zstandard
+
+        _zstd_c = zstandard.ZstdCompressor(level=1)
+    return _zstd_c
+
+
+def _decompressor():
+    global _zstd_d
+    if _zstd_d is None:
+        import zstandard
+
+        _zstd_d = zstandard.ZstdDecompressor()
+    return _zstd_d
+
+
+def tensor_to_proto(key: Key, t: torch.Tensor, compress: bool = False) -> pb.Tensor:
+    """One tensor as a :class:`pb.Tensor` (zstd-compressed if ``compress``)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.element_size() > 0 else flat
+    if not _LITTLE and t.element_size() > 1:
+        raw = torch.from_numpy(flat.numpy().byteswap()).view(torch.uint8)
+    data = raw.numpy().tobytes()
+    compression = pb.COMPRESSION_NONE
+    if compress and data:
+        data = _compressor().compress(data)
+        compression = pb.COMPRESSION_ZSTD
+    return pb.Tensor(
+        key=list(key), dtype=dtype_name(t.dtype), shape=list(t.shape), data=data,
+        compression=compression,
+    )
+
+
+def proto_to_tensor(msg: pb.Tensor) -> tuple[Key, torch.Tensor]:
+    """Decode one :class:`pb.Tensor`, validating dtype, shape and byte count."""
+    key = tuple(msg.key)
+    name = format_key(key) if key else "<no key>"
+    if not key or not all(key):
+        raise InvalidDataError(f"tensor {name}: empty key")
+    try:
+        dtype = parse_dtype(msg.dtype)
+    except Exception as e:
+        raise InvalidDataError(f"tensor {name}: {e}") from None
+    shape = tuple(msg.shape)
+    if any(s < 0 for s in shape):
+        raise InvalidDataError(f"tensor {name}: negative dimension in shape {list(shape)}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = int(np.prod(shape, dtype=np.int64)) * itemsize
+    data = msg.data
+    if msg.compression == pb.COMPRESSION_ZSTD:
+        try:
+            data = _decompressor().decompress(data, max_output_size=expected)
+        except Exception as e:
+            raise InvalidDataError(f"tensor {name}: corrupt zstd data ({e})") from None
+    elif msg.compression != pb.COMPRESSION_NONE:
+        raise InvalidDataError(f"tensor {name}: unknown compression {msg.compression}")
+    if len(data) != expected:
+        raise InvalidDataError(
+            f"tensor {name}: {len(data)} bytes for {msg.dtype}{list(shape)}, expected {expected}"
+        )
+    if expected == 0:
+        return key, torch.empty(shape, dtype=dtype)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if not _LITTLE and itemsize > 1:
+        buf = torch.from_numpy(buf.numpy().view(f"<u{itemsize}").byteswap().view(np.uint8))
+    return key, buf.view(dtype).reshape(shape)
+
+
+def to_tensor_map(
+    td: TensorDictBase | Mapping[Key, torch.Tensor],
+    batch_size: Iterable[int] | None = None,
+    compress_keys: frozenset[Key] | set[Key] = frozenset(),
+    exclude: frozenset[Key] | set[Key] = frozenset(),
+) -> pb.TensorMap:
+    """A TensorDict (or a ``{key tuple: tensor}`` mapping) as a :class:`pb.TensorMap`."""
+    if isinstance(td, TensorDictBase):
+        batch = list(td.batch_size)
+        items = (
+            ((k,) if isinstance(k, str) else tuple(k), v)
+            for k, v in td.items(include_nested=True, leaves_only=True)
+        )
+    else:
+        batch = list(batch_size) if batch_size is not None else []
+        items = iter(td.items())
+    return pb.TensorMap(
+        batch_size=batch,
+        tensors=[
+            tensor_to_proto(k, v, k in compress_keys) for k, v in items if k not in exclude
+        ],
+    )
+
+
+def from_tensor_map_flat(msg: pb.TensorMap) -> tuple[dict[Key, torch.Tensor], list[int]]:
+    """Decode a :class:`pb.TensorMap` into ``({key tuple: tensor}, batch_size)``."""
+    batch = list(msg.batch_size)
+    if any(b < 0 for b in batch):
+        raise InvalidDataError(f"negative batch size {batch}")
+    out: dict[Key, torch.Tensor] = {}
+    for t in msg.tensors:
+        key, value = proto_to_tensor(t)
+        if key in out:
+            raise InvalidDataError(f"tensor {format_key(key)} appears twice")
+        if list(value.shape[: len(batch)]) != batch:
+            raise InvalidDataError(
+                f"tensor {format_key(key)}: shape {list(value.shape)} does not start with the "
+                f"batch size {batch}"
+            )
+        out[key] = value
+    return out, batch
+
+
+def from_tensor_map(msg: pb.TensorMap) -> TensorDict:
+    """Decode a :class:`pb.TensorMap` into a (nested) TensorDict."""
+    flat, batch = from_tensor_map_flat(msg)
+    return nest(flat, batch)
+
+
+def nest(flat: Mapping[Key, torch.Tensor], batch_size: Iterable[int]) -> TensorDict:
+    """Build a nested TensorDict from ``{key tuple: tensor}``."""
+    root: dict = {}
+    for key, value in flat.items():
+        d = root
+        for part in key[:-1]:
+            d = d.setdefault(part, {})
+            if not isinstance(d, dict):
+                raise InvalidDataError(f"key {format_key(key)} nests under a tensor")
+        if key[-1] in d:
+            raise InvalidDataError(f"key {format_key(key)} is both a tensor and a group")
+        d[key[-1]] = value
+    try:
+        return TensorDict(root, batch_size=list(batch_size))
+    except RuntimeError as e:
+        raise InvalidDataError(f"inconsistent batch size: {e}") from None
+
+
+# -- samples ------------------------------------------------------------------------------
+
+
+def encode_sample(
+    td: TensorDictBase, observation_keys: Iterable[Key], compress: bool = False
+) -> pb.SampleResponse:
+    """A sampled TED batch, sending ``("next", obs)`` only where the next row does not hold it.
+
+    Rows are taken flat (a ``[B, K]`` slice batch is ``B*K`` rows). For slices and queue
+    batches most next observations are the following row's observation and are not sent.
+    """
+    obs_keys = list(observation_keys)
+    batch = list(td.batch_size)
+    n = int(np.prod(batch)) if batch else 1
+    same = torch.ones(n, dtype=torch.bool)
+    same[-1] = False
+    for key in obs_keys:
+        now = td.get(key).reshape(n, -1)
+        nxt = td.get(("next", *key)).reshape(n, -1)
+        if now.shape[1] == 0:
+            continue
+        if now.dtype.is_floating_point or now.dtype.is_complex:
+            # bitwise, so that NaN payloads and -0.0 survive
+            now = now.contiguous().view(torch.uint8)
+            nxt = nxt.contiguous().view(torch.uint8)
+        same[:-1] &= (nxt[:-1] == now[1:]).all(dim=1)
+    next_rows = torch.nonzero(~same).squeeze(-1)
+    next_obs = {
+        key: td.get(("next", *key)).reshape(n, *td.get(key).shape[len(batch) :])[next_rows]
+        for key in obs_keys
+    }
+    compress_keys = set(obs_keys) if compress else set()
+    return pb.SampleResponse(
+        batch=to_tensor_map(
+            td, compress_keys=compress_keys, exclude={("next", *k) for k in obs_keys}
+        ),
+        next_rows=next_rows.tolist(),
+        next_observations=to_tensor_map(
+            next_obs, batch_size=[len(next_rows)], compress_keys=compress_keys
+        ),
+    )
+
+
+def decode_sample(msg: pb.SampleResponse) -> TensorDict:
+    """Rebuild the TED batch of :func:`encode_sample`, ``("next", obs)`` included."""
+    flat, batch = from_tensor_map_flat(msg.batch)
+    next_obs, next_batch = from_tensor_map_flat(msg.next_observations)
+    n = int(np.prod(batch)) if batch else 1
+    rows = torch.tensor(list(msg.next_rows), dtype=torch.int64)
+    if len(rows) != (next_batch[0] if next_batch else 0) or (
+        len(rows) and (rows.min() < 0 or rows.max() >= n)
+    ):
+        raise InvalidDataError("sample: next_rows do not match the next observations")
+    if not bool((rows == n - 1).any()) and n > 0:
+        raise InvalidDataError("sample: the last row's next observation is missing")
+    for key, values in next_obs.items():
+        if key not in flat:
+            raise InvalidDataError(f"sample: next observation {format_key(key)} has no observation")
+        now = flat[key]
+        feature = now.shape[len(batch) :]
+        nxt = torch.empty((n, *feature), dtype=now.dtype)
+        nxt[:-1] = now.reshape(n, *feature)[1:]
+        nxt[rows] = values
+        flat[("next", *key)] = nxt.reshape(*batch, *feature)
+    return nest(flat, batch)

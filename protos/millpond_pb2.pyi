@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_NONE: _ClassVar[Compression]
+    COMPRESSION_ZSTD: _ClassVar[Compression]
+COMPRESSION_NONE: Compression
+COMPRESSION_ZSTD: Compression
+
+class Tensor(_message.Message):
+    __slots__ = ("key", "dtype", "shape", "data", "compression")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    key: _containers.RepeatedScalarFieldContainer[str]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    compression: Compression
+    def __init__(self, key: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+
+class TensorMap(_message.Message):
+    __slots__ = ("batch_size", "tensors")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: _containers.RepeatedScalarFieldContainer[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, batch_size: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class FieldSpec(_message.Message):
+    __slots__ = ("key", "dtype", "shape", "role")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    key: _containers.RepeatedScalarFieldContainer[str]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    role: str
+    def __init__(self, key: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
+
+class TableConfig(_message.Message):
+    __slots__ = ("name", "capacity", "sampler", "min_size", "samples_per_insert", "error_buffer", "alpha", "beta", "slice_len", "compression", "spec", "seed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    SLICE_LEN_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity: int
+    sampler: str
+    min_size: int
+    samples_per_insert: float
+    error_buffer: float
+    alpha: float
+    beta: float
+    slice_len: int
+    compression: str
+    spec: _containers.RepeatedCompositeFieldContainer[FieldSpec]
+    seed: int
+    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., sampler: _Optional[str] = ..., min_size: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., compression: _Optional[str] = ..., spec: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("config", "exist_ok")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    exist_ok: bool
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+
+class CreateTableResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("sequence", "episode_id", "first_step", "steps", "tail")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    episode_id: int
+    first_step: int
+    steps: TensorMap
+    tail: TensorMap
+    def __init__(self, sequence: _Optional[int] = ..., episode_id: _Optional[int] = ..., first_step: _Optional[int] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tail: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
+
+class InsertRequest(_message.Message):
+    __slots__ = ("writer_id", "table", "segments", "timeout_ms")
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    writer_id: str
+    table: str
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    timeout_ms: int
+    def __init__(self, writer_id: _Optional[str] = ..., table: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class InsertResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequences: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("table", "batch_size", "num_batches", "timeout_ms")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    batch_size: int
+    num_batches: int
+    timeout_ms: int
+    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class SampleResponse(_message.Message):
+    __slots__ = ("batch", "next_rows", "next_observations")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    batch: TensorMap
+    next_rows: _containers.RepeatedScalarFieldContainer[int]
+    next_observations: TensorMap
+    def __init__(self, batch: _Optional[_Union[TensorMap, _Mapping]] = ..., next_rows: _Optional[_Iterable[int]] = ..., next_observations: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
+
+class UpdatePrioritiesRequest(_message.Message):
+    __slots__ = ("table", "slots", "generations", "priorities")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    priorities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, table: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., priorities: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class UpdatePrioritiesResponse(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    def __init__(self, applied: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("config", "size", "mass", "inserts", "samples", "rate_limiter_diff", "rate_limiter_min_diff", "rate_limiter_max_diff", "bytes_on_disk", "next_generation")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASS_FIELD_NUMBER: _ClassVar[int]
+    INSERTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMITER_DIFF_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMITER_MIN_DIFF_FIELD_NUMBER: _ClassVar[int]
+    RATE_LIMITER_MAX_DIFF_FIELD_NUMBER: _ClassVar[int]
+    BYTES_ON_DISK_FIELD_NUMBER: _ClassVar[int]
+    NEXT_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    size: int
+    mass: float
+    inserts: int
+    samples: int
+    rate_limiter_diff: float
+    rate_limiter_min_diff: float
+    rate_limiter_max_diff: float
+    bytes_on_disk: int
+    next_generation: int
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., size: _Optional[int] = ..., mass: _Optional[float] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., rate_limiter_diff: _Optional[float] = ..., rate_limiter_min_diff: _Optional[float] = ..., rate_limiter_max_diff: _Optional[float] = ..., bytes_on_disk: _Optional[int] = ..., next_generation: _Optional[int] = ...) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("tables", "weights_version")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    weights_version: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., weights_version: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PublishWeightsRequest(_message.Message):
+    __slots__ = ("version", "total_size", "chunk")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    total_size: int
+    chunk: bytes
+    def __init__(self, version: _Optional[int] = ..., total_size: _Optional[int] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PublishWeightsResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class GetWeightsRequest(_message.Message):
+    __slots__ = ("min_version", "timeout_ms")
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    min_version: int
+    timeout_ms: int
+    def __init__(self, min_version: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class GetWeightsResponse(_message.Message):
+    __slots__ = ("version", "total_size", "chunk")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    total_size: int
+    chunk: bytes
+    def __init__(self, version: _Optional[int] = ..., total_size: _Optional[int] = ..., chunk: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,91 @@
+"""The rate limiter as pure logic: Reverb's min-size and samples-per-insert semantics."""
+
+import numpy as np
+import pytest
+
+from millpond.errors import InvalidConfigError
+from millpond.service.rate_limiter import RateLimiter
+
+
+def test_min_size_only():
+    r = RateLimiter(min_size=10)
+    assert r.can_insert()
+    assert not r.can_sample(size=9)
+    assert r.can_sample(size=10)
+    r.on_sample(1000)  # no ratio: samples never block inserts
+    assert r.can_insert()
+
+
+def test_min_size_zero_still_needs_one_step():
+    r = RateLimiter(min_size=0)
+    assert not r.can_sample(size=0)
+    assert r.can_sample(size=1)
+
+
+def test_samples_per_insert_bounds():
+    # spi 2, min_size 10, error buffer 5: diff must stay within [15, 25].
+    r = RateLimiter(min_size=10, samples_per_insert=2.0, error_buffer=5.0)
+    assert (r.min_diff, r.max_diff) == (15.0, 25.0)
+    r.on_insert(10)  # diff 20
+    assert r.can_sample(size=10)
+    r.on_insert(3)  # diff 26 > 25: inserts blocked until learners sample
+    assert not r.can_insert()
+    r.on_sample(2)  # diff 24
+    assert r.can_insert()
+    r.on_sample(9)  # diff 15: still allowed to sample (checked before the batch)
+    assert r.can_sample(size=13)
+    r.on_sample(1)  # diff 14 < 15: samples blocked until actors insert
+    assert not r.can_sample(size=13)
+    assert r.can_insert()
+
+
+def test_inserts_below_min_size_always_proceed():
+    r = RateLimiter(min_size=100, samples_per_insert=1.0, error_buffer=1.0)
+    r.on_insert(99)
+    assert r.can_insert()
+
+
+def test_no_deadlock_with_batches_larger_than_the_buffer():
+    # Whatever the counts, at least one side can always move.
+    r = RateLimiter(min_size=1, samples_per_insert=0.5, error_buffer=0.0)
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        assert r.can_insert() or r.can_sample(size=10**6)
+        if r.can_insert() and rng.random() < 0.5:
+            r.on_insert(int(rng.integers(1, 500)))
+        elif r.can_sample(size=10**6):
+            r.on_sample(256)
+
+
+def test_long_run_ratio_follows_target():
+    r = RateLimiter(min_size=100, samples_per_insert=4.0, error_buffer=256.0)
+    rng = np.random.default_rng(1)
+    for _ in range(20000):
+        if rng.random() < 0.5 and r.can_insert():
+            r.on_insert(10)
+        elif r.can_sample(size=10**6):
+            r.on_sample(32)
+    assert r.inserts > 1000
+    assert abs(r.samples / r.inserts - 4.0) < 0.1
+
+
+def test_counters_live_in_the_given_array():
+    backing = np.zeros(2, dtype=np.int64)
+    r = RateLimiter(counters=backing)
+    r.on_insert(5)
+    r.on_sample(3)
+    assert backing.tolist() == [5, 3]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_size": -1},
+        {"samples_per_insert": 0.0, "error_buffer": 1.0},
+        {"samples_per_insert": 1.0},
+        {"samples_per_insert": 1.0, "error_buffer": -1.0},
+    ],
+)
+def test_bad_config(kwargs):
+    with pytest.raises(InvalidConfigError):
+        RateLimiter(**kwargs)
