@@ -101,7 +101,7 @@ class CountingDictEnv(gym.Env):
     limit, drawn at reset uniformly from ``[min_len, max_len]``.
     """
 
-    metadata = {"render_modes": []}  # noqa: RUF012
+    metadata = {"render_modes": []}
 
     def __init__(
         self,
@@ -349,7 +349,5 @@ def stored_segments(table) -> dict[tuple[int, int, int, int], int]:
 def stored_steps(table) -> set[tuple[int, int]]:
     """``(episode_id, step)`` of every published step of a table."""
     return {
-        (ep, first + i)
-        for (ep, first, length, _) in stored_segments(table)
-        for i in range(length)
+        (ep, first + i) for (ep, first, length, _) in stored_segments(table) for i in range(length)
     }

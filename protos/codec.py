@@ -56,7 +56,10 @@ def tensor_to_proto(key: Key, t: torch.Tensor, compress: bool = False) -> pb.Ten
         data = _compressor().compress(data)
         compression = pb.COMPRESSION_ZSTD
     return pb.Tensor(
-        key=list(key), dtype=dtype_name(t.dtype), shape=list(t.shape), data=data,
+        key=list(key),
+        dtype=dtype_name(t.dtype),
+        shape=list(t.shape),
+        data=data,
         compression=compression,
     )
 
@@ -114,9 +117,7 @@ def to_tensor_map(
         items = iter(td.items())
     return pb.TensorMap(
         batch_size=batch,
-        tensors=[
-            tensor_to_proto(k, v, k in compress_keys) for k, v in items if k not in exclude
-        ],
+        tensors=[tensor_to_proto(k, v, k in compress_keys) for k, v in items if k not in exclude],
     )
 
 

@@ -34,8 +34,10 @@ def _generate(out_dir: Path) -> None:
     grpc_file = out_dir / "millpond_pb2_grpc.py"
     # protoc writes a top-level import; the module lives in the millpond.protos package.
     text = re.sub(
-        r"^import millpond_pb2 as", "from millpond.protos import millpond_pb2 as",
-        grpc_file.read_text(), flags=re.M,
+        r"^import millpond_pb2 as",
+        "from millpond.protos import millpond_pb2 as",
+        grpc_file.read_text(),
+        flags=re.M,
     )
     grpc_file.write_text(text)
 

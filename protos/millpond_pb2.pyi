@@ -135,14 +135,16 @@ class SampleRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("batch", "next_rows", "next_observations")
+    __slots__ = ("batch", "next_rows", "next_observations", "mass")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROWS_FIELD_NUMBER: _ClassVar[int]
     NEXT_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    MASS_FIELD_NUMBER: _ClassVar[int]
     batch: TensorMap
     next_rows: _containers.RepeatedScalarFieldContainer[int]
     next_observations: TensorMap
-    def __init__(self, batch: _Optional[_Union[TensorMap, _Mapping]] = ..., next_rows: _Optional[_Iterable[int]] = ..., next_observations: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
+    mass: float
+    def __init__(self, batch: _Optional[_Union[TensorMap, _Mapping]] = ..., next_rows: _Optional[_Iterable[int]] = ..., next_observations: _Optional[_Union[TensorMap, _Mapping]] = ..., mass: _Optional[float] = ...) -> None: ...
 
 class UpdatePrioritiesRequest(_message.Message):
     __slots__ = ("table", "slots", "generations", "priorities")

@@ -48,13 +48,20 @@ class TableConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or not all(
-            c.isalnum() or c in "_-." for c in self.name
-        ) or self.name.startswith("."):
+        if (
+            not isinstance(self.name, str)
+            or not self.name
+            or not all(c.isalnum() or c in "_-." for c in self.name)
+            or self.name.startswith(".")
+        ):
             raise InvalidConfigError(
                 f"table name ({self.name!r}) must be non-empty letters, digits, '_', '-' or '.'"
             )
-        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 2:
+        if (
+            isinstance(self.capacity, bool)
+            or not isinstance(self.capacity, int)
+            or self.capacity < 2
+        ):
             raise InvalidConfigError(
                 f"capacity ({self.capacity!r}) must be an integer >= 2 (one step and its tail)"
             )

@@ -143,7 +143,9 @@ def normalize_steps(steps: dict[Key, torch.Tensor], n: int) -> dict[Key, torch.T
         raise InvalidDataError(
             "steps need ('next', 'terminated') and ('next', 'truncated'), or ('next', 'done')"
         )
-    trunc = _as_flags(trunc, n, TRUNCATED) if trunc is not None else torch.zeros(n, dtype=torch.bool)
+    trunc = (
+        _as_flags(trunc, n, TRUNCATED) if trunc is not None else torch.zeros(n, dtype=torch.bool)
+    )
     if term is not None:
         term = _as_flags(term, n, TERMINATED)
         if done is not None and not torch.equal(_as_flags(done, n, DONE), term | trunc):
@@ -199,7 +201,9 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
                 )
         missing = [format_key(k) for k in tail if k not in steps]
         if missing:
-            raise InvalidDataError(f"segment {i}: steps lack observation key(s) {', '.join(missing)}")
+            raise InvalidDataError(
+                f"segment {i}: steps lack observation key(s) {', '.join(missing)}"
+            )
         steps_list.append(normalize_steps(steps, n))
         tails_list.append(tail)
     keys = list(steps_list[0])
@@ -244,4 +248,6 @@ def _cat(tensors: list[torch.Tensor], key: Key) -> torch.Tensor:
     try:
         return torch.cat(tensors)
     except (RuntimeError, TypeError) as e:
-        raise InvalidDataError(f"key {format_key(key)}: segments disagree on dtype or shape: {e}") from e
+        raise InvalidDataError(
+            f"key {format_key(key)}: segments disagree on dtype or shape: {e}"
+        ) from e

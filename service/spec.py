@@ -25,7 +25,15 @@ STEP = "step"
 
 #: Keys a table produces itself when sampling, so a writer may not send them.
 RESERVED_KEYS: frozenset[Key] = frozenset(
-    {("index",), ("episode_id",), ("step",), ("weight",), ("done",), ("terminated",), ("truncated",)}
+    {
+        ("index",),
+        ("episode_id",),
+        ("step",),
+        ("weight",),
+        ("done",),
+        ("terminated",),
+        ("truncated",),
+    }
 )
 #: Episode-end flags, stored as one bool per step; ``("next", "done")`` is derived from them.
 TERMINATED: Key = ("next", "terminated")

@@ -63,6 +63,7 @@ class Table:
         # Trajectories seen by extend(): episode id -> next step, so that a trajectory that
         # continues in the next call keeps counting its steps (and slices chain across calls).
         self._extend_state: dict[int, int] = {}
+        self._extend_lock = threading.Lock()
         # Highest stored sequence per writer hash, for idempotent re-sends.
         self._writer_hwm: dict[int, int] = {}
         self._writer_locks: dict[int, threading.Lock] = {}
@@ -144,8 +145,25 @@ class Table:
             for w, q in zip(segments.writers.tolist(), segments.sequences.tolist()):
                 if w and q > self._writer_hwm.get(w, 0):
                     self._writer_hwm[w] = q
+        self._extend_state = self._open_episodes(segments)
         newest = int(segments.generations.max()) if len(segments) else 0
         self._counters[_C_NEXT_GEN] = max(int(self._counters[_C_NEXT_GEN]), newest + 1)
+
+    def _open_episodes(self, segments: SegmentBatch) -> dict[int, int]:
+        """Episode id -> next step, for episodes whose newest stored segment did not end."""
+        if not len(segments) or self.storage.spec is None:
+            return {}
+        order = np.lexsort((segments.first_steps, segments.episode_ids))
+        eps = segments.episode_ids[order]
+        newest = order[np.append(eps[1:] != eps[:-1], True)]
+        last_slots = segments.starts[newest] + segments.lengths[newest] - 1
+        now, _ = self.storage.gather(last_slots)
+        ended = (now[TERMINATED] | now[TRUNCATED]).numpy()
+        return {
+            int(segments.episode_ids[i]): int(segments.first_steps[i] + segments.lengths[i])
+            for i, e in zip(newest.tolist(), ended.tolist())
+            if not e
+        }
 
     def _write_meta(self) -> None:
         _atomic_write_json(
@@ -230,7 +248,9 @@ class Table:
             if fresh.any():
                 todo = packed if fresh.all() else packed.select(fresh)
                 blocks = todo.split(self.config.capacity)
-                gens[fresh] = np.concatenate([self._insert_block(p, timeout, writer) for p in blocks])
+                gens[fresh] = np.concatenate(
+                    [self._insert_block(p, timeout, writer) for p in blocks]
+                )
             return gens
 
     def writer_sequence(self, writer_id: str) -> int:
@@ -246,9 +266,12 @@ class Table:
         """
         from millpond.service.ted import compact_ted  # ted imports this module
 
-        with self._cond:
-            packed = compact_ted(td, self._extend_state)
-        return self.insert_packed(packed, timeout)
+        with self._extend_lock:  # one extend at a time keeps step counts consistent
+            state = dict(self._extend_state)
+            packed = compact_ted(td, state)
+            gens = self.insert_packed(packed, timeout)
+            self._extend_state = state  # only once the insert succeeded
+            return gens
 
     def _check_spec(self, packed: PackedSegments) -> None:
         spec = self.storage.spec
@@ -330,7 +353,11 @@ class Table:
         Blocks until the rate limiter and the sampler allow it, up to ``timeout`` seconds.
         Queue tables return whole segments: at most ``batch_size`` steps, in order.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int | np.integer)
+            or batch_size < 1
+        ):
             raise InvalidDataError(f"batch_size ({batch_size!r}) must be a positive integer")
         batch_size = int(batch_size)
         if isinstance(self.sampler, QueueSampler) and batch_size > self.config.capacity:
@@ -430,7 +457,9 @@ class Table:
 
     # -- priorities ----------------------------------------------------------------------
     def update_priorities(
-        self, slots: np.ndarray | torch.Tensor, generations: np.ndarray | torch.Tensor,
+        self,
+        slots: np.ndarray | torch.Tensor,
+        generations: np.ndarray | torch.Tensor,
         priorities: np.ndarray | torch.Tensor,
     ) -> int:
         """Set priorities of sampled steps; entries whose slot was overwritten are ignored.
@@ -445,7 +474,9 @@ class Table:
         slots = _as_int64(slots).reshape(-1)
         gens = _as_int64(generations).reshape(-1)
         prios = np.asarray(
-            priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
+            priorities.detach().cpu().numpy()
+            if isinstance(priorities, torch.Tensor)
+            else priorities,
             dtype=np.float64,
         ).reshape(-1)
         if not (len(slots) == len(gens) == len(prios)):

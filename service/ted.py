@@ -35,7 +35,7 @@ from millpond.service.spec import (
     format_key,
     parse_dtype,
 )
-from millpond.service.storage import SLOT_STEP
+from millpond.service.storage import _GEN, _KIND, SLOT_STEP
 
 if TYPE_CHECKING:
     from millpond.service.table import Table
@@ -351,8 +351,8 @@ def _export(
             open_sink(0, TensorDict({}, batch_size=[1]))
             return
         meta = np.asarray(storage.meta)
-        slots = np.flatnonzero((meta[:, 0] > 0) & (meta[:, 5] == SLOT_STEP))
-        slots = slots[np.lexsort((slots, meta[slots, 0]))]  # by generation, then slot
+        slots = np.flatnonzero((meta[:, _GEN] > 0) & (meta[:, _KIND] == SLOT_STEP))
+        slots = slots[np.lexsort((slots, meta[slots, _GEN]))]  # by generation, then slot
         write = open_sink(len(slots), _ted_rows(table, np.zeros(1, dtype=np.int64)))
         for offset in range(0, len(slots), EXPORT_CHUNK_ROWS):
             write(offset, _ted_rows(table, slots[offset : offset + EXPORT_CHUNK_ROWS]))
@@ -377,5 +377,5 @@ def _import_h5py() -> Any:
     try:
         import h5py
     except ImportError as e:
-        raise ImportError("HDF5 export needs h5py: pip install 'millpond[hdf5]'") from e
+        raise ImportError("HDF5 files need h5py: pip install 'millpond[hdf5]'") from e
     return h5py

@@ -35,6 +35,7 @@ from tensordict import TensorDict
 
 from millpond.service.config import TableConfig
 from millpond.service.segments import Segment
+from millpond.service.storage import SegmentStorage
 from millpond.service.table import Table
 from millpond.testing import pattern, stored_segments
 
@@ -79,6 +80,22 @@ def insert_loop(cmd, emit):
             segs.append(make_segment(ep, first, length, bool(rng.random() < 0.3)))
             ep += 1
         return segs
+
+    if cmd.get("crash_points"):
+        # SIGKILL ourselves before a random line of the insert path: a kill at every stage
+        # of allocation, eviction, copy and publication, down to between two metadata writes.
+        chance = np.random.default_rng(cmd["seed"] + 1)
+        codes = {Table._insert_block.__code__} | {
+            getattr(SegmentStorage, name).__code__
+            for name in ("unpublish", "reserve", "write", "publish")
+        }
+
+        def line(frame, event, arg):
+            if event == "line" and chance.random() < cmd["crash_points"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return line
+
+        sys.settrace(lambda frame, event, arg: line if frame.f_code in codes else None)
 
     segs = block()
     emit({"begin": [[s.episode_id, s.first_step, s.steps.batch_size[0]] for s in segs]})
@@ -177,13 +194,14 @@ _main()
 def _zygote_source() -> str:
     header = textwrap.dedent(
         f"""
-        import json, os, sys, time
+        import json, os, signal, sys, time
         from pathlib import Path
         import numpy as np
         import torch
         from tensordict import TensorDict
         from millpond.service.config import TableConfig
         from millpond.service.segments import Segment
+        from millpond.service.storage import SegmentStorage
         from millpond.service.table import Table
         from millpond.testing import pattern, stored_segments
         OBS_SHAPE = {OBS_SHAPE!r}
@@ -302,12 +320,14 @@ def check_samples(table: Table, n: int = 256) -> None:
 
 
 @pytest.mark.parametrize(
-    "capacity, rounds", [(16384, 5), (400, 5)], ids=["large", "small-wrapping"]
+    "capacity, rounds, crash_points",
+    [(16384, 5, 0.0), (400, 5, 0.0), (400, 6, 1 / 600)],
+    ids=["large", "small-wrapping", "small-crash-points"],
 )
 def test_sigkill_during_inserts_loses_no_acknowledged_segment(
-    tmp_path, zygote, capacity, rounds
+    tmp_path, zygote, capacity, rounds, crash_points
 ):
-    rng = np.random.default_rng(capacity)
+    rng = np.random.default_rng(capacity + rounds)
     path = tmp_path / "table"
     Table.create(path, TableConfig.uniform("t", capacity, seed=0)).close()
     ring = Ring(capacity, set(), 0)
@@ -320,26 +340,39 @@ def test_sigkill_during_inserts_loses_no_acknowledged_segment(
             seed=int(rng.integers(2**31)),
             first_episode=(r + 1) * 100_000,
             max_len=MAX_LEN,
+            crash_points=crash_points,
         )
-        kill_after = int(rng.integers(1, 25))
         acked_blocks: list[list[list[int]]] = []
         pending: list[list[int]] | None = None
-        while len(acked_blocks) < kill_after:
-            msg = zygote.next()
+
+        def follow(msg: dict) -> None:
+            nonlocal pending
             if "begin" in msg:
                 pending = msg["begin"]
             else:
                 assert pending is not None and msg["ack"] == [s[0] for s in pending]
                 acked_blocks.append(pending)
                 pending = None
-        time.sleep(float(rng.uniform(0, 0.003)))
-        for msg in zygote.kill(pid):
-            if "begin" in msg:
-                pending = msg["begin"]
-            else:
-                assert pending is not None and msg["ack"] == [s[0] for s in pending]
-                acked_blocks.append(pending)
-                pending = None
+
+        if crash_points:
+            # The child kills itself at a random line of the insert path (or we do, late).
+            while True:
+                msg = zygote.next()
+                if msg.get("reaped") == pid:
+                    assert os.WIFSIGNALED(msg["status"]), msg
+                    break
+                follow(msg)
+                if len(acked_blocks) == 200:
+                    for msg in zygote.kill(pid):
+                        follow(msg)
+                    break
+        else:
+            kill_after = int(rng.integers(1, 25))
+            while len(acked_blocks) < kill_after:
+                follow(zygote.next())
+            time.sleep(float(rng.uniform(0, 0.003)))
+            for msg in zygote.kill(pid):
+                follow(msg)
 
         # What the ring must hold: everything acknowledged that no acknowledged block evicted,
         # less what the interrupted block (if any) may have claimed, plus what it may have

@@ -11,8 +11,8 @@ the reference by ``(episode_id, step)`` and compared key by key, ``("next", obs)
 from __future__ import annotations
 
 import threading
-import zlib
 import time
+import zlib
 
 import gymnasium as gym
 import numpy as np

@@ -21,7 +21,9 @@ from millpond.service.spec import FieldSpec, TableSpec
 
 
 def segment(n=5, ep=0, obs_dim=3, end="terminated", obs_dtype=torch.float32, first=0):
-    obs = (torch.arange(n + 1, dtype=torch.float64)[:, None] + first + 1000 * ep).expand(n + 1, obs_dim)
+    obs = (torch.arange(n + 1, dtype=torch.float64)[:, None] + first + 1000 * ep).expand(
+        n + 1, obs_dim
+    )
     flags = torch.zeros(n, 1, dtype=torch.bool)
     term, trunc = flags.clone(), flags.clone()
     if end == "terminated":
@@ -312,7 +314,7 @@ def test_resent_segments_are_stored_once(tmp_path):
     t = Table.open(tmp_path / "t")
     assert t.writer_sequence("actor-0") == 4
     assert t.insert_many(segs[3:], writer_id="actor-0").tolist() == [0]
-    got = t.sample(100)
+    got = t.sample(15, timeout=5)
     assert sorted(got["episode_id"].unique().tolist()) == [0, 1, 2, 3, 9]
     assert len(got) == 15
     with pytest.raises(InvalidDataError, match="increasing"):

@@ -4,14 +4,12 @@ import sys
 from collections import defaultdict
 
 import gymnasium
-import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
 from millpond import Table, TableConfig
 from millpond.errors import InvalidDataError
-from millpond.service.storage import SLOT_TAIL
 from millpond.service.ted import (
     FRESH_EPISODE_ID_BASE,
     compact_ted,
@@ -19,6 +17,7 @@ from millpond.service.ted import (
     export_ted,
     load_hdf5,
 )
+from millpond.testing import rollout, stored_segments
 
 ROW_KEYS = [
     ("observation",),
@@ -32,51 +31,21 @@ ROW_KEYS = [
 
 # -- helpers --------------------------------------------------------------------------------
 def cartpole_ted(lanes, steps, seed=0, max_episode_steps=None):
-    """A [P, T] TED rollout of CartPole stepped by hand, with the true final observations."""
-    rng = np.random.default_rng(seed)
-    obs = np.zeros((lanes, steps, 4), np.float32)
-    nxt = np.zeros_like(obs)
-    action = np.zeros((lanes, steps), np.int64)
-    reward = np.zeros((lanes, steps, 1), np.float32)
-    term = np.zeros((lanes, steps, 1), bool)
-    trunc = np.zeros_like(term)
-    traj = np.zeros((lanes, steps), np.int64)
-    next_traj = lanes
-    for p in range(lanes):
-        env = gymnasium.make("CartPole-v1", max_episode_steps=max_episode_steps)
-        o, _ = env.reset(seed=seed * 100 + p)
-        tid = p
-        for t in range(steps):
-            a = int(rng.integers(2))
-            o2, r, te, tr, _ = env.step(a)
-            obs[p, t], nxt[p, t], action[p, t], reward[p, t] = o, o2, a, r
-            term[p, t], trunc[p, t], traj[p, t] = te, tr, tid
-            if te or tr:
-                o, _ = env.reset()
-                tid, next_traj = next_traj, next_traj + 1
-            else:
-                o = o2
-        env.close()
-    done = term | trunc
-    t = torch.from_numpy
-    return TensorDict(
-        {
-            "observation": t(obs),
-            "action": t(action),
-            "done": torch.zeros(lanes, steps, 1, dtype=torch.bool),
-            "terminated": torch.zeros(lanes, steps, 1, dtype=torch.bool),
-            "truncated": torch.zeros(lanes, steps, 1, dtype=torch.bool),
-            "next": {
-                "observation": t(nxt),
-                "reward": t(reward),
-                "done": t(done),
-                "terminated": t(term),
-                "truncated": t(trunc),
-            },
-            "collector": {"traj_ids": t(traj)},
-        },
-        [lanes, steps],
+    """A [P, T] TED rollout of CartPole, with the true final observations and root flags."""
+    td = torch.stack(
+        [
+            rollout(
+                gymnasium.make("CartPole-v1", max_episode_steps=max_episode_steps),
+                steps,
+                seed=seed * 100 + p,
+                episode_offset=p * steps,
+            )
+            for p in range(lanes)
+        ]
     )
+    for flag in ("done", "terminated", "truncated"):  # dropped on import
+        td[flag] = torch.zeros(lanes, steps, 1, dtype=torch.bool)
+    return td
 
 
 def row_bytes(td, keys=ROW_KEYS):
@@ -104,8 +73,7 @@ def exported_by_step(exported, keys=ROW_KEYS):
 
 
 def num_segments(table):
-    meta = np.asarray(table.storage.meta)
-    return int(((meta[:, 0] > 0) & (meta[:, 5] == SLOT_TAIL)).sum())
+    return len(stored_segments(table))  # checks the slot metadata of each segment too
 
 
 @pytest.fixture
@@ -201,6 +169,26 @@ def test_trajectory_continued_across_calls(make_table, tmp_path):
         if int(ep[0]) == long_traj and int(s["step"][0]) < boundary <= int(s["step"][-1]):
             crossing += 1
     assert crossing > 0
+
+
+def test_failed_extend_and_reopen_keep_step_counts(tmp_path):
+    td = cartpole_ted(1, 60, seed=5)[0]
+    traj = td["collector", "traj_ids"]
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", 400))
+    table.extend(td[:10])
+    bad = td[10:20].clone()
+    bad["action"] = bad["action"].float()
+    with pytest.raises(InvalidDataError, match="'action'"):
+        table.extend(bad)  # a failed extend must not advance the step counts
+    table.close()
+    table = Table.open(tmp_path / "t")  # nor does reopening forget them
+    table.extend(td[10:])
+    out = export_ted(table, tmp_path / "export")
+    assert exported_by_step(out) == rows_by_step(td)
+    for ep in traj.unique().tolist():
+        steps = sorted(out["step"][out["episode_id"] == ep].tolist())
+        assert steps == list(range(int((traj == ep).sum())))
+    table.close()
 
 
 def test_mismatched_next_observation_is_stored_losslessly(make_table, tmp_path):

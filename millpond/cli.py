@@ -1,0 +1,42 @@
+"""The ``millpond`` command line: a thin layer over the packages."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from millpond.errors import MillpondError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="millpond", description="Distributed actor-learner replay for reinforcement learning."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from millpond.service import server
+
+    serve = sub.add_parser("serve", help="run the replay service (one shard or several)")
+    server.build_parser(serve)
+
+    demo = sub.add_parser("demo", help="collect CartPole experience compactly and report savings")
+    from millpond.deploy import storage_demo
+
+    storage_demo.build_parser(demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "serve":
+            return server.serve(args)
+        if args.command == "demo":
+            return storage_demo.run(args)
+    except MillpondError as e:
+        print(f"millpond: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

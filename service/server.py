@@ -1,0 +1,279 @@
+"""The replay shard server: ``create_server(config) -> (server, port)`` and ``millpond serve``.
+
+``millpond serve --dir DIR --port PORT`` serves one shard from DIR; ``--shards N`` runs N
+shard processes on consecutive ports (DIR/shard-0, DIR/shard-1, ...) and prints the address
+list a client takes. SIGTERM or SIGINT: stop accepting calls, let in-flight ones finish,
+checkpoint, exit 0. Restarting on the same DIR resumes every table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from millpond.errors import InvalidConfigError
+from millpond.protos import millpond_pb2_grpc as pb_grpc
+from millpond.service.auth import TokenAuthInterceptor, load_tokens
+from millpond.service.config import TableConfig
+from millpond.service.servicer import ReplayServicer
+from millpond.service.shard import Shard
+from millpond.service.weights import WeightStore
+
+log = logging.getLogger("millpond.server")
+SERVICE_NAME = "millpond.v1.Replay"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How to run one shard server.
+
+    Attributes:
+        dir: the shard directory (its checkpoint); created if missing, resumed if not.
+        host: interface to bind; loopback unless told otherwise.
+        port: TCP port; 0 picks a free one (``create_server`` returns it).
+        tables: tables to create at start (identical existing ones are kept).
+        fsync: flush every insert to disk before acknowledging it.
+        tls_cert: PEM certificate chain file, with ``tls_key``, to serve TLS.
+        tls_key: PEM private key file.
+        token_file: file of ``ROLE TOKEN`` lines; every call then needs a bearer token.
+        max_message_mb: largest message accepted or sent, in MiB.
+        max_workers: threads serving calls (each open stream holds one).
+    """
+
+    dir: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    tables: tuple[TableConfig, ...] = field(default_factory=tuple)
+    fsync: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token_file: str | None = None
+    max_message_mb: int = 256
+    max_workers: int = 64
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise InvalidConfigError(f"port ({self.port}) must be in [0, 65535]")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidConfigError("--tls-cert and --tls-key go together")
+        if self.max_message_mb < 1:
+            raise InvalidConfigError(f"max_message_mb ({self.max_message_mb}) must be >= 1")
+        if self.max_workers < 2:
+            raise InvalidConfigError(f"max_workers ({self.max_workers}) must be >= 2")
+
+
+class ShardServer:
+    """A running shard: the gRPC server, the shard and its weight store."""
+
+    def __init__(self, server: grpc.Server, port: int, shard: Shard, health: health.HealthServicer):
+        self.server = server
+        self.port = port
+        self.shard = shard
+        self._health = health
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Refuse new calls, let in-flight ones finish for ``grace`` s, checkpoint, close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._health.enter_graceful_shutdown()
+        event = self.server.stop(grace)
+        self.shard.close()  # wakes blocked samples and inserts with ClosedError
+        event.wait(grace + 1)
+
+
+def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
+    """Build and start a shard server; returns it and the port it bound."""
+    shard = Shard(config.dir, fsync=config.fsync)
+    for table_config in config.tables:
+        shard.create_table(table_config)
+    weights = WeightStore(Path(config.dir) / "weights")
+    limit = config.max_message_mb * 1024 * 1024
+    interceptors = []
+    if config.token_file is not None:
+        interceptors.append(TokenAuthInterceptor(load_tokens(config.token_file)))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="millpond"),
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=config.max_workers * 4,
+    )
+    pb_grpc.add_ReplayServicer_to_server(ReplayServicer(shard, weights), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert is not None:
+        try:
+            key = Path(config.tls_key).read_bytes()  # type: ignore[arg-type]
+            cert = Path(config.tls_cert).read_bytes()
+        except OSError as e:
+            shard.close()
+            raise InvalidConfigError(f"cannot read TLS files: {e}") from None
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        shard.close()
+        raise InvalidConfigError(f"cannot bind {address}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return ShardServer(server, port, shard, health_servicer), port
+
+
+def load_tables(path: str | os.PathLike) -> tuple[TableConfig, ...]:
+    """Table configs from a YAML file: ``tables: [{name: ..., capacity: ..., sampler: ...}]``."""
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise InvalidConfigError(f"cannot read tables file {p}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise InvalidConfigError(f"{p} is not valid YAML: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tables"), list):
+        raise InvalidConfigError(f"{p}: expected a mapping with a 'tables' list")
+    unknown = set(doc) - {"tables"}
+    if unknown:
+        raise InvalidConfigError(f"{p}: unknown key(s) {sorted(unknown)}")
+    configs = []
+    for i, entry in enumerate(doc["tables"]):
+        if not isinstance(entry, dict):
+            raise InvalidConfigError(f"{p}: tables[{i}] must be a mapping")
+        try:
+            configs.append(TableConfig.from_json(entry))
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"{p}: tables[{i}]: {e}") from None
+    return tuple(configs)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="millpond serve", description=__doc__)
+    p.add_argument("--dir", required=True, help="shard directory (created or resumed)")
+    p.add_argument("--port", type=int, default=50051, help="port (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    p.add_argument("--shards", type=int, default=1, help="number of shard processes")
+    p.add_argument("--tables", help="YAML file of tables to create at start")
+    p.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key (with --tls-cert)")
+    p.add_argument("--token-file", help="file of 'ROLE TOKEN' lines; calls then need a token")
+    p.add_argument("--fsync", action="store_true", help="fsync each insert before acking it")
+    p.add_argument("--max-message-mb", type=int, default=256, help="largest message, MiB")
+    p.add_argument("--max-workers", type=int, default=64, help="threads serving calls")
+    return p
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run ``millpond serve`` with parsed arguments until SIGTERM/SIGINT; returns an exit code."""
+    if args.shards < 1:
+        raise InvalidConfigError(f"--shards ({args.shards}) must be >= 1")
+    if args.shards > 1:
+        return _serve_many(args)
+    config = ServerConfig(
+        dir=args.dir,
+        host=args.host,
+        port=args.port,
+        tables=load_tables(args.tables) if args.tables else (),
+        fsync=args.fsync,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        token_file=args.token_file,
+        max_message_mb=args.max_message_mb,
+        max_workers=args.max_workers,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    running, port = create_server(config)
+    print(f"millpond shard serving {args.dir} on {args.host}:{port}", flush=True)
+    print(f"ADDRESSES {args.host}:{port}", flush=True)
+    stop.wait()
+    log.info("stopping: finishing in-flight calls and checkpointing")
+    running.stop(grace=5.0)
+    print("millpond shard stopped cleanly", flush=True)
+    return 0
+
+
+def _serve_many(args: argparse.Namespace) -> int:
+    """Supervise N single-shard processes on consecutive ports; forward signals to them."""
+    base = Path(args.dir)
+    children: list[subprocess.Popen] = []
+    addresses = []
+    passthrough = []
+    for flag in ("tables", "tls_cert", "tls_key", "token_file"):
+        value = getattr(args, flag)
+        if value:
+            passthrough += [f"--{flag.replace('_', '-')}", value]
+    if args.fsync:
+        passthrough.append("--fsync")
+    passthrough += ["--max-message-mb", str(args.max_message_mb)]
+    passthrough += ["--max-workers", str(args.max_workers), "--host", args.host]
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        for i in range(args.shards):
+            port = args.port + i if args.port else 0
+            cmd = [
+                sys.executable,
+                "-m",
+                "millpond.cli",
+                "serve",
+                "--dir",
+                str(base / f"shard-{i}"),
+                "--port",
+                str(port),
+                *passthrough,
+            ]
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            children.append(child)
+            addresses.append(_read_address(child))
+        print(f"millpond: {args.shards} shards serving {base}", flush=True)
+        print(f"ADDRESSES {','.join(addresses)}", flush=True)
+        while not stop.wait(0.5):
+            dead = [i for i, c in enumerate(children) if c.poll() is not None]
+            if dead:
+                log.error("shard process(es) %s exited; stopping the others", dead)
+                stop.set()
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        codes = [child.wait(30) for child in children]
+    print("millpond shards stopped", flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def _read_address(child: subprocess.Popen) -> str:
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith("ADDRESSES "):
+            threading.Thread(target=_drain, args=(child.stdout,), daemon=True).start()
+            return line.split()[1]
+    raise InvalidConfigError(f"shard process exited with code {child.wait()} before serving")
+
+
+def _drain(stream) -> None:
+    for line in stream:
+        sys.stdout.write(line)
+    sys.stdout.flush()

@@ -1,0 +1,213 @@
+"""The gRPC edge of a shard: decode requests, call the shard, map errors to status codes.
+
+Nothing here decides anything about data: every rule lives in :class:`Table`. A bad
+request is answered with a status (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED,
+DEADLINE_EXCEEDED, ...) and never changes what is stored or stops the server.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from millpond.errors import InvalidDataError, MillpondError, RateLimiterTimeoutError
+from millpond.protos import codec
+from millpond.protos import millpond_pb2 as pb
+from millpond.protos import millpond_pb2_grpc as pb_grpc
+from millpond.protos.tables import config_from_proto, config_to_proto, info_to_proto
+from millpond.service.segments import Segment
+from millpond.service.shard import Shard
+from millpond.service.weights import WeightStore
+
+log = logging.getLogger("millpond.server")
+
+_WEIGHTS_CHUNK = 1 << 20
+# Blocking waits are cut into slices this long, to notice a cancelled call.
+_POLL_S = 0.5
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, MillpondError):
+        return getattr(grpc.StatusCode, exc.GRPC_STATUS), str(exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"disk full: {exc}"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _edge(method: Callable) -> Callable:
+    """Map exceptions raised by an RPC method (plain or generator) to gRPC statuses."""
+
+    def fail(exc: BaseException, context: grpc.ServicerContext) -> None:
+        code, message = _status_of(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method.__name__)
+        context.abort(code, message)
+
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:
+                fail(exc, context)
+
+        return stream
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            fail(exc, context)
+
+    return unary
+
+
+def _timeout(ms: int) -> float | None:
+    if ms < 0:
+        raise InvalidDataError(f"timeout_ms ({ms}) must be >= 0")
+    return ms / 1000 if ms else None
+
+
+class ReplayServicer(pb_grpc.ReplayServicer):
+    """Serves one :class:`Shard` and its :class:`WeightStore`."""
+
+    def __init__(self, shard: Shard, weights: WeightStore) -> None:
+        self.shard = shard
+        self.weights = weights
+
+    @_edge
+    def CreateTable(self, request: pb.CreateTableRequest, context) -> pb.CreateTableResponse:
+        table = self.shard.create_table(
+            config_from_proto(request.config), exist_ok=request.exist_ok
+        )
+        return pb.CreateTableResponse(config=config_to_proto(table.config))
+
+    @_edge
+    def Insert(self, request_iterator: Iterator[pb.InsertRequest], context):
+        writer_id = table_name = None
+        for request in request_iterator:
+            writer_id = request.writer_id or writer_id
+            table_name = request.table or table_name
+            if not table_name:
+                raise InvalidDataError("the first insert message must name the table")
+            table = self.shard.table(table_name)
+            segments = [self._segment(s) for s in request.segments]
+            if segments:
+                timeout = _timeout(request.timeout_ms)
+                table.insert_many(segments, timeout, writer_id or None)
+            yield pb.InsertResponse(sequences=[s.sequence for s in request.segments])
+
+    @staticmethod
+    def _segment(msg: pb.Segment) -> Segment:
+        steps, batch = codec.from_tensor_map_flat(msg.steps)
+        tail, tail_batch = codec.from_tensor_map_flat(msg.tail)
+        if len(batch) != 1:
+            raise InvalidDataError(f"segment steps must have batch size [L], received {batch}")
+        if tail_batch not in ([], [1]):
+            raise InvalidDataError(f"segment tail must have batch size [], received {tail_batch}")
+        if tail_batch == [1]:
+            tail = {k: v[0] for k, v in tail.items()}
+        return Segment(
+            steps, tail, msg.episode_id, msg.first_step, msg.sequence if msg.sequence else None
+        )
+
+    @_edge
+    def Sample(self, request: pb.SampleRequest, context):
+        table = self.shard.table(request.table)
+        if request.batch_size < 1:
+            raise InvalidDataError(f"batch_size ({request.batch_size}) must be a positive integer")
+        if request.num_batches < 0:
+            raise InvalidDataError(f"num_batches ({request.num_batches}) must be >= 0")
+        timeout = _timeout(request.timeout_ms)
+        sent = 0
+        while request.num_batches == 0 or sent < request.num_batches:
+            batch = self._sample_one(table, request.batch_size, timeout, context)
+            if batch is None:
+                return
+            assert table.spec is not None
+            response = codec.encode_sample(
+                batch, table.spec.observation_keys, compress=table.config.compression == "zstd"
+            )
+            response.mass = table.sampler.mass
+            yield response
+            sent += 1
+
+    @staticmethod
+    def _sample_one(table, batch_size: int, timeout: float | None, context):
+        """One batch, waiting in short slices so that a cancelled call frees its thread."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if not context.is_active():
+                return None
+            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            try:
+                return table.sample(batch_size, timeout=max(0.0, wait))
+            except RateLimiterTimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    @_edge
+    def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context):
+        table = self.shard.table(request.table)
+        applied = table.update_priorities(
+            list(request.slots), list(request.generations), list(request.priorities)
+        )
+        return pb.UpdatePrioritiesResponse(applied=applied)
+
+    @_edge
+    def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        tables = [self.shard.table(request.table)] if request.table else self.shard.tables.values()
+        return pb.InfoResponse(
+            tables=[info_to_proto(t.info(), t.config) for t in tables],
+            weights_version=self.weights.version,
+        )
+
+    @_edge
+    def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointResponse:
+        self.shard.checkpoint()
+        return pb.CheckpointResponse(path=str(self.shard.path))
+
+    @_edge
+    def Reset(self, request: pb.ResetRequest, context) -> pb.ResetResponse:
+        self.shard.table(request.table).reset()
+        return pb.ResetResponse()
+
+    @_edge
+    def PublishWeights(self, request_iterator, context) -> pb.PublishWeightsResponse:
+        version = total = None
+        chunks: list[bytes] = []
+        received = 0
+        for request in request_iterator:
+            if version is None:
+                version, total = request.version, request.total_size
+                if total < 0:
+                    raise InvalidDataError(f"total_size ({total}) must be >= 0")
+            received += len(request.chunk)
+            if received > total:
+                raise InvalidDataError(f"weights larger than the announced {total} bytes")
+            chunks.append(request.chunk)
+        if version is None:
+            raise InvalidDataError("PublishWeights received no message")
+        if received != total:
+            raise InvalidDataError(f"weights truncated: {received} of {total} bytes")
+        self.weights.publish(version, b"".join(chunks))
+        return pb.PublishWeightsResponse(version=version)
+
+    @_edge
+    def GetWeights(self, request: pb.GetWeightsRequest, context):
+        version, blob = self.weights.get(request.min_version, _timeout(request.timeout_ms) or 0.0)
+        size = len(blob) if blob is not None else 0
+        yield pb.GetWeightsResponse(version=version, total_size=size)
+        if blob is None:
+            return
+        for offset in range(0, size, _WEIGHTS_CHUNK):
+            yield pb.GetWeightsResponse(chunk=blob[offset : offset + _WEIGHTS_CHUNK])

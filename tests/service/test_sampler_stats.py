@@ -1,0 +1,212 @@
+"""Seeded statistical checks of the samplers, through the table's public API.
+
+Frequencies are compared with their expected values by a chi-square statistic; its bounds
+are the chi-square quantiles at z = -/+ 4.75 (two-sided p of about 2e-6) by the
+Wilson-Hilferty approximation, so a correct sampler practically never fails, while a biased
+one (or one that is too regular to be random) does. The seeds make every run identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from millpond.service.config import TableConfig
+from millpond.service.segments import Segment
+from millpond.service.table import Table
+from millpond.testing import stored_segments
+
+Z = 4.75
+
+
+def chi2_bounds(df: int, z: float = Z) -> tuple[float, float]:
+    """Lower and upper chi-square quantiles at -z and +z (Wilson-Hilferty)."""
+    c = 2.0 / (9.0 * df)
+    return df * (1 - c - z * math.sqrt(c)) ** 3, df * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def assert_frequencies(counts: np.ndarray, probs: np.ndarray) -> None:
+    """``counts`` (draws per cell) agree with ``probs`` by a chi-square test."""
+    n = counts.sum()
+    expected = n * probs
+    assert expected.min() >= 5, "too few draws per cell for a chi-square test"
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    lo, hi = chi2_bounds(len(counts) - 1)
+    assert lo < stat < hi, f"chi-square {stat:.1f} outside [{lo:.1f}, {hi:.1f}]"
+
+
+def test_wilson_hilferty_bounds_are_sane():
+    # Tabulated chi-square quantiles: df=100 at p=0.999 is 149.45; df=10 at p=0.999, 29.59.
+    assert chi2_bounds(100, 3.0902)[1] == pytest.approx(149.45, rel=5e-3)
+    assert chi2_bounds(10, 3.0902)[1] == pytest.approx(29.59, rel=2e-2)
+
+
+def segment(ep: int, first: int, length: int) -> Segment:
+    steps = torch.arange(first, first + length, dtype=torch.float32)
+    td = TensorDict(
+        {
+            "observation": torch.stack([torch.full_like(steps, ep), steps], 1),
+            "action": torch.zeros(length, dtype=torch.int64),
+            "next": {
+                "reward": torch.zeros(length, 1),
+                "terminated": torch.zeros(length, 1, dtype=torch.bool),
+                "truncated": torch.zeros(length, 1, dtype=torch.bool),
+            },
+        },
+        batch_size=[length],
+    )
+    tail = TensorDict({"observation": torch.tensor([ep, first + length], dtype=torch.float32)}, [])
+    return Segment(td, tail, ep, first)
+
+
+def fill(table: Table, rng: np.random.Generator, n_segments: int, first_ep: int = 0) -> None:
+    for i in range(n_segments):
+        s = segment(first_ep + i, int(rng.integers(0, 100)), int(rng.integers(1, 12)))
+        table.insert(s.steps, s.tail, s.episode_id, s.first_step)
+
+
+def live_steps(table: Table) -> tuple[np.ndarray, np.ndarray]:
+    """Slots and generations of every stored step."""
+    segs = stored_segments(table)
+    slots = np.concatenate([np.arange(s[3], s[3] + s[2]) for s in segs])
+    gens = np.concatenate([np.full(s[2], g) for s, g in segs.items()])
+    return slots, gens
+
+
+def draw_slots(table: Table, draws: int, batch: int = 1000) -> tuple[np.ndarray, np.ndarray]:
+    slots, weights = [], []
+    for _ in range(draws // batch):
+        td = table.sample(batch)
+        slots.append(td["index", "slot"].numpy())
+        if "weight" in td.keys():
+            weights.append(td["weight"].numpy())
+    return np.concatenate(slots), (np.concatenate(weights) if weights else np.empty(0))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["fresh", "wrapped"])
+def test_uniform_frequencies(tmp_path, seed, wrapped):
+    capacity = 128 if wrapped else 1024
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", capacity, seed=seed))
+    rng = np.random.default_rng(seed)
+    fill(table, rng, 60 if wrapped else 25)  # wrapped: the ring turns several times
+    slots, _ = live_steps(table)
+    assert table.size == len(slots)
+    drawn, _ = draw_slots(table, 200 * len(slots))
+    assert np.isin(drawn, slots).all(), "sampled a slot that holds no stored step"
+    counts = np.bincount(drawn, minlength=capacity)[slots]
+    assert_frequencies(counts, np.full(len(slots), 1 / len(slots)))
+    table.close()
+
+
+@pytest.mark.parametrize("alpha, beta", [(0.6, 0.4), (1.0, 1.0), (0.0, 0.5)])
+def test_prioritized_frequencies_and_weights(tmp_path, alpha, beta):
+    table = Table.create(
+        tmp_path / "t", TableConfig.prioritized("t", 1024, alpha=alpha, beta=beta, seed=3)
+    )
+    rng = np.random.default_rng(3)
+    fill(table, rng, 20)
+    slots, gens = live_steps(table)
+    priorities = rng.uniform(0.05, 4.0, len(slots))
+    assert table.update_priorities(slots, gens, priorities) == len(slots)
+    drawn, weights = draw_slots(table, 60_000)
+    assert np.isin(drawn, slots).all()
+    p = priorities**alpha
+    probs = p / p.sum()
+    counts = np.bincount(drawn, minlength=1024)[slots]
+    assert_frequencies(counts, probs)
+    # w_i = (N P(i))^-beta / max_j (N P(j))^-beta
+    n = len(slots)
+    prob_of = dict(zip(slots.tolist(), probs))
+    expected = (n * np.array([prob_of[s] for s in drawn.tolist()])) ** -beta
+    expected /= (n * probs.min()) ** -beta
+    np.testing.assert_allclose(weights, expected, rtol=1e-5)
+    assert table.info()["mass"] == pytest.approx(p.sum(), rel=1e-9)
+    table.close()
+
+
+def test_zero_priority_is_never_sampled(tmp_path):
+    table = Table.create(tmp_path / "t", TableConfig.prioritized("t", 512, seed=4))
+    fill(table, np.random.default_rng(4), 15)
+    slots, gens = live_steps(table)
+    priorities = np.where(np.arange(len(slots)) % 3 == 0, 0.0, 1.0)
+    table.update_priorities(slots, gens, priorities)
+    drawn, weights = draw_slots(table, 20_000)
+    assert not np.isin(drawn, slots[priorities == 0]).any()
+    np.testing.assert_allclose(weights, 1.0, rtol=1e-6)  # equal non-zero priorities
+    table.close()
+
+
+def test_stale_updates_are_ignored_and_new_steps_get_the_max_priority(tmp_path):
+    alpha = 0.7
+    capacity = 64
+    table = Table.create(tmp_path / "t", TableConfig.prioritized("t", capacity, alpha=alpha, seed=5))
+    rng = np.random.default_rng(5)
+    fill(table, rng, 4)
+    old_slots, old_gens = live_steps(table)
+    # Known priorities with a known maximum.
+    prios = rng.uniform(0.1, 2.0, len(old_slots))
+    prios[len(prios) // 2] = 7.5
+    assert table.update_priorities(old_slots, old_gens, prios) == len(old_slots)
+
+    # New steps enter with the largest priority so far.
+    fill(table, rng, 1, first_ep=100)
+    slots, gens = live_steps(table)
+    new = ~np.isin(slots, old_slots)
+    assert new.any()
+    np.testing.assert_array_equal(np.asarray(table.sampler.priorities)[slots[new]], 7.5)
+
+    # Overwrite everything: the old indexes now name other steps, or tails, or nothing.
+    fill(table, rng, 30, first_ep=200)
+    slots, gens = live_steps(table)
+    assert not set(zip(slots.tolist(), gens.tolist())) & set(
+        zip(old_slots.tolist(), old_gens.tolist())
+    )
+    before = np.asarray(table.sampler.priorities).copy()
+    mass = table.info()["mass"]
+    assert table.update_priorities(old_slots, old_gens, np.full(len(old_slots), 1000.0)) == 0
+    np.testing.assert_array_equal(np.asarray(table.sampler.priorities), before)
+    assert table.info()["mass"] == mass
+    # A tail slot with its segment's generation is no step either.
+    seg, gen = next(iter(stored_segments(table).items()))
+    tail_slot = seg[3] + seg[2]
+    assert table.update_priorities([tail_slot], [gen], [1000.0]) == 0
+    # Every live step has the max priority (all were inserted after it was set) ...
+    np.testing.assert_array_equal(np.asarray(table.sampler.priorities)[slots], 7.5)
+    # ... so sampling is uniform, and a fresh update takes effect.
+    k = slots[: len(slots) // 2]
+    assert table.update_priorities(k, gens[: len(k)], np.full(len(k), 0.5)) == len(k)
+    p = np.where(np.isin(slots, k), 0.5, 7.5) ** alpha
+    drawn, _ = draw_slots(table, 50_000)
+    assert_frequencies(np.bincount(drawn, minlength=capacity)[slots], p / p.sum())
+    table.close()
+
+
+def test_slice_starts_are_uniform_over_valid_starts(tmp_path):
+    k = 4
+    table = Table.create(tmp_path / "t", TableConfig.slices("t", 2048, k, seed=6))
+    rng = np.random.default_rng(6)
+    # Episodes sent as several segments, so that many slices cross a segment boundary.
+    ep_steps: dict[int, int] = {}
+    for ep in range(12):
+        step = 0
+        for _ in range(int(rng.integers(1, 5))):
+            length = int(rng.integers(1, 9))
+            s = segment(ep, step, length)
+            table.insert(s.steps, s.tail, ep, step)
+            step += length
+        ep_steps[ep] = step
+    valid = [(e, s) for e, n in ep_steps.items() for s in range(n - k + 1)]
+    assert table.info()["mass"] == len(valid)
+    index = {v: i for i, v in enumerate(valid)}
+    counts = np.zeros(len(valid), dtype=np.int64)
+    for _ in range(60):
+        td = table.sample(500)
+        starts = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
+        np.add.at(counts, [index[s] for s in starts], 1)
+    assert_frequencies(counts, np.full(len(valid), 1 / len(valid)))
+    table.close()
