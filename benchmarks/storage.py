@@ -627,7 +627,8 @@ def render(
     cpu = platform.processor() or platform.machine()
     lines.append(
         f"Machine: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
-        f"torch {torch.__version__}, torchrl {torchrl.__version__}. "
+        f"torch {torch.__version__} ({torch.get_num_threads()} intra-op thread(s)), "
+        f"torchrl {torchrl.__version__}. "
         f"Data: {s.lanes} lanes x {s.chunk_len} steps per chunk. Load average "
         f"(1/5/15 min) at start {'/'.join(f'{x:.2f}' for x in load[0])}, at end "
         f"{'/'.join(f'{x:.2f}' for x in load[1])}."
@@ -689,6 +690,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lanes", type=int, default=8, help="env lanes P per chunk")
     ap.add_argument("--chunk-len", type=int, default=128, help="steps T per chunk")
     ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for every system (default 1: on a small shared machine, "
+        "2 threads let any other load stall each parallel copy)",
+    )
+    ap.add_argument(
         "--reps", type=int, help="timed repetitions (default: 3 insert / 7 sample; quick 1 / 2)"
     )
     args = ap.parse_args(argv)
@@ -707,7 +715,10 @@ def main(argv: list[str] | None = None) -> int:
         quick=quick,
     )
     warnings.filterwarnings("ignore", category=UserWarning, module="torchrl")
+    import torchrl  # noqa: F401  (configures its logger on import; quieten it afterwards)
+
     logging.getLogger("torchrl").setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)

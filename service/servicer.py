@@ -26,7 +26,7 @@ from millpond.service.weights import WeightStore
 
 log = logging.getLogger("millpond.server")
 
-_WEIGHTS_CHUNK = 1 << 20
+_WEIGHTS_CHUNK = 256 << 10  # well under the smallest message limit (1 MiB)
 # Blocking waits are cut into slices this long, to notice a cancelled call.
 _POLL_S = 0.5
 

@@ -1,0 +1,131 @@
+"""gRPC status codes back to millpond exceptions (the client's half of the error mapping).
+
+The servicer maps each :mod:`millpond.errors` class to one status code; this module maps a
+:class:`grpc.RpcError` back to the class, keeping the server's message, so that a raw
+``RpcError`` never reaches a user. The three classes defined here belong in
+:mod:`millpond.errors`; they live here until they move.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from millpond.errors import (
+    DeadlineExceededError,
+    InvalidDataError,
+    MillpondError,
+    RateLimiterTimeoutError,
+    ResourceExhaustedError,
+    StorageCorruptedError,
+    TableExistsError,
+    TableNotFoundError,
+)
+
+
+class AuthenticationError(MillpondError):
+    """The call carried no bearer token, or a wrong one."""
+
+    GRPC_STATUS = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(MillpondError):
+    """The caller is authenticated but may not perform this operation."""
+
+    GRPC_STATUS = "PERMISSION_DENIED"
+
+
+class ShardUnavailableError(MillpondError, ConnectionError):
+    """A shard cannot be reached (down, restarting, or shutting down)."""
+
+    GRPC_STATUS = "UNAVAILABLE"
+
+
+_BY_CODE: dict[grpc.StatusCode, type[MillpondError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidDataError,
+    grpc.StatusCode.NOT_FOUND: TableNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: TableExistsError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
+    grpc.StatusCode.DATA_LOSS: StorageCorruptedError,
+}
+
+#: Codes after which a pinned writer reconnects and re-sends (CANCELLED only when the
+#: cancellation did not come from the writer itself; the caller checks that).
+_RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
+)
+#: What gRPC itself says when a call's own deadline passes (the server said nothing).
+_CORE_DEADLINE = "deadline exceeded"
+
+
+def code_of(err: BaseException) -> grpc.StatusCode | None:
+    """The status code of an ``RpcError`` (``None`` for anything else)."""
+    code = getattr(err, "code", None)
+    try:
+        return code() if callable(code) else None
+    except Exception:  # a bare RpcError raised by hand has no code
+        return None
+
+
+def details_of(err: BaseException) -> str:
+    details = getattr(err, "details", None)
+    try:
+        text = details() if callable(details) else None
+    except Exception:
+        text = None
+    return text or str(err)
+
+
+def is_connect_failure(err: BaseException) -> bool:
+    """Whether ``err`` says the shard could not be reached, rather than refused the call.
+
+    UNAVAILABLE, or a deadline that gRPC enforced on its own (the server never answered);
+    a DEADLINE_EXCEEDED *sent by the server* (a rate-limiter timeout) is an answer.
+    """
+    code = code_of(err)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    return (
+        code == grpc.StatusCode.DEADLINE_EXCEEDED
+        and details_of(err).strip().lower() == _CORE_DEADLINE
+    )
+
+
+def is_retryable(err: BaseException) -> bool:
+    """Whether a writer should reconnect after ``err`` (see :data:`_RETRYABLE`)."""
+    return code_of(err) in _RETRYABLE or is_connect_failure(err)
+
+
+def from_rpc_error(err: BaseException, address: str | None = None) -> MillpondError:
+    """The millpond exception for ``err``, with the server's message.
+
+    Raise it ``from err``. ``address`` names the shard in messages that gRPC wrote itself
+    (unreachable shard, deadline passed), where the server's text says nothing about it.
+    """
+    code = code_of(err)
+    message = details_of(err)
+    if code is None:
+        return MillpondError(message)
+    if is_connect_failure(err) and address is not None:
+        message = f"shard {address}: {message}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not is_connect_failure(err):
+        lowered = message.lower()
+        if any(word in lowered for word in ("rate limiter", "queue", "timed out")):
+            return RateLimiterTimeoutError(message)
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return MillpondError(f"{code.name}: {message}")
+    return cls(message)
+
+
+__all__ = [
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "ShardUnavailableError",
+    "from_rpc_error",
+    "is_connect_failure",
+    "is_retryable",
+]
