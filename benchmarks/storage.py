@@ -35,6 +35,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +48,7 @@ import torch
 from tensordict import TensorDict
 
 from millpond.service.config import TableConfig
-from millpond.service.segments import Segment
+from millpond.service.segments import PackedSegments, Segment
 from millpond.service.table import Table
 
 SYSTEMS = ("millpond", "torchrl-ted", "torchrl-compact")
@@ -110,6 +111,7 @@ class Data:
     next_of: np.ndarray
     done_of: np.ndarray
     cut_seconds_per_chunk: float  # actor-side cost of cutting one chunk into segments
+    chunk_columns: list[dict[str, torch.Tensor]]  # lane-major [P*T] views, for pack_chunk
 
 
 def encode_ids(obs: torch.Tensor, ids: np.ndarray) -> None:
@@ -169,6 +171,32 @@ def cut_chunk(
             segments.append(Segment(steps, tail, int(traj[p, a]), int(step_idx[p, a])))
             a = b
     return segments
+
+
+def pack_chunk(cols: dict[str, torch.Tensor], episode_offset: int) -> PackedSegments:
+    """Cut a [P, T] chunk into segments with a few vectorised ops, straight into columns.
+
+    Not what ``insert_many`` does (it takes one ``Segment`` per cut); this measures what a
+    chunk-level insert path would cost, for the report's proposal.
+    """
+    T = int(cols["lanes"][1])
+    ends = (cols["terminated"] | cols["truncated"]).numpy().copy()
+    ends[T - 1 :: T] = True  # every lane is cut at the chunk end
+    last = np.flatnonzero(ends)
+    first = np.concatenate([[0], last[:-1] + 1])
+    return PackedSegments(
+        steps={
+            (OBS,): cols["obs"],
+            ("action",): cols["action"],
+            ("next", "reward"): cols["reward"],
+            ("next", "terminated"): cols["terminated"],
+            ("next", "truncated"): cols["truncated"],
+        },
+        tails={(OBS,): cols["next_obs"].index_select(0, torch.from_numpy(last))},
+        lengths=last - first + 1,
+        episode_ids=cols["traj"].numpy()[first] + episode_offset,
+        first_steps=cols["step"].numpy()[first],
+    )
 
 
 def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int = 0) -> Data:
@@ -249,7 +277,7 @@ def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int
     done_t = term_t | trunc_t
     false = torch.zeros(P, T, 1, dtype=torch.bool)
 
-    ted_chunks, compact_chunks, segment_chunks = [], [], []
+    ted_chunks, compact_chunks, segment_chunks, chunk_columns = [], [], [], []
     cut_times = []
     for c in range(n_chunks):
         td = TensorDict(
@@ -278,6 +306,19 @@ def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int
         )
         cut_times.append(time.perf_counter() - t0)
         segment_chunks.append(segs)
+        chunk_columns.append(
+            {
+                "obs": obs[c].reshape(P * T, *shape.obs_shape),
+                "next_obs": next_obs[c].reshape(P * T, *shape.obs_shape),
+                "action": action[c].reshape(P * T),
+                "reward": reward[c].reshape(P * T, 1),
+                "terminated": term_t[c].reshape(P * T),
+                "truncated": trunc_t[c].reshape(P * T),
+                "traj": torch.from_numpy(traj_c[c].reshape(P * T)),
+                "step": torch.from_numpy(step_c[c].reshape(P * T)),
+                "lanes": torch.tensor([P, T]),
+            }
+        )
     return Data(
         shape=shape,
         num_steps=n_chunks * P * T,
@@ -289,6 +330,7 @@ def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int
         next_of=next_of,
         done_of=done_of,
         cut_seconds_per_chunk=statistics.median(cut_times),
+        chunk_columns=chunk_columns,
     )
 
 
@@ -351,6 +393,13 @@ class Millpond(System):
         insert_many = self.table.insert_many
         for segs in self._passes.pop(pass_no):
             insert_many(segs)
+
+    def insert_pass_packed(self, data: Data, pass_no: int) -> None:
+        """Like :meth:`insert_pass`, but each chunk packed by :func:`pack_chunk` (timed too)."""
+        off = pass_no * self._episode_stride
+        insert_packed = self.table.insert_packed
+        for cols in data.chunk_columns:
+            insert_packed(pack_chunk(cols, off))
 
     def stage(self, data: Data, pass_no: int) -> None:
         """Build the pass's Segment objects (fresh episode ids) outside the timed region."""
@@ -536,6 +585,16 @@ def run_shape(shape: Shape, root: Path, s: Settings, names: list[str]) -> list[d
             what = "first fill (warm-up)" if rep == 0 else f"pass {rep}/{s.insert_reps}"
             line = []
             for name, system in systems.items():
+                if isinstance(system, Millpond) and rep > 0:
+                    # Supplementary: the same chunks packed in one vectorised step each and
+                    # stored with insert_packed (the proposal in docs/storage.md). Run first,
+                    # so that the table ends up holding what insert_many stored.
+                    settle()
+                    t0 = time.perf_counter()
+                    system.insert_pass_packed(data, 1000 + rep)
+                    dt = time.perf_counter() - t0
+                    res[name].setdefault("packed_times", []).append(dt)
+                    line.append(f"{name} (chunk packed) {n / dt:,.0f}")
                 if isinstance(system, Millpond):
                     system.stage(data, rep)
                 settle()
@@ -550,6 +609,8 @@ def run_shape(shape: Shape, root: Path, s: Settings, names: list[str]) -> list[d
             log(f"[{shape.name}] insert {what}: " + " | ".join(line) + " transitions/s")
         for name, system in systems.items():
             res[name]["insert_tps"] = n / statistics.median(times[name])
+            if "packed_times" in res[name]:
+                res[name]["packed_insert_tps"] = n / statistics.median(res[name]["packed_times"])
             if system.stored() != n:
                 raise AssertionError(f"{name} holds {system.stored()} transitions, expected {n}")
         settle()
@@ -615,6 +676,25 @@ def _pct(wrong: int, total: int) -> str:
     return f"{100 * wrong / total:.1f}% ({wrong}/{total})" if total else "n/a"
 
 
+def _code_version() -> str:
+    """The git commit of the millpond code measured (and whether service/ has local edits)."""
+    import millpond.service
+
+    here = Path(millpond.service.__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return f"{here} (no git)"
+    if not head:
+        return f"{here} (not a git checkout)"
+    return f"commit {head}" + (" with local edits in service/" if dirty else "") + f" ({here})"
+
+
 def render(
     results: list[dict],
     s: Settings,
@@ -633,6 +713,8 @@ def render(
         f"(1/5/15 min) at start {'/'.join(f'{x:.2f}' for x in load[0])}, at end "
         f"{'/'.join(f'{x:.2f}' for x in load[1])}."
     )
+    lines.append("")
+    lines.append(f"millpond code: {_code_version()}.")
     lines.append("")
     lines.append(
         "| shape | system | stored | bytes/transition | vs TED | insert tr/s | vs TED "
@@ -663,6 +745,25 @@ def render(
     lines.append("")
     for r in results:
         lines.append(f"- {r['shape']} / {r['system']}: {r['first_fill_tps']:,.0f}")
+    packed = [r for r in results if "packed_insert_tps" in r]
+    if packed:
+        lines.append("")
+        lines.append(
+            "Supplementary, millpond only: each chunk cut and packed into columns in one "
+            "vectorised step (`pack_chunk` in this script) and stored with "
+            "`Table.insert_packed`, packing included in the timing:"
+        )
+        lines.append("")
+        for r in packed:
+            ted = next(
+                (x for x in results if x["shape"] == r["shape"] and x["system"] == "torchrl-ted"),
+                None,
+            )
+            ratio = f" ({r['packed_insert_tps'] / ted['insert_tps']:.2f}x TED)" if ted else ""
+            lines.append(
+                f"- {r['shape']}: {r['packed_insert_tps']:,.0f} transitions/s{ratio}, vs "
+                f"{r['insert_tps']:,.0f} with insert_many"
+            )
     seen = {}
     for r in results:
         seen[r["shape"]] = r

@@ -1,1 +1,12 @@
-"""millpond.learner — filled in by later milestones."""
+"""millpond.learner: the client library learners and actors use, and learner utilities.
+
+:class:`ReplayClient` inserts (:meth:`~ReplayClient.extend`, :meth:`~ReplayClient.writer`),
+samples (:meth:`~ReplayClient.sample`, :meth:`~ReplayClient.iterate`), updates priorities
+and exchanges policy weights with a set of replay shards.
+"""
+
+from millpond.learner.client import ReplayClient
+from millpond.learner.writer import Writer
+from millpond.service.config import TableConfig
+
+__all__ = ["ReplayClient", "TableConfig", "Writer"]

@@ -1,122 +1,71 @@
-"""Table configs, specs and table info between :mod:`millpond.service` and the protos.
+"""Policy weights on the wire: a state dict as one serialized ``pb.TensorMap``, in chunks.
 
-The one place where a :class:`~millpond.service.config.TableConfig` becomes a
-``pb.TableConfig`` and back; the servicer uses the same functions. Proto3 defaults stand
-for "unset": an empty spec list is ``None``, ``slice_len`` 0 is ``None``, compression ``""``
-is ``None``; ``samples_per_insert``, ``error_buffer`` and ``seed`` are proto ``optional``
-fields, read with ``HasField``.
+Table configs and table info convert in :mod:`millpond.protos.tables` (shared with the
+servicer); this module holds the client's other conversion, the weights blob.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Mapping
 
-from millpond.errors import InvalidConfigError
+import torch
+
+from millpond.errors import InvalidDataError
 from millpond.protos import millpond_pb2 as pb
-from millpond.service.config import TableConfig
-from millpond.service.spec import STEP, FieldSpec, TableSpec, dtype_name, parse_dtype
+from millpond.protos.codec import from_tensor_map_flat, to_tensor_map
+from millpond.service.spec import check_key
+
+#: Bytes per PublishWeights chunk.
+WEIGHTS_CHUNK_BYTES = 1024 * 1024
 
 
-def spec_to_proto(spec: TableSpec | None) -> list[pb.FieldSpec]:
-    """The fields of ``spec`` (``[]`` for ``None``), in the spec's key order."""
-    if spec is None:
-        return []
-    return [
-        pb.FieldSpec(key=list(key), dtype=dtype_name(f.dtype), shape=list(f.shape), role=f.role)
-        for key, f in spec.fields.items()
-    ]
+def state_dict_to_blob(state_dict: Mapping[str, torch.Tensor]) -> bytes:
+    """A state dict as one serialized ``pb.TensorMap`` (batch ``[]``).
 
-
-def spec_from_proto(fields: Any) -> TableSpec | None:
-    """A :class:`TableSpec` from repeated ``pb.FieldSpec`` (``None`` when there are none).
-
-    Raises :class:`InvalidConfigError` for unknown dtypes or roles, bad keys, duplicate keys
-    or negative dimensions.
+    Parameter names become key paths by splitting on ``"."`` (``"fc.weight"`` is
+    ``("fc", "weight")``), since key parts hold only letters, digits, ``_`` and ``-``.
     """
-    if not len(fields):
-        return None
-    out: dict[tuple[str, ...], FieldSpec] = {}
-    for f in fields:
-        key = tuple(f.key)
-        if key in out:
-            raise InvalidConfigError(f"spec: key {key!r} appears twice")
-        shape = tuple(int(s) for s in f.shape)
-        if any(s < 0 for s in shape):
-            raise InvalidConfigError(f"spec: key {key!r} has a negative dimension in {list(shape)}")
-        out[key] = FieldSpec(parse_dtype(f.dtype), shape, f.role or STEP)
+    if not isinstance(state_dict, Mapping):
+        raise InvalidDataError(
+            f"weights must be a state dict (name -> tensor), received {type(state_dict).__name__}"
+        )
+    flat: dict[tuple[str, ...], torch.Tensor] = {}
+    for name, value in state_dict.items():
+        if not isinstance(name, str):
+            raise InvalidDataError(f"state dict key {name!r} is not a string")
+        if not isinstance(value, torch.Tensor):
+            raise InvalidDataError(
+                f"state dict entry {name!r} is a {type(value).__name__}, not a tensor"
+            )
+        try:
+            key = check_key(tuple(name.split(".")))
+        except InvalidDataError:
+            raise InvalidDataError(
+                f"state dict key {name!r}: each dot-separated part must be letters, digits, "
+                "'_' or '-'"
+            ) from None
+        flat[key] = value
+    return to_tensor_map(flat, batch_size=[]).SerializeToString()
+
+
+def state_dict_from_blob(blob: bytes) -> dict[str, torch.Tensor]:
+    """The state dict of :func:`state_dict_to_blob` (names joined back with ``"."``)."""
+    msg = pb.TensorMap()
     try:
-        return TableSpec(out)
-    except InvalidConfigError:
-        raise
-    except Exception as e:  # a bad key raises InvalidDataError: here it is a config error
-        raise InvalidConfigError(f"spec: {e}") from e
+        msg.ParseFromString(blob)
+    except Exception as e:
+        raise InvalidDataError(f"weights: corrupt TensorMap ({e})") from e
+    flat, _ = from_tensor_map_flat(msg)
+    return {".".join(key): value for key, value in flat.items()}
 
 
-def config_to_proto(config: TableConfig) -> pb.TableConfig:
-    """``config`` as a ``pb.TableConfig`` (its spec included when known)."""
-    msg = pb.TableConfig(
-        name=config.name,
-        capacity=config.capacity,
-        sampler=config.sampler,
-        min_size=config.min_size,
-        alpha=float(config.alpha),
-        beta=float(config.beta),
-        slice_len=config.slice_len or 0,
-        compression=config.compression or "",
-        spec=spec_to_proto(config.spec),
+def weight_chunks(blob: bytes, version: int) -> Iterator[pb.PublishWeightsRequest]:
+    """PublishWeights requests: 1 MiB chunks, the first with ``version`` and ``total_size``."""
+    yield pb.PublishWeightsRequest(
+        version=version, total_size=len(blob), chunk=blob[:WEIGHTS_CHUNK_BYTES]
     )
-    if config.samples_per_insert is not None:
-        msg.samples_per_insert = float(config.samples_per_insert)
-    if config.error_buffer is not None:
-        msg.error_buffer = float(config.error_buffer)
-    if config.seed is not None:
-        msg.seed = int(config.seed)
-    return msg
+    for start in range(WEIGHTS_CHUNK_BYTES, len(blob), WEIGHTS_CHUNK_BYTES):
+        yield pb.PublishWeightsRequest(chunk=blob[start : start + WEIGHTS_CHUNK_BYTES])
 
 
-def config_from_proto(msg: pb.TableConfig) -> TableConfig:
-    """A validated :class:`TableConfig` from ``msg``; raises :class:`InvalidConfigError`."""
-    return TableConfig(
-        name=msg.name,
-        capacity=int(msg.capacity),
-        sampler=msg.sampler,
-        min_size=int(msg.min_size),
-        samples_per_insert=msg.samples_per_insert if msg.HasField("samples_per_insert") else None,
-        error_buffer=msg.error_buffer if msg.HasField("error_buffer") else None,
-        alpha=msg.alpha,
-        beta=msg.beta,
-        slice_len=int(msg.slice_len) or None,
-        compression=msg.compression or None,
-        spec=spec_from_proto(msg.spec),
-        seed=int(msg.seed) if msg.HasField("seed") else None,
-    )
-
-
-def table_info_from_proto(msg: pb.TableInfo) -> dict[str, Any]:
-    """One shard's ``pb.TableInfo`` as a plain dict (the config as a :class:`TableConfig`)."""
-    return {
-        "name": msg.config.name,
-        "config": config_from_proto(msg.config),
-        "size": int(msg.size),
-        "mass": float(msg.mass),
-        "inserts": int(msg.inserts),
-        "samples": int(msg.samples),
-        "rate_limiter_diff": float(msg.rate_limiter_diff),
-        "rate_limiter_min_diff": (
-            msg.rate_limiter_min_diff if msg.HasField("rate_limiter_min_diff") else None
-        ),
-        "rate_limiter_max_diff": (
-            msg.rate_limiter_max_diff if msg.HasField("rate_limiter_max_diff") else None
-        ),
-        "bytes_on_disk": int(msg.bytes_on_disk),
-        "next_generation": int(msg.next_generation),
-    }
-
-
-__all__ = [
-    "config_from_proto",
-    "config_to_proto",
-    "spec_from_proto",
-    "spec_to_proto",
-    "table_info_from_proto",
-]
+__all__ = ["WEIGHTS_CHUNK_BYTES", "state_dict_from_blob", "state_dict_to_blob", "weight_chunks"]

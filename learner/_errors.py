@@ -2,8 +2,7 @@
 
 The servicer maps each :mod:`millpond.errors` class to one status code; this module maps a
 :class:`grpc.RpcError` back to the class, keeping the server's message, so that a raw
-``RpcError`` never reaches a user. The three classes defined here belong in
-:mod:`millpond.errors`; they live here until they move.
+``RpcError`` never reaches a user.
 """
 
 from __future__ import annotations
@@ -11,33 +10,18 @@ from __future__ import annotations
 import grpc
 
 from millpond.errors import (
+    AuthenticationError,
     DeadlineExceededError,
     InvalidDataError,
     MillpondError,
+    PermissionDeniedError,
     RateLimiterTimeoutError,
     ResourceExhaustedError,
+    ShardUnavailableError,
     StorageCorruptedError,
     TableExistsError,
     TableNotFoundError,
 )
-
-
-class AuthenticationError(MillpondError):
-    """The call carried no bearer token, or a wrong one."""
-
-    GRPC_STATUS = "UNAUTHENTICATED"
-
-
-class PermissionDeniedError(MillpondError):
-    """The caller is authenticated but may not perform this operation."""
-
-    GRPC_STATUS = "PERMISSION_DENIED"
-
-
-class ShardUnavailableError(MillpondError, ConnectionError):
-    """A shard cannot be reached (down, restarting, or shutting down)."""
-
-    GRPC_STATUS = "UNAVAILABLE"
 
 
 _BY_CODE: dict[grpc.StatusCode, type[MillpondError]] = {
@@ -95,8 +79,15 @@ def is_connect_failure(err: BaseException) -> bool:
 
 
 def is_retryable(err: BaseException) -> bool:
-    """Whether a writer should reconnect after ``err`` (see :data:`_RETRYABLE`)."""
-    return code_of(err) in _RETRYABLE or is_connect_failure(err)
+    """Whether a writer should reconnect after ``err`` (see :data:`_RETRYABLE`).
+
+    RESOURCE_EXHAUSTED is final (a message too large, a full disk) except when gRPC says
+    the server is at its limit of concurrent calls: that passes.
+    """
+    code = code_of(err)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "concurrent rpc limit" in details_of(err).lower()
+    return code in _RETRYABLE or is_connect_failure(err)
 
 
 def from_rpc_error(err: BaseException, address: str | None = None) -> MillpondError:

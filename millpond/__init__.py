@@ -6,16 +6,22 @@ sample time, so learners receive TorchRL-style TED TensorDicts.
 """
 
 from millpond.errors import (
+    AuthenticationError,
+    ClosedError,
     DeadlineExceededError,
     InvalidConfigError,
     InvalidDataError,
     MillpondError,
+    PermissionDeniedError,
     RateLimiterTimeoutError,
     ResourceExhaustedError,
+    ShardUnavailableError,
     StorageCorruptedError,
     TableExistsError,
     TableNotFoundError,
 )
+from millpond.learner.client import ReplayClient
+from millpond.learner.writer import Writer
 from millpond.service.config import TableConfig
 from millpond.service.segments import Segment
 from millpond.service.shard import Shard
@@ -25,20 +31,26 @@ from millpond.service.table import Table
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationError",
+    "ClosedError",
     "DeadlineExceededError",
     "FieldSpec",
     "InvalidConfigError",
     "InvalidDataError",
     "MillpondError",
+    "PermissionDeniedError",
     "RateLimiterTimeoutError",
+    "ReplayClient",
     "ResourceExhaustedError",
     "Segment",
     "Shard",
+    "ShardUnavailableError",
     "StorageCorruptedError",
     "Table",
     "TableConfig",
     "TableExistsError",
     "TableNotFoundError",
     "TableSpec",
+    "Writer",
     "__version__",
 ]

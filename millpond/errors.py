@@ -63,6 +63,24 @@ class StorageCorruptedError(MillpondError):
     GRPC_STATUS = "DATA_LOSS"
 
 
+class AuthenticationError(MillpondError):
+    """The call carried no bearer token, or a wrong one."""
+
+    GRPC_STATUS = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(MillpondError):
+    """The caller is authenticated but its role may not perform this operation."""
+
+    GRPC_STATUS = "PERMISSION_DENIED"
+
+
+class ShardUnavailableError(MillpondError, ConnectionError):
+    """A shard cannot be reached (down, restarting, or shutting down)."""
+
+    GRPC_STATUS = "UNAVAILABLE"
+
+
 class ClosedError(MillpondError):
     """The table or shard has been closed."""
 
@@ -70,13 +88,16 @@ class ClosedError(MillpondError):
 
 
 __all__ = [
+    "AuthenticationError",
     "ClosedError",
     "DeadlineExceededError",
     "InvalidConfigError",
     "InvalidDataError",
     "MillpondError",
+    "PermissionDeniedError",
     "RateLimiterTimeoutError",
     "ResourceExhaustedError",
+    "ShardUnavailableError",
     "StorageCorruptedError",
     "TableExistsError",
     "TableNotFoundError",

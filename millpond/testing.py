@@ -12,6 +12,7 @@ its own: a torn row, a row of another episode, or a stale next observation shows
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -62,10 +63,8 @@ def pattern(
     st = torch.as_tensor(steps, dtype=torch.int64).reshape(-1)
     ep, st = torch.broadcast_tensors(ep, st)
     numel = int(np.prod(shape)) if len(shape) else 1
-    base = ((ep * 131 + st * 17) % 251).to(torch.int16)
-    pos = ((torch.arange(numel, dtype=torch.int64) * 7) % 251).to(torch.int16)
-    vals = base[:, None] + pos[None, :]  # < 502: int16 keeps big rows cheap
-    vals = torch.where(vals >= 251, vals - 251, vals)
+    base = ((ep * 131 + st * 17) % 251).numpy()
+    vals = torch.from_numpy(_pattern_rows(numel)[base])  # numpy gathers rows ~8x faster
     out = vals.to(dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if not dtype.is_floating_point and dtype != torch.bool and numel * itemsize >= 16:
@@ -76,6 +75,14 @@ def pattern(
         out = raw.view(dtype).reshape(len(ep), numel)
     out = out.reshape(len(ep), *shape)
     return out[0] if scalar else out
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern_rows(numel: int) -> np.ndarray:
+    """``rows[b, j] = (b + 7 j) % 251`` for every base ``b``: pattern rows, gathered not computed."""
+    b = np.arange(251, dtype=np.int64)[:, None]
+    j = np.arange(numel, dtype=np.int64)[None, :]
+    return ((b + 7 * j) % 251).astype(np.uint8)
 
 
 def pixels_of(episode: int, step: int, shape: Sequence[int]) -> np.ndarray:

@@ -11,6 +11,7 @@ import errno
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -43,6 +44,8 @@ def _edge(method: Callable) -> Callable:
     """Map exceptions raised by an RPC method (plain or generator) to gRPC statuses."""
 
     def fail(exc: BaseException, context: grpc.ServicerContext) -> None:
+        if isinstance(exc, grpc.RpcError) or not context.is_active():
+            return  # the client went away (or the server is stopping): nobody to answer
         code, message = _status_of(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("%s failed", method.__name__)
@@ -100,9 +103,33 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             table = self.shard.table(table_name)
             segments = [self._segment(s) for s in request.segments]
             if segments:
-                timeout = _timeout(request.timeout_ms)
-                table.insert_many(segments, timeout, writer_id or None)
-            yield pb.InsertResponse(sequences=[s.sequence for s in request.segments])
+                self._insert(table, segments, _timeout(request.timeout_ms), writer_id, context)
+            yield pb.InsertResponse(
+                sequences=[s.sequence for s in request.segments],
+                stored_through=table.writer_sequence(writer_id) if writer_id else 0,
+            )
+
+    @staticmethod
+    def _insert(table, segments, timeout: float | None, writer_id: str | None, context) -> None:
+        """Insert, waiting in short slices so that a cancelled call frees its thread.
+
+        Retrying a slice is safe: with a writer id, segments already stored are skipped.
+        Without one, the insert waits in one piece.
+        """
+        if not writer_id:
+            table.insert_many(segments, timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if not context.is_active():
+                raise grpc.RpcError("the call was cancelled")
+            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            try:
+                table.insert_many(segments, max(0.0, wait), writer_id or None)
+                return
+            except RateLimiterTimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
 
     @staticmethod
     def _segment(msg: pb.Segment) -> Segment:
@@ -142,8 +169,6 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @staticmethod
     def _sample_one(table, batch_size: int, timeout: float | None, context):
         """One batch, waiting in short slices so that a cancelled call frees its thread."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if not context.is_active():

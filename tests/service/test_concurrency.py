@@ -78,9 +78,9 @@ def check_rows(td: TensorDict) -> None:
     code = _code(ep, st)[:, None]
     problems = {
         "obs": (td[VEC] != code).any(1),
-        "next obs": (td["next", *VEC] != code + 1).any(1),
+        "next obs": (td[("next", *VEC)] != code + 1).any(1),
         "ids": (td[IDS] != torch.stack([ep, st], 1)).any(1),
-        "next ids": (td["next", *IDS] != torch.stack([ep, st + 1], 1)).any(1),
+        "next ids": (td[("next", *IDS)] != torch.stack([ep, st + 1], 1)).any(1),
         "action": (td["action"] != torch.stack([ep, st, ep + st], 1)).any(1),
         "reward": (td["next", "reward"] != code).any(1),
         "flags": (td["next", "terminated"] & td["next", "truncated"]).any(1),
@@ -215,22 +215,19 @@ def _run(
 
 
 @pytest.mark.parametrize("capacity", [1 << 16, 256], ids=["large", "small-overwriting"])
-def test_uniform_writers_and_samplers(tmp_path, capacity):
-    table = Table.create(tmp_path / "t", TableConfig.uniform("t", capacity, seed=0))
+def test_uniform_writers_and_samplers(make_table, capacity):
+    table = make_table(TableConfig.uniform("t", capacity, seed=0))
     # With the small capacity, the ring wraps at least 10 times.
     _run(
         table,
         sample=lambda b: table.sample(b, timeout=0.5),
         min_inserted_steps=10 * capacity if capacity == 256 else 0,
     )
-    table.close()
 
 
-def test_prioritized_with_concurrent_priority_updates(tmp_path):
+def test_prioritized_with_concurrent_priority_updates(make_table):
     alpha = 0.6
-    table = Table.create(
-        tmp_path / "t", TableConfig.prioritized("t", 256, alpha=alpha, beta=0.4, seed=0)
-    )
+    table = make_table(TableConfig.prioritized("t", 256, alpha=alpha, beta=0.4, seed=0))
 
     def sample(b):
         td = table.sample(b, timeout=0.5)
@@ -245,20 +242,18 @@ def test_prioritized_with_concurrent_priority_updates(tmp_path):
     live = np.concatenate([np.arange(s[3], s[3] + s[2]) for s in stored_segments(table)])
     p = np.asarray(table.sampler.priorities)[live]
     assert table.info()["mass"] == pytest.approx(float(np.sum(p**alpha)), rel=1e-9)
-    table.close()
 
 
-def test_slices_writers_and_samplers(tmp_path):
+def test_slices_writers_and_samplers(make_table):
     k = 3
-    table = Table.create(tmp_path / "t", TableConfig.slices("t", 256, k, seed=0))
+    table = make_table(TableConfig.slices("t", 256, k, seed=0))
 
     def sample(b):
         td = table.sample(b, timeout=0.5)
         assert td.batch_size == (b, k)
         assert torch.all(td["episode_id"] == td["episode_id"][:, :1])
         assert torch.all(td["step"] == td["step"][:, :1] + torch.arange(k))
-        assert torch.equal(td["next", *VEC][:, :-1], td[VEC][:, 1:])
+        assert torch.equal(td[("next", *VEC)][:, :-1], td[VEC][:, 1:])
         return td
 
     _run(table, sample=sample, min_inserted_steps=10 * 256)
-    table.close()

@@ -16,6 +16,7 @@ and each is killed and reaped before the directory is reopened.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -37,7 +38,7 @@ from millpond.service.config import TableConfig
 from millpond.service.segments import Segment
 from millpond.service.storage import SegmentStorage
 from millpond.service.table import Table
-from millpond.testing import pattern, stored_segments
+from millpond.testing import pattern, stored_segments, stored_steps
 
 OBS_SHAPE = (4, 84, 84)
 MAX_LEN = 50
@@ -66,41 +67,63 @@ def make_segment(ep, first, length, terminated):
 
 
 def insert_loop(cmd, emit):
-    """Insert blocks of 1-3 segments forever; announce each block, then acknowledge it."""
+    """Insert blocks of 1-3 segments forever; announce each block, then acknowledge it.
+
+    With ``cmd["writer"]``, segments carry sequence numbers from ``cmd["first_sequence"]``
+    on, and inserts name the writer (idempotent re-sends).
+    """
     rng = np.random.default_rng(cmd["seed"])
     table = Table.open(cmd["dir"])
     ep = cmd["first_episode"]
+    writer, sequence = cmd.get("writer"), cmd.get("first_sequence", 1)
 
     def block():
-        nonlocal ep
+        nonlocal ep, sequence
         segs = []
         for _ in range(1 if rng.random() < 0.6 else int(rng.integers(2, 4))):
             length = int(rng.integers(1, cmd["max_len"] + 1))
             first = int(rng.integers(0, 1000))
             segs.append(make_segment(ep, first, length, bool(rng.random() < 0.3)))
+            if writer:
+                segs[-1].sequence = sequence
+                sequence += 1
             ep += 1
         return segs
 
-    if cmd.get("crash_points"):
-        # SIGKILL ourselves before a random line of the insert path: a kill at every stage
-        # of allocation, eviction, copy and publication, down to between two metadata writes.
-        chance = np.random.default_rng(cmd["seed"] + 1)
-        codes = {Table._insert_block.__code__} | {
-            getattr(SegmentStorage, name).__code__
-            for name in ("unpublish", "reserve", "write", "publish")
-        }
+    if cmd.get("kill_at"):
+        # SIGKILL ourselves before line event ``index`` (negative: from the end) of one call
+        # of ``function``, in insert number ``after + 1``: a kill at a chosen stage of
+        # allocation, copy or publication, e.g. between two metadata writes.
+        function, index, after = cmd["kill_at"]
+        owner = Table if function == "_insert_block" else SegmentStorage
+        code = getattr(owner, function).__code__
+        calls, lines, first_call_lines = 0, 0, 0
 
         def line(frame, event, arg):
-            if event == "line" and chance.random() < cmd["crash_points"]:
-                os.kill(os.getpid(), signal.SIGKILL)
+            nonlocal lines, first_call_lines
+            if event == "line":
+                if calls == 1:
+                    first_call_lines += 1
+                elif calls > after and lines == index % first_call_lines:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                lines += 1
             return line
 
-        sys.settrace(lambda frame, event, arg: line if frame.f_code in codes else None)
+        def call(frame, event, arg):
+            nonlocal calls, lines
+            if frame.f_code is code:
+                calls, lines = calls + 1, 0
+                return line
+            return None
+
+        sys.settrace(call)
 
     segs = block()
     emit({"begin": [[s.episode_id, s.first_step, s.steps.batch_size[0]] for s in segs]})
     while True:
-        if len(segs) == 1:
+        if writer:
+            table.insert_many(segs, writer_id=writer)
+        elif len(segs) == 1:
             s = segs[0]
             table.insert(s.steps, s.tail, s.episode_id, s.first_step)
         else:
@@ -226,6 +249,7 @@ class Zygote:
             text=True,
             bufsize=1,
         )
+        self.worker: int | None = None
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         assert "ready" in self.next(60)
@@ -242,10 +266,14 @@ class Zygote:
         return msg
 
     def start(self, **cmd) -> int:
+        """Fork a worker that runs ``cmd["run"](cmd, emit)``; returns its pid."""
+        if self.worker is not None:  # left running by a failed test
+            self.kill(self.worker)
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return self.next()["hello"]
+        self.worker = self.next()["hello"]
+        return self.worker
 
     def kill(self, pid: int) -> list[dict]:
         """SIGKILL the worker and wait until it is reaped; returns the messages seen meanwhile."""
@@ -254,14 +282,29 @@ class Zygote:
         while True:
             msg = self.next()
             if msg.get("reaped") == pid:
+                self.worker = None
                 assert os.WIFSIGNALED(msg["status"]) and os.WTERMSIG(msg["status"]) == 9, msg
                 return seen
             seen.append(msg)
 
+    def reaped(self, pid: int, msg: dict) -> bool:
+        """Whether ``msg`` says that worker ``pid`` ended (it may kill itself)."""
+        if msg.get("reaped") != pid:
+            return False
+        self.worker = None
+        return True
+
     def close(self) -> None:
         assert self.proc.stdin is not None
+        if self.worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.worker, signal.SIGKILL)
         self.proc.stdin.close()
-        self.proc.wait(10)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -303,29 +346,66 @@ class Ring:
 
 def check_intact(table: Table, segments) -> None:
     """Every slot of every segment holds exactly its (episode, step) row."""
-    obs, action = table.storage.columns[("observation",)], table.storage.columns[("action",)]
-    for ep, first, length, start in segments:
-        slots = torch.arange(start, start + length + 1)
-        steps = torch.arange(first, first + length + 1)
-        assert torch.equal(obs[slots], pattern(ep, steps, OBS_SHAPE)), f"torn episode {ep}"
-        want = torch.stack([torch.full((length,), ep), steps[:-1]], 1)
-        assert torch.equal(action[slots[:-1]], want), f"torn action of episode {ep}"
+    segments = sorted(segments)
+    if not segments:
+        return
+    slots = np.concatenate([np.arange(s[3], s[3] + s[2] + 1) for s in segments])
+    eps = np.concatenate([np.full(s[2] + 1, s[0]) for s in segments])
+    steps = np.concatenate([np.arange(s[1], s[1] + s[2] + 1) for s in segments])
+    obs = table.storage.columns[("observation",)].numpy()[slots]  # numpy: a fast gather
+    want = pattern(eps, steps, OBS_SHAPE).numpy()
+    bad = (obs != want).reshape(len(slots), -1).any(axis=1)
+    assert not bad.any(), f"torn rows of episodes {sorted(set(eps[bad].tolist()))}"
+    is_step = np.concatenate([np.arange(s[2] + 1) < s[2] for s in segments])
+    action = table.storage.columns[("action",)].numpy()[slots[is_step]]
+    want = np.stack([eps[is_step], steps[is_step]], 1)
+    bad = (action != want).any(axis=1)
+    assert not bad.any(), f"torn actions of episodes {sorted(set(eps[is_step][bad].tolist()))}"
 
 
 def check_samples(table: Table, n: int = 256) -> None:
+    """Sampled rows are stored steps (no evicted or torn slot is sampleable) and intact."""
     td = table.sample(n, timeout=5)
+    assert set(zip(td["episode_id"].tolist(), td["step"].tolist())) <= stored_steps(table)
     assert torch.equal(td["observation"], pattern(td["episode_id"], td["step"], OBS_SHAPE))
     nxt = pattern(td["episode_id"], td["step"] + 1, OBS_SHAPE)
     assert torch.equal(td["next", "observation"], nxt)
 
 
+class Acks:
+    """What a writer acknowledged, and the block it announced but had not acknowledged."""
+
+    def __init__(self) -> None:
+        self.blocks: list[list[list[int]]] = []
+        self.pending: list[list[int]] | None = None
+
+    def follow(self, msg: dict) -> None:
+        if "begin" in msg:
+            self.pending = msg["begin"]
+        else:
+            assert self.pending is not None and msg["ack"] == [s[0] for s in self.pending]
+            self.blocks.append(self.pending)
+            self.pending = None
+
+
+# Where the "crash-points" rounds kill the writer: (function, line event, inserts before).
+# The last line events of publish() fall between the metadata writes and the commit markers.
+KILL_POINTS = [("publish", -i, 2) for i in range(1, 7)] + [
+    ("write", 1, 1),
+    ("write", 3, 2),
+    ("_insert_block", 5, 1),
+    ("_insert_block", 12, 3),
+    ("_insert_block", -3, 2),
+]
+
+
 @pytest.mark.parametrize(
-    "capacity, rounds, crash_points",
-    [(16384, 5, 0.0), (400, 5, 0.0), (400, 6, 1 / 600)],
+    "capacity, rounds, kill_points",
+    [(16384, 5, None), (400, 5, None), (200, len(KILL_POINTS), KILL_POINTS)],
     ids=["large", "small-wrapping", "small-crash-points"],
 )
 def test_sigkill_during_inserts_loses_no_acknowledged_segment(
-    tmp_path, zygote, capacity, rounds, crash_points
+    tmp_path, zygote, capacity, rounds, kill_points
 ):
     rng = np.random.default_rng(capacity + rounds)
     path = tmp_path / "table"
@@ -339,48 +419,31 @@ def test_sigkill_during_inserts_loses_no_acknowledged_segment(
             dir=str(path),
             seed=int(rng.integers(2**31)),
             first_episode=(r + 1) * 100_000,
-            max_len=MAX_LEN,
-            crash_points=crash_points,
+            max_len=MAX_LEN if kill_points is None else 12,
+            kill_at=None if kill_points is None else kill_points[r],
         )
-        acked_blocks: list[list[list[int]]] = []
-        pending: list[list[int]] | None = None
-
-        def follow(msg: dict) -> None:
-            nonlocal pending
-            if "begin" in msg:
-                pending = msg["begin"]
-            else:
-                assert pending is not None and msg["ack"] == [s[0] for s in pending]
-                acked_blocks.append(pending)
-                pending = None
-
-        if crash_points:
-            # The child kills itself at a random line of the insert path (or we do, late).
-            while True:
-                msg = zygote.next()
-                if msg.get("reaped") == pid:
-                    assert os.WIFSIGNALED(msg["status"]), msg
-                    break
-                follow(msg)
-                if len(acked_blocks) == 200:
-                    for msg in zygote.kill(pid):
-                        follow(msg)
-                    break
+        acks = Acks()
+        if kill_points:
+            # The child kills itself at the chosen point.
+            while not zygote.reaped(pid, msg := zygote.next()):
+                acks.follow(msg)
+            assert os.WIFSIGNALED(msg["status"]) and os.WTERMSIG(msg["status"]) == 9, msg
+            assert len(acks.blocks) == kill_points[r][2] and acks.pending is not None
         else:
             kill_after = int(rng.integers(1, 25))
-            while len(acked_blocks) < kill_after:
-                follow(zygote.next())
+            while len(acks.blocks) < kill_after:
+                acks.follow(zygote.next())
             time.sleep(float(rng.uniform(0, 0.003)))
             for msg in zygote.kill(pid):
-                follow(msg)
+                acks.follow(msg)
 
         # What the ring must hold: everything acknowledged that no acknowledged block evicted,
         # less what the interrupted block (if any) may have claimed, plus what it may have
         # published.
-        for block in acked_blocks:
+        for block in acks.blocks:
             ring.insert(block)
-        in_flight, may_lose = ring.place(pending) if pending else (set(), set())
-        if pending:
+        in_flight, may_lose = ring.place(acks.pending) if acks.pending else (set(), set())
+        if acks.pending:
             obs = np.memmap(
                 path / "data" / "columns" / "observation.bin", dtype=np.uint8, mode="r"
             ).reshape(capacity, -1)
@@ -405,7 +468,7 @@ def test_sigkill_during_inserts_loses_no_acknowledged_segment(
         assert table.storage.cursor == newest[3] + newest[2] + 1
         assert table.info()["next_generation"] > max(stored.values())
         # Inserted steps were counted as they were published (the counter file is a memmap).
-        acked_steps = sum(s[2] for b in acked_blocks for s in b)
+        acked_steps = sum(s[2] for b in acks.blocks for s in b)
         grown = table.info()["inserts"] - inserts
         assert acked_steps <= grown <= acked_steps + sum(s[2] for s in in_flight)
         check_samples(table)
@@ -422,6 +485,53 @@ def test_sigkill_during_inserts_loses_no_acknowledged_segment(
         inserts = table.info()["inserts"]
         table.close()
     print(f"{mid_copy} of {rounds} kills interrupted a copy")
+
+
+def test_resending_after_sigkill_stores_nothing_twice(tmp_path, zygote):
+    """A writer that lost its acknowledgements re-sends: nothing is stored twice or lost."""
+    rng = np.random.default_rng(11)
+    path = tmp_path / "table"
+    Table.create(path, TableConfig.uniform("t", 8192, seed=0)).close()
+    for r in range(3):
+        first_sequence = 1000 * r + 1
+        pid = zygote.start(
+            run="insert_loop",
+            dir=str(path),
+            seed=int(rng.integers(2**31)),
+            first_episode=(r + 1) * 100_000,
+            max_len=MAX_LEN,
+            writer="actor-0",
+            first_sequence=first_sequence,
+        )
+        acks, kill_after = Acks(), int(rng.integers(1, 15))
+        while len(acks.blocks) < kill_after:
+            acks.follow(zygote.next())
+        time.sleep(float(rng.uniform(0, 0.003)))
+        for msg in zygote.kill(pid):
+            acks.follow(msg)
+        sent = [*acks.blocks, *([acks.pending] if acks.pending else [])]
+
+        table = Table.open(path)
+        before = stored_segments(table)
+        # Re-send every block of this round, acknowledged or not, with the same sequences.
+        sequence = first_sequence
+        for block in sent:
+            segs = []
+            for ep, first, length in block:
+                segs.append(make_segment(ep, first, length, False))
+                segs[-1].sequence = sequence
+                sequence += 1
+            gens = table.insert_many(segs, writer_id="actor-0")
+            for (ep, first, length), gen in zip(block, gens.tolist()):
+                already = any(k[:3] == (ep, first, length) for k in before)
+                assert (gen == 0) == already, (ep, first, length, gen, already)
+        stored = stored_segments(table)
+        keys = [k[:3] for k in stored]
+        assert len(keys) == len(set(keys)), "a re-sent segment was stored twice"
+        assert {tuple(s) for b in sent for s in b} <= set(keys)
+        check_intact(table, stored)
+        assert table.writer_sequence("actor-0") == sequence - 1
+        table.close()
 
 
 def test_checkpoint_then_sigkill_restores_priorities_queue_and_counters(tmp_path, zygote):

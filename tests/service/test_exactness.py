@@ -159,7 +159,7 @@ def _insert(table: Table, call: list) -> None:
         table.insert_many(segments)
 
 
-def _make(tmp_path, kind: str, capacity: int) -> Table:
+def _make(make_table, kind: str, capacity: int) -> Table:
     if kind == "uniform":
         cfg = TableConfig.uniform("t", capacity, seed=1)
     elif kind == "prioritized":
@@ -168,13 +168,13 @@ def _make(tmp_path, kind: str, capacity: int) -> Table:
         cfg = TableConfig.queue("t", capacity, seed=1)
     else:
         cfg = TableConfig.slices("t", capacity, SLICE_LEN, seed=1)
-    return Table.create(tmp_path / "t", cfg)
+    return make_table(cfg)
 
 
 @pytest.mark.parametrize("capacity", [LARGE, SMALL], ids=["large", "small"])
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
-def test_sampled_rows_equal_reference(tmp_path, ref: Reference, kind: str, capacity: int):
-    table = _make(tmp_path, kind, capacity)
+def test_sampled_rows_equal_reference(make_table, ref: Reference, kind: str, capacity: int):
+    table = _make(make_table, kind, capacity)
     rng = np.random.default_rng(5)
     sampled_kinds: set[str] = set()
     stored_kinds: set[str] = set()
@@ -209,12 +209,11 @@ def test_sampled_rows_equal_reference(tmp_path, ref: Reference, kind: str, capac
         check(int(rng.integers(1, 129)))
     assert stored_kinds >= ref.expected_kinds | {"mid"}
     assert sampled_kinds == stored_kinds, "some kind of step (episode end, chunk cut) never sampled"
-    table.close()
 
 
 @pytest.mark.parametrize("capacity", [LARGE, SMALL], ids=["large", "small"])
-def test_queue_delivers_each_step_once_in_order(tmp_path, ref: Reference, capacity: int):
-    table = _make(tmp_path, "queue", capacity)
+def test_queue_delivers_each_step_once_in_order(make_table, ref: Reference, capacity: int):
+    table = _make(make_table, "queue", capacity)
     rng = np.random.default_rng(9)
     delivered: list[TensorDict] = []
     batch_sizes: list[int] = []
@@ -259,9 +258,7 @@ def test_queue_delivers_each_step_once_in_order(tmp_path, ref: Reference, capaci
         for s in range(rec.first_step, rec.first_step + rec.length)
     ]
     got = [
-        (e, s)
-        for td in delivered
-        for e, s in zip(td["episode_id"].tolist(), td["step"].tolist())
+        (e, s) for td in delivered for e, s in zip(td["episode_id"].tolist(), td["step"].tolist())
     ]
     assert len(got) == len(inserted) and got == inserted
     # Whole segments per batch: each batch starts and ends at a segment boundary and holds
@@ -282,13 +279,12 @@ def test_queue_delivers_each_step_once_in_order(tmp_path, ref: Reference, capaci
     assert table.size == 0
     with pytest.raises(RateLimiterTimeoutError):
         table.sample(1, timeout=0.05)
-    table.close()
 
 
 @pytest.mark.parametrize("capacity", [LARGE, SMALL], ids=["large", "small"])
-def test_slices_are_consecutive_steps_of_one_episode(tmp_path, ref: Reference, capacity: int):
+def test_slices_are_consecutive_steps_of_one_episode(make_table, ref: Reference, capacity: int):
     k = SLICE_LEN
-    table = _make(tmp_path, "slices", capacity)
+    table = _make(make_table, "slices", capacity)
     rng = np.random.default_rng(13)
     crossings = 0
     sampled = 0
@@ -302,7 +298,7 @@ def test_slices_are_consecutive_steps_of_one_episode(tmp_path, ref: Reference, c
         assert torch.all(steps == steps[:, :1] + torch.arange(k)), "a slice skips steps"
         assert_rows_equal(td, ref)
         for key in ref.obs_keys:
-            assert torch.equal(td["next", *key][:, :-1], td[key][:, 1:])
+            assert torch.equal(td[("next", *key)][:, :-1], td[key][:, 1:])
         # No slice runs past an episode end before its last step.
         assert not td["next", "done"][:, :-1].any()
         crossings += int((slots[:, 1:] != slots[:, :-1] + 1).any(dim=1).sum())
@@ -319,4 +315,3 @@ def test_slices_are_consecutive_steps_of_one_episode(tmp_path, ref: Reference, c
     for _ in range(30):
         check(int(rng.integers(1, 65)))
     assert crossings > 0, "no slice crossed from one segment into the next"
-    table.close()

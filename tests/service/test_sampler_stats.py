@@ -82,16 +82,16 @@ def draw_slots(table: Table, draws: int, batch: int = 1000) -> tuple[np.ndarray,
     for _ in range(draws // batch):
         td = table.sample(batch)
         slots.append(td["index", "slot"].numpy())
-        if "weight" in td.keys():
+        if td.get("weight", None) is not None:
             weights.append(td["weight"].numpy())
     return np.concatenate(slots), (np.concatenate(weights) if weights else np.empty(0))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("wrapped", [False, True], ids=["fresh", "wrapped"])
-def test_uniform_frequencies(tmp_path, seed, wrapped):
+def test_uniform_frequencies(make_table, seed, wrapped):
     capacity = 128 if wrapped else 1024
-    table = Table.create(tmp_path / "t", TableConfig.uniform("t", capacity, seed=seed))
+    table = make_table(TableConfig.uniform("t", capacity, seed=seed))
     rng = np.random.default_rng(seed)
     fill(table, rng, 60 if wrapped else 25)  # wrapped: the ring turns several times
     slots, _ = live_steps(table)
@@ -100,14 +100,11 @@ def test_uniform_frequencies(tmp_path, seed, wrapped):
     assert np.isin(drawn, slots).all(), "sampled a slot that holds no stored step"
     counts = np.bincount(drawn, minlength=capacity)[slots]
     assert_frequencies(counts, np.full(len(slots), 1 / len(slots)))
-    table.close()
 
 
 @pytest.mark.parametrize("alpha, beta", [(0.6, 0.4), (1.0, 1.0), (0.0, 0.5)])
-def test_prioritized_frequencies_and_weights(tmp_path, alpha, beta):
-    table = Table.create(
-        tmp_path / "t", TableConfig.prioritized("t", 1024, alpha=alpha, beta=beta, seed=3)
-    )
+def test_prioritized_frequencies_and_weights(make_table, alpha, beta):
+    table = make_table(TableConfig.prioritized("t", 1024, alpha=alpha, beta=beta, seed=3))
     rng = np.random.default_rng(3)
     fill(table, rng, 20)
     slots, gens = live_steps(table)
@@ -126,11 +123,10 @@ def test_prioritized_frequencies_and_weights(tmp_path, alpha, beta):
     expected /= (n * probs.min()) ** -beta
     np.testing.assert_allclose(weights, expected, rtol=1e-5)
     assert table.info()["mass"] == pytest.approx(p.sum(), rel=1e-9)
-    table.close()
 
 
-def test_zero_priority_is_never_sampled(tmp_path):
-    table = Table.create(tmp_path / "t", TableConfig.prioritized("t", 512, seed=4))
+def test_zero_priority_is_never_sampled(make_table):
+    table = make_table(TableConfig.prioritized("t", 512, seed=4))
     fill(table, np.random.default_rng(4), 15)
     slots, gens = live_steps(table)
     priorities = np.where(np.arange(len(slots)) % 3 == 0, 0.0, 1.0)
@@ -138,13 +134,12 @@ def test_zero_priority_is_never_sampled(tmp_path):
     drawn, weights = draw_slots(table, 20_000)
     assert not np.isin(drawn, slots[priorities == 0]).any()
     np.testing.assert_allclose(weights, 1.0, rtol=1e-6)  # equal non-zero priorities
-    table.close()
 
 
-def test_stale_updates_are_ignored_and_new_steps_get_the_max_priority(tmp_path):
+def test_stale_updates_are_ignored_and_new_steps_get_the_max_priority(make_table):
     alpha = 0.7
     capacity = 64
-    table = Table.create(tmp_path / "t", TableConfig.prioritized("t", capacity, alpha=alpha, seed=5))
+    table = make_table(TableConfig.prioritized("t", capacity, alpha=alpha, seed=5))
     rng = np.random.default_rng(5)
     fill(table, rng, 4)
     old_slots, old_gens = live_steps(table)
@@ -183,12 +178,11 @@ def test_stale_updates_are_ignored_and_new_steps_get_the_max_priority(tmp_path):
     p = np.where(np.isin(slots, k), 0.5, 7.5) ** alpha
     drawn, _ = draw_slots(table, 50_000)
     assert_frequencies(np.bincount(drawn, minlength=capacity)[slots], p / p.sum())
-    table.close()
 
 
-def test_slice_starts_are_uniform_over_valid_starts(tmp_path):
+def test_slice_starts_are_uniform_over_valid_starts(make_table):
     k = 4
-    table = Table.create(tmp_path / "t", TableConfig.slices("t", 2048, k, seed=6))
+    table = make_table(TableConfig.slices("t", 2048, k, seed=6))
     rng = np.random.default_rng(6)
     # Episodes sent as several segments, so that many slices cross a segment boundary.
     ep_steps: dict[int, int] = {}
@@ -209,4 +203,3 @@ def test_slice_starts_are_uniform_over_valid_starts(tmp_path):
         starts = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
         np.add.at(counts, [index[s] for s in starts], 1)
     assert_frequencies(counts, np.full(len(valid), 1 / len(valid)))
-    table.close()

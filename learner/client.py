@@ -1,0 +1,600 @@
+"""ReplayClient: insert, sample, update priorities and exchange weights with replay shards.
+
+One client talks to N shards. A writer is pinned to one shard by a stable hash of its id,
+so an episode's segments stay together. ``sample`` splits a batch across shards in
+proportion to each one's sampleable mass (every sample response carries the shard's mass
+after the batch; Info seeds it) and asks them in parallel. A shard that cannot be reached
+counts as empty, with a logged warning, until it answers again (it is tried every few
+seconds); only when every shard is down does ``sample`` fail.
+
+Every gRPC error reaches the caller as a :mod:`millpond.errors` exception (``raise ...
+from`` the ``RpcError``), with the server's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError, TableNotFoundError
+from millpond.learner._convert import state_dict_from_blob, state_dict_to_blob, weight_chunks
+from millpond.learner._errors import ShardUnavailableError, from_rpc_error
+from millpond.learner._sharding import CallSet, ShardSet, channel_options
+from millpond.learner.writer import Writer
+from millpond.protos import millpond_pb2 as pb
+from millpond.protos.tables import config_from_proto, config_to_proto, info_from_proto
+from millpond.service.config import TableConfig
+from millpond.service.table import writer_hash
+
+logger = logging.getLogger("millpond.client")
+
+
+class _ExtendState:
+    """What ``extend`` keeps per table: compact_ted's open trajectories and a writer."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.episodes: dict[int, int] = {}
+        self.writer: Writer | None = None
+        self.generation = 0
+
+
+class ReplayClient:
+    """A client of one or more replay shards.
+
+    Args:
+        addresses: ``"host:port"``, a comma-separated list of them, or a sequence. Shard
+            ``i`` is the ``i``-th address; shard 0 is the weights rendezvous.
+        token: a bearer token sent with every call (``authorization: Bearer <token>``).
+        tls: ``None`` (plaintext), ``True`` (TLS with the system's root certificates), or
+            the path of a PEM root certificate.
+        timeout_s: the deadline of admin calls, and the default wait of :meth:`sample`,
+            :meth:`iterate` and :meth:`extend`; ``None`` waits forever.
+        max_message_mb: the largest gRPC message sent or received, in MiB.
+
+    Channels are created on first use, so constructing a client never blocks. A client
+    pickles as its addresses and options (writers, caches and channels stay behind), so it
+    can be handed to a Ray actor.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        token: str | None = None,
+        tls: bool | str | os.PathLike | None = None,
+        timeout_s: float | None = 30.0,
+        max_message_mb: int = 256,
+    ) -> None:
+        parts = addresses.split(",") if isinstance(addresses, str) else list(addresses)
+        parts = [a.strip() for a in parts if isinstance(a, str) and a.strip()]
+        if not parts:
+            raise InvalidConfigError(f"addresses ({addresses!r}) name no shard")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise InvalidConfigError("token must be a non-empty string or None")
+        if tls is not None and not isinstance(tls, bool | str | os.PathLike):
+            raise InvalidConfigError(f"tls ({tls!r}) must be None, True or a PEM file path")
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0
+        ):
+            raise InvalidConfigError(f"timeout_s ({timeout_s!r}) must be a positive number or None")
+        if (
+            isinstance(max_message_mb, bool)
+            or not isinstance(max_message_mb, int)
+            or not 1 <= max_message_mb <= 2047
+        ):
+            raise InvalidConfigError(
+                f"max_message_mb ({max_message_mb!r}) must be an integer in [1, 2047]"
+            )
+        self.token = token
+        self.tls = tls
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self.max_message_mb = max_message_mb
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._set = ShardSet(parts, channel_options(max_message_mb), tls, metadata, self.timeout_s)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._client_id = _default_writer_id()
+        self._extend: dict[str, _ExtendState] = {}
+        self._writers: weakref.WeakSet[Writer] = weakref.WeakSet()
+
+    # -- identity ------------------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        args = (self.addresses, self.token, self.tls, self.timeout_s, self.max_message_mb)
+        return (type(self), args)
+
+    def __repr__(self) -> str:
+        return f"ReplayClient({','.join(self.addresses)!r})"
+
+    @property
+    def addresses(self) -> list[str]:
+        """The shards' addresses, shard 0 first."""
+        return [s.address for s in self._set.shards]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._set.shards)
+
+    def add_shard(self, address: str) -> int:
+        """Add a shard at the end of the list; returns its index.
+
+        Existing shards and writers are untouched (writers keep their pinning; writers
+        created from now on hash over the new count). Every table this client knows is
+        created on the new shard if it can be reached; otherwise it counts as empty.
+        """
+        if not isinstance(address, str) or not address.strip():
+            raise InvalidConfigError(f"address ({address!r}) must be a non-empty 'host:port'")
+        shard = self._set.add(address.strip())
+        for config in list(self._set.configs.values()):
+            try:
+                self._set.call(shard, "CreateTable", _create_request(config))
+            except MillpondError as e:
+                logger.warning("new shard %s: cannot create table %r: %s", address, config.name, e)
+        return shard.index
+
+    # -- tables --------------------------------------------------------------------------
+    def create_table(self, config: TableConfig) -> TableConfig:
+        """Create ``config``'s table on every shard (an identical existing one is fine).
+
+        Returns the config as stored by shard 0 (its spec included once known). Raises
+        :class:`~millpond.errors.TableExistsError` if a table of that name exists with a
+        different config, and :class:`ShardUnavailableError` if a shard cannot be reached.
+        """
+        if not isinstance(config, TableConfig):
+            raise InvalidConfigError(f"create_table needs a TableConfig, received {config!r}")
+        self._check_open()
+        request = _create_request(config)
+        responses = self._set.on_all(lambda s: self._set.call(s, "CreateTable", request))
+        stored = config_from_proto(responses[0].config)
+        self._set.configs[stored.name] = stored
+        return stored
+
+    def info(self, table: str | None = None) -> dict[str, Any]:
+        """What the shards hold.
+
+        With a ``table``: ``{"table", "config", "size", "mass", "inserts", "samples",
+        "bytes_on_disk", "weights_version", "shards"}``: the numbers summed over the shards
+        that answered, ``weights_version`` shard 0's (``None`` if it did not answer), and
+        ``"shards"`` one dict per shard: ``"shard"`` (index), ``"address"``, ``"available"``,
+        ``"error"`` (``None``, or why the shard gave nothing) and, when it answered, its
+        ``"weights_version"`` and :func:`millpond.protos.tables.info_from_proto`'s keys
+        (``"config"``, ``"size"``, ``"mass"``, ``"inserts"``, ``"samples"``,
+        ``"rate_limiter"``, ``"bytes_on_disk"``, ``"next_generation"``, ...).
+
+        Without: ``{"tables": {name: the dict above}, "shards": [...], "weights_version"}``,
+        the per-shard entries listing their ``"tables"`` (names).
+
+        Raises the first shard's error if no shard answered.
+        """
+        if table is not None:
+            _check_table(table)
+        self._check_open()
+        shards = self._set.shards
+        request = pb.InfoRequest(table=table or "")
+        results = self._set.each(shards, lambda s: self._set.call(s, "Info", request))
+        entries: list[dict[str, Any]] = []
+        per_table: dict[str, list[dict[str, Any]]] = {}
+        errors: list[MillpondError] = []
+        weights_version: int | None = None
+        for shard, result in zip(shards, results, strict=True):
+            base = {"shard": shard.index, "address": shard.address, "error": None}
+            if isinstance(result, MillpondError):
+                if not isinstance(result, ShardUnavailableError | TableNotFoundError) and (
+                    not shard.down
+                ):
+                    raise result
+                errors.append(result)
+                entries.append({**base, "available": not shard.down, "error": str(result)})
+                continue
+            version = int(result.weights_version)
+            if shard.index == 0:
+                weights_version = version
+            names = []
+            for msg in result.tables:
+                t = info_from_proto(msg)
+                self._set.learn(shard, t)
+                names.append(t["name"])
+                row = {**base, "available": True, "weights_version": version, **t}
+                per_table.setdefault(t["name"], []).append(row)
+                if table is not None:
+                    entries.append(row)
+            if table is None:
+                entries.append(
+                    {**base, "available": True, "weights_version": version, "tables": names}
+                )
+        if table is not None:
+            if table not in per_table:
+                raise errors[0] if errors else TableNotFoundError(f"no table {table!r}")
+            return _aggregate(table, entries, weights_version)
+        if len(errors) == len(shards):
+            raise errors[0]
+        return {
+            "tables": {
+                name: _aggregate(name, rows, weights_version) for name, rows in per_table.items()
+            },
+            "shards": entries,
+            "weights_version": weights_version,
+        }
+
+    def checkpoint(self) -> list[str]:
+        """Checkpoint every shard; returns their directories, shard 0 first."""
+        self._check_open()
+        request = pb.CheckpointRequest()
+        responses = self._set.on_all(lambda s: self._set.call(s, "Checkpoint", request))
+        return [r.path for r in responses]
+
+    def reset(self, table: str) -> None:
+        """Drop every stored step of ``table`` on every shard (its config and spec stay)."""
+        _check_table(table)
+        self._check_open()
+        request = pb.ResetRequest(table=table)
+        self._set.on_all(lambda s: self._set.call(s, "Reset", request))
+        self._set.forget_masses(table)
+        with self._lock:
+            state = self._extend.get(table)
+        if state is not None:
+            with state.lock:
+                state.episodes.clear()
+
+    # -- insert --------------------------------------------------------------------------
+    def writer(self, table: str, writer_id: str | None = None, max_in_flight: int = 64) -> Writer:
+        """A :class:`Writer` pinned to shard ``writer_hash(writer_id) % num_shards``.
+
+        ``writer_id`` defaults to ``"{hostname}-{pid}-{8 random hex digits}"``. The shard
+        stores a ``(writer_id, sequence)`` once and sequences restart at 1 in every writer,
+        so give an explicit id only to one writer at a time, and not again after a restart.
+        """
+        _check_table(table)
+        if writer_id is None:
+            writer_id = _default_writer_id()
+        if not isinstance(writer_id, str) or not writer_id:
+            raise InvalidConfigError(f"writer_id ({writer_id!r}) must be a non-empty string")
+        self._check_open()
+        shards = self._set.shards
+        shard = shards[writer_hash(writer_id) % len(shards)]
+        known = self._set.configs.get(table)
+        if known is None or known.spec is None:  # best effort: the writer checks the spec early
+            with contextlib.suppress(MillpondError):
+                self._set.refresh(table, [shard])
+        writer = Writer(
+            shard,
+            table,
+            writer_id,
+            max_in_flight,
+            metadata=self._set.metadata,
+            max_message_bytes=self.max_message_mb * 1024 * 1024,
+            table_config=lambda: self._set.configs.get(table),
+            on_stored=lambda: self._set.mark_stale(shard, table),
+        )
+        self._writers.add(writer)
+        return writer
+
+    def extend(self, table: str, td: TensorDictBase, timeout_s: float | None = None) -> int:
+        """Insert TED data (batch ``[T]`` or ``[P, T]``, e.g. a TorchRL collector's output).
+
+        The data is compacted here (each observation sent once; see
+        :func:`millpond.service.ted.compact_ted`) and sent through this client's writer for
+        ``table``, so one call goes to one shard. Trajectories that continue in the next
+        call (same ``("collector", "traj_ids")``) keep counting their steps. Returns the
+        number of steps once the shard has stored them all (waiting up to ``timeout_s``,
+        default the client's; on timeout they are still sent).
+        """
+        from millpond.service.ted import compact_ted
+
+        _check_table(table)
+        self._check_open()
+        with self._lock:
+            state = self._extend.setdefault(table, _ExtendState())
+        with state.lock:
+            if state.writer is None:
+                state.generation += 1
+                writer_id = f"{self._client_id}-extend-{table}-{state.generation}"
+                state.writer = self.writer(table, writer_id)
+            writer = state.writer
+            saved = dict(state.episodes)
+            queued = False
+            try:
+                packed = compact_ted(td, state.episodes)
+                writer._write_packed(packed)
+                queued = True  # the segments will be stored: the episode state stands
+                writer.flush(self._timeout(timeout_s))
+            except BaseException:
+                if not queued:
+                    state.episodes.clear()
+                    state.episodes.update(saved)
+                raise
+            finally:
+                if writer._error is not None:  # a refused stream: a fresh writer next time
+                    state.writer = None
+                    with contextlib.suppress(MillpondError):
+                        writer.close(timeout_s=0)
+        return packed.num_steps
+
+    # -- sample --------------------------------------------------------------------------
+    def sample(self, table: str, batch_size: int, timeout_s: float | None = None) -> TensorDict:
+        """Sample a TED batch of ``batch_size`` from the shards, split by their mass.
+
+        Returns a TensorDict ``[B]`` (``[B, slice_len]`` for slices tables; at most ``B``
+        steps for queue tables) with ``("next", obs)`` rebuilt, and ``("index", "shard")``
+        next to ``("index", "slot")`` and ``("index", "generation")`` so that
+        ``update_priorities(table, batch["index"], priorities)`` finds each step's shard.
+        Rows come grouped by shard.
+
+        Waits up to ``timeout_s`` (default: the client's) for the rate limiter or for data,
+        then raises :class:`~millpond.errors.DeadlineExceededError` (a
+        :class:`~millpond.errors.RateLimiterTimeoutError`).
+        """
+        _check_table(table)
+        _check_batch_size(batch_size)
+        self._check_open()
+        return self._set.sample(table, int(batch_size), self._timeout(timeout_s), None)
+
+    def iterate(
+        self, table: str, batch_size: int, prefetch: int = 4, timeout_s: float | None = None
+    ) -> Iterator[TensorDict]:
+        """Sample batches forever, keeping ``prefetch`` requests in flight; yields in order.
+
+        Closing the generator (``break`` out of the loop, ``close()``) cancels what is in
+        flight and joins its threads. For queue tables the requests run one after another,
+        so batches come in the queue's order. Errors of :meth:`sample` are raised here.
+        """
+        _check_table(table)
+        _check_batch_size(batch_size)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise InvalidConfigError(f"prefetch ({prefetch!r}) must be a positive integer")
+        timeout = self._timeout(timeout_s)
+        self._check_open()
+        return self._iterate(table, int(batch_size), prefetch, timeout)
+
+    def _iterate(
+        self, table: str, batch_size: int, prefetch: int, timeout: float | None
+    ) -> Iterator[TensorDict]:
+        config = self._set.configs.get(table)
+        if config is None:
+            self._set.refresh(table, [s for s in self._set.shards if not s.down])
+            config = self._set.configs.get(table)
+        in_order = config is not None and config.sampler == "queue"
+        calls = CallSet()
+        pool = ThreadPoolExecutor(
+            max_workers=1 if in_order else prefetch, thread_name_prefix="millpond-prefetch"
+        )
+        pending: deque[Future[TensorDict]] = deque()
+
+        def request() -> None:
+            pending.append(pool.submit(self._set.sample, table, batch_size, timeout, calls))
+
+        try:
+            for _ in range(prefetch):
+                request()
+            while True:
+                batch = pending.popleft().result()
+                request()
+                yield batch
+        finally:
+            calls.cancel()
+            for future in pending:
+                future.cancel()
+            pool.shutdown(wait=True)
+
+    def update_priorities(
+        self,
+        table: str,
+        index: TensorDictBase | Mapping[str, Any],
+        priorities: torch.Tensor | np.ndarray | Sequence[float],
+    ) -> int:
+        """Set the priorities of sampled steps; returns how many were applied.
+
+        ``index`` is a sampled batch's ``"index"`` (``slot``, ``generation``, ``shard``);
+        ``priorities`` has one value per step (any shape with that many elements). Each
+        shard gets one call, all in parallel. Steps overwritten since they were sampled are
+        skipped by their shard; a shard that cannot be reached is skipped with a warning.
+        """
+        _check_table(table)
+        self._check_open()
+        try:
+            slots = _int64(index["slot"], "index['slot']")
+            gens = _int64(index["generation"], "index['generation']")
+            shard_ids = _int64(index["shard"], "index['shard']")
+        except KeyError as e:
+            raise InvalidDataError(
+                "update_priorities needs a sampled batch's 'index' (slot, generation, shard); "
+                f"missing {e}"
+            ) from None
+        prios = _float64(priorities)
+        if not len(slots) == len(gens) == len(shard_ids) == len(prios):
+            raise InvalidDataError(
+                f"update_priorities: {len(slots)} slots, {len(gens)} generations, "
+                f"{len(shard_ids)} shard ids and {len(prios)} priorities; they must be equal"
+            )
+        shards = self._set.shards
+        if len(shard_ids) and (shard_ids.min() < 0 or shard_ids.max() >= len(shards)):
+            raise InvalidDataError(f"index['shard'] out of range [0, {len(shards)})")
+        targets = [shards[i] for i in np.unique(shard_ids).tolist()]
+
+        def update(shard: Any) -> int:
+            mask = shard_ids == shard.index
+            request = pb.UpdatePrioritiesRequest(
+                table=table,
+                slots=slots[mask].tolist(),
+                generations=gens[mask].tolist(),
+                priorities=prios[mask].tolist(),
+            )
+            return int(self._set.call(shard, "UpdatePriorities", request).applied)
+
+        applied = 0
+        for shard, result in zip(targets, self._set.each(targets, update), strict=True):
+            if isinstance(result, MillpondError) and shard.down:
+                logger.warning(
+                    "update_priorities: shard %s is unavailable; its %d priorities are dropped",
+                    shard.address,
+                    int((shard_ids == shard.index).sum()),
+                )
+            elif isinstance(result, MillpondError):
+                raise result
+            else:
+                applied += result
+        return applied
+
+    # -- weights -------------------------------------------------------------------------
+    def publish_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        """Publish a state dict as ``version`` on shard 0 (the rendezvous); returns it.
+
+        Parameter names are dot-separated parts of letters, digits, ``_`` and ``-``
+        (``"fc.weight"``, ``"layers.0.bias"``); tensors travel as raw bytes.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidDataError(f"version ({version!r}) must be a non-negative integer")
+        self._check_open()
+        blob = state_dict_to_blob(state_dict)
+        shard = self._set.shards[0]
+        return int(self._set.call(shard, "PublishWeights", weight_chunks(blob, version)).version)
+
+    def get_weights(
+        self, min_version: int = 0, timeout_s: float = 0
+    ) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """The latest published weights, as ``(state_dict, version)``.
+
+        Waits up to ``timeout_s`` for a version ``>= min_version``; if there is none,
+        returns ``(None, latest_version)`` (``-1`` when nothing was published).
+        """
+        if isinstance(min_version, bool) or not isinstance(min_version, int):
+            raise InvalidDataError(f"min_version ({min_version!r}) must be an integer")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s < 0:
+            raise InvalidDataError(f"timeout_s ({timeout_s!r}) must be a number >= 0")
+        self._check_open()
+        shard = self._set.shards[0]
+        request = pb.GetWeightsRequest(
+            min_version=min_version, timeout_ms=int(np.ceil(timeout_s * 1000))
+        )
+        deadline = None if self.timeout_s is None else timeout_s + self.timeout_s
+        try:
+            call = shard.stub.GetWeights(request, timeout=deadline, metadata=self._set.metadata)
+            messages = list(call)
+        except grpc.RpcError as err:
+            self._set.note_failure(shard, err)
+            raise from_rpc_error(err, shard.address) from err
+        self._set.note_up(shard)
+        if not messages:
+            raise MillpondError(f"shard {shard.address}: GetWeights sent no header")
+        version = int(messages[0].version)
+        if version < 0 or version < min_version:
+            return None, version
+        blob = b"".join(m.chunk for m in messages)
+        if len(blob) != messages[0].total_size:
+            raise MillpondError(
+                f"shard {shard.address}: weights version {version} has {len(blob)} bytes, "
+                f"the header announced {messages[0].total_size}"
+            )
+        return state_dict_from_blob(blob), version
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close (flush) every writer made by this client, then the channels.
+
+        Blocks while a writer's shard is down (its segments are kept for it); close
+        writers with a timeout first to bound that.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        first: MillpondError | None = None
+        for writer in list(self._writers):
+            try:
+                writer.close()
+            except MillpondError as e:
+                first = first or e
+        self._set.close()
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> ReplayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        if timeout_s is None:
+            return self.timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s < 0:
+            raise InvalidConfigError(f"timeout_s ({timeout_s!r}) must be a number >= 0 or None")
+        return float(timeout_s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MillpondError("the client is closed")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _default_writer_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _create_request(config: TableConfig) -> pb.CreateTableRequest:
+    return pb.CreateTableRequest(config=config_to_proto(config), exist_ok=True)
+
+
+def _aggregate(
+    table: str, entries: list[dict[str, Any]], weights_version: int | None
+) -> dict[str, Any]:
+    rows = [e for e in entries if e.get("available") and e.get("error") is None]
+    config = next((r["config"] for r in rows if r["config"].spec is not None), None)
+    if config is None and rows:
+        config = rows[0]["config"]
+    return {
+        "table": table,
+        "config": config,
+        "size": sum(r["size"] for r in rows),
+        "mass": sum(r["mass"] for r in rows),
+        "inserts": sum(r["inserts"] for r in rows),
+        "samples": sum(r["samples"] for r in rows),
+        "bytes_on_disk": sum(r["bytes_on_disk"] for r in rows),
+        "weights_version": weights_version,
+        "shards": entries,
+    }
+
+
+def _check_table(table: str) -> None:
+    if not isinstance(table, str) or not table:
+        raise InvalidConfigError(f"table ({table!r}) must be a non-empty string")
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, int | np.integer)
+        or batch_size < 1
+    ):
+        raise InvalidDataError(f"batch_size ({batch_size!r}) must be a positive integer")
+
+
+def _int64(x: Any, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise InvalidDataError(f"{name} must hold integers, received {a.dtype}")
+    return a.astype(np.int64).reshape(-1)
+
+
+def _float64(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", torch.float64).numpy()
+    try:
+        return np.asarray(x, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise InvalidDataError(f"priorities must be numbers: {e}") from None

@@ -1,0 +1,552 @@
+"""The pinned writer: segments streamed to one shard, acknowledged asynchronously.
+
+A :class:`Writer` validates each segment in the caller's thread (the same checks as the
+server, so bad data raises at once), gives it the next sequence number and queues it.
+A background thread owns the bidirectional ``Insert`` stream: it sends queued segments
+(several per request when many wait), reads the acknowledgements, and drops acknowledged
+segments from its buffer. When the shard goes away it reconnects with exponential backoff
+and re-sends every unacknowledged segment in sequence order; the shard stores a
+``(writer id, sequence)`` once, so nothing is lost or duplicated. A non-retryable error is
+kept and raised by the next :meth:`~Writer.write_segment`, :meth:`~Writer.flush` or
+:meth:`~Writer.close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import torch
+from tensordict import TensorDictBase
+
+from millpond.errors import (
+    ClosedError,
+    DeadlineExceededError,
+    InvalidConfigError,
+    InvalidDataError,
+    MillpondError,
+    ResourceExhaustedError,
+)
+from millpond.learner._errors import from_rpc_error, is_retryable
+from millpond.learner._sharding import ShardHandle
+from millpond.protos import millpond_pb2 as pb
+from millpond.protos.codec import to_tensor_map
+from millpond.service.config import TableConfig
+from millpond.service.segments import PackedSegments, Segment, pack
+from millpond.service.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, Key, TableSpec
+from millpond.service.table import writer_hash
+
+logger = logging.getLogger("millpond.client")
+
+#: Reconnect backoff: starts here, doubles after each failed attempt, up to the maximum.
+BACKOFF_INITIAL_S = 0.05
+BACKOFF_MAX_S = 2.0
+#: Queued segments are batched into one InsertRequest up to about this many bytes.
+REQUEST_BYTES = 4 * 1024 * 1024
+_MESSAGE_OVERHEAD = 64 * 1024
+
+
+class Writer:
+    """Streams segments of experience to the shard its ``writer_id`` is pinned to.
+
+    Create one with :meth:`ReplayClient.writer`; use it as a context manager (leaving the
+    ``with`` block flushes and closes it). Thread-safe; one writer per env loop is the norm.
+
+    Args:
+        shard: the shard this writer is pinned to.
+        table: the table to insert into.
+        writer_id: this writer's identity; the shard dedupes re-sent segments by it.
+        max_in_flight: :meth:`write_segment` blocks while this many segments await
+            acknowledgement.
+        metadata: gRPC metadata sent with the stream (the bearer token).
+        max_message_bytes: the channel's message size limit.
+        table_config: returns the table's config as far as the client knows it (``None``
+            if unknown); its spec is enforced here, and its ``compression`` applied to
+            observations on the wire.
+        on_stored: called (from the background thread) after acknowledgements arrive.
+    """
+
+    def __init__(
+        self,
+        shard: ShardHandle,
+        table: str,
+        writer_id: str,
+        max_in_flight: int = 64,
+        *,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        max_message_bytes: int = 256 * 1024 * 1024,
+        table_config: Callable[[], TableConfig | None] = lambda: None,
+        on_stored: Callable[[], None] = lambda: None,
+    ) -> None:
+        if not isinstance(writer_id, str) or not writer_id:
+            raise InvalidConfigError(f"writer_id ({writer_id!r}) must be a non-empty string")
+        if (
+            isinstance(max_in_flight, bool)
+            or not isinstance(max_in_flight, int)
+            or max_in_flight < 1
+        ):
+            raise InvalidConfigError(
+                f"max_in_flight ({max_in_flight!r}) must be a positive integer"
+            )
+        self._shard = shard
+        self._table = table
+        self._writer_id = writer_id
+        self._max_in_flight = max_in_flight
+        self._metadata = tuple(metadata) if metadata else None
+        self._max_message_bytes = max_message_bytes
+        self._table_config = table_config
+        self._on_stored = on_stored
+
+        self._cv = threading.Condition(threading.Lock())
+        self._unacked: dict[int, pb.Segment] = {}  # sequence -> segment, in sequence order
+        self._sizes: dict[int, int] = {}
+        self._next_sequence = 1
+        # Sequences are renumbered once, on the first connection, to follow what the shard
+        # already stored from this writer id (an actor restarted under the same id).
+        self._numbering_known = False
+        self._max_sent = 0
+        self._acked = 0
+        self._error: MillpondError | None = None
+        self._closing = False
+        self._closed = False
+        self._aborted = False
+        self._stream_id = 0
+        self._call: Any = None
+
+        # Episode bookkeeping for write_segment (guarded by _write_lock).
+        self._write_lock = threading.RLock()
+        self._spec: TableSpec | None = None
+        self._episode_base = (writer_hash(writer_id) % 2**31) * 2**32
+        self._episode_counter = 0
+        self._current_episode: int | None = None
+        self._next_step: dict[int, int] = {}
+
+        self._thread = threading.Thread(
+            target=self._run, name=f"millpond-writer-{writer_id}", daemon=True
+        )
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def writer_id(self) -> str:
+        return self._writer_id
+
+    @property
+    def table(self) -> str:
+        return self._table
+
+    @property
+    def address(self) -> str:
+        """The address of the shard this writer is pinned to."""
+        return self._shard.address
+
+    @property
+    def shard_index(self) -> int:
+        """The index of the shard this writer is pinned to, in the client's list."""
+        return self._shard.index
+
+    @property
+    def sent(self) -> int:
+        """Segments sent to the shard at least once (re-sends are not counted again)."""
+        return self._max_sent
+
+    @property
+    def acked(self) -> int:
+        """Segments the shard acknowledged (stored)."""
+        return self._acked
+
+    @property
+    def pending(self) -> int:
+        """Segments written but not acknowledged yet."""
+        with self._cv:
+            return len(self._unacked)
+
+    @property
+    def sequence(self) -> int:
+        """The sequence number of the last segment written (0 before the first)."""
+        return self._next_sequence - 1
+
+    def write_segment(
+        self,
+        steps: TensorDictBase | Mapping[Any, Any],
+        tail: TensorDictBase | Mapping[Any, Any],
+        episode_id: int | None = None,
+        first_step: int | None = None,
+    ) -> int:
+        """Queue one segment; returns its sequence number.
+
+        Args:
+            steps: TensorDict ``[L]`` in TED form without ``("next", obs)``: observations and
+                per-step keys at the root; ``reward``, ``terminated`` and ``truncated`` (or
+                ``done``) under ``"next"``. An episode may end only at the last step.
+            tail: TensorDict ``[]`` of the observation keys: the observation after the last
+                step.
+            episode_id: the episode this segment belongs to. ``None``: the writer's current
+                episode if the previous segment did not end it, else a new id, unique across
+                writers (``(writer_hash(writer_id) % 2**31) * 2**32 + counter``).
+            first_step: the index of the first step within the episode. ``None``: the number
+                of steps this writer has written in that episode so far.
+
+        Raises:
+            InvalidDataError: the segment does not fit the segment layout or the table's
+                spec (raised before anything is queued).
+            MillpondError: the error that stopped the writer earlier (server-side rejection,
+                missing table, authentication), or :class:`ClosedError` after :meth:`close`.
+
+        Blocks while ``max_in_flight`` segments await acknowledgement.
+        """
+        episode_id = _optional_index("episode_id", episode_id)
+        first_step = _optional_index("first_step", first_step)
+        self._raise_if_unusable()
+        packed = pack([Segment(steps, tail, episode_id or 0, first_step or 0)])
+        with self._write_lock:
+            self._check_spec(packed)
+            length = int(packed.lengths[0])
+            ended = bool(packed.steps[TERMINATED][-1] | packed.steps[TRUNCATED][-1])
+            if episode_id is None:
+                if self._current_episode is not None:
+                    episode_id = self._current_episode
+                else:
+                    episode_id = self._episode_base + self._episode_counter
+                    self._episode_counter += 1
+            if first_step is None:
+                first_step = self._next_step.get(episode_id, 0)
+            msg = self._encode(
+                packed.steps,
+                {k: v[0] for k, v in packed.tails.items()},
+                length,
+                episode_id,
+                first_step,
+            )
+            sequence = self._enqueue(msg)
+            if ended:
+                self._next_step.pop(episode_id, None)
+                self._current_episode = None
+            else:
+                self._next_step[episode_id] = first_step + length
+                self._current_episode = episode_id
+            return sequence
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every written segment is acknowledged.
+
+        Raises :class:`DeadlineExceededError` after ``timeout_s`` seconds (the segments stay
+        queued and are still sent), or the error that stopped the writer.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while self._unacked and self._error is None:
+                if not self._thread.is_alive():
+                    raise ClosedError(
+                        f"writer {self._writer_id!r} is closed with {len(self._unacked)} "
+                        "segments unacknowledged"
+                    )
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceededError(
+                        f"flush: {len(self._unacked)} segments of writer {self._writer_id!r} "
+                        f"still unacknowledged by shard {self._shard.address} after {timeout_s} s"
+                    )
+                self._cv.wait(remaining)
+            self._raise_error_locked()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush, end the stream and stop the background thread.
+
+        After ``timeout_s`` seconds the stream is cancelled, unacknowledged segments are
+        dropped, and :class:`DeadlineExceededError` is raised. Closing twice is harmless.
+        """
+        with self._cv:
+            if self._closed:
+                return
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._abort()
+            self._thread.join()
+            with self._cv:
+                self._closed = True
+                lost = len(self._unacked)
+            raise DeadlineExceededError(
+                f"close: writer {self._writer_id!r} gave up after {timeout_s} s with {lost} "
+                f"segments unacknowledged by shard {self._shard.address}"
+            )
+        with self._cv:
+            self._closed = True
+            self._raise_error_locked()
+            if self._unacked:  # the thread stopped without an error: aborted
+                raise ClosedError(
+                    f"writer {self._writer_id!r} closed with {len(self._unacked)} segments "
+                    "unacknowledged"
+                )
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # do not hide the exception that left the block
+            self.close()
+        except MillpondError as e:
+            logger.warning("writer %r: closing after an exception failed: %s", self._writer_id, e)
+
+    def __repr__(self) -> str:
+        return (
+            f"Writer({self._writer_id!r}, table={self._table!r}, shard={self._shard.address!r}, "
+            f"sent={self.sent}, acked={self.acked})"
+        )
+
+    # -- used by ReplayClient.extend -----------------------------------------------------
+    def _write_packed(self, packed: PackedSegments) -> None:
+        """Queue segments already packed (and episode-numbered) by ``compact_ted``."""
+        self._raise_if_unusable()
+        with self._write_lock:
+            self._check_spec(packed)
+            row = 0
+            for i, length in enumerate(packed.lengths.tolist()):
+                steps = {k: v[row : row + length] for k, v in packed.steps.items()}
+                tail = {k: v[i] for k, v in packed.tails.items()}
+                row += length
+                self._enqueue(
+                    self._encode(
+                        steps, tail, length, int(packed.episode_ids[i]), int(packed.first_steps[i])
+                    )
+                )
+
+    # -- caller side ---------------------------------------------------------------------
+    def _check_spec(self, packed: PackedSegments) -> None:
+        config = self._table_config()
+        spec = config.spec if config is not None and config.spec is not None else self._spec
+        if spec is None:  # unknown: the first segment sets it, as on the server
+            try:
+                spec = TableSpec.from_example(packed.steps, packed.tails)
+            except InvalidConfigError as e:
+                raise InvalidDataError(str(e)) from None
+        spec.check(packed.tails, (OBSERVATION,), "tail")
+        spec.check(packed.steps, (OBSERVATION, STEP), "steps")
+        self._spec = spec
+
+    def _encode(
+        self,
+        steps: Mapping[Key, torch.Tensor],
+        tail: Mapping[Key, torch.Tensor],
+        length: int,
+        episode_id: int,
+        first_step: int,
+    ) -> pb.Segment:
+        config = self._table_config()
+        compress = set(tail) if config is not None and config.compression == "zstd" else set()
+        msg = pb.Segment(
+            episode_id=episode_id,
+            first_step=first_step,
+            steps=to_tensor_map(steps, batch_size=[length], compress_keys=compress),
+            tail=to_tensor_map(tail, batch_size=[], compress_keys=compress),
+        )
+        limit = self._max_message_bytes - _MESSAGE_OVERHEAD
+        if msg.ByteSize() > limit:
+            raise ResourceExhaustedError(
+                f"a segment of {length} steps takes {msg.ByteSize()} bytes on the wire, more than "
+                f"the message limit ({limit} bytes; raise max_message_mb or cut shorter segments)"
+            )
+        return msg
+
+    def _enqueue(self, msg: pb.Segment) -> int:
+        with self._cv:
+            while True:
+                self._raise_if_unusable_locked()
+                if len(self._unacked) < self._max_in_flight:
+                    break
+                self._cv.wait()
+            sequence = self._next_sequence
+            self._next_sequence += 1
+            msg.sequence = sequence
+            self._unacked[sequence] = msg
+            self._sizes[sequence] = msg.ByteSize()
+            self._cv.notify_all()
+            return sequence
+
+    def _raise_if_unusable(self) -> None:
+        with self._cv:
+            self._raise_if_unusable_locked()
+
+    def _raise_if_unusable_locked(self) -> None:
+        self._raise_error_locked()
+        if self._closing or self._closed:
+            raise ClosedError(f"writer {self._writer_id!r} is closed")
+
+    def _raise_error_locked(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise type(err)(*err.args) from err
+
+    # -- background thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = BACKOFF_INITIAL_S
+        failing = False
+        while True:
+            with self._cv:
+                while not (self._unacked or self._closing or self._aborted):
+                    self._cv.wait()
+                if self._aborted or self._error is not None:
+                    return
+                if self._closing and not self._unacked:
+                    return
+                self._stream_id += 1
+                stream_id = self._stream_id
+                acked_before = self._acked
+            err: BaseException | None = None
+            try:
+                call = self._shard.stub.Insert(self._requests(stream_id), metadata=self._metadata)
+                with self._cv:
+                    self._call = call
+                    if self._aborted:
+                        call.cancel()
+                for response in call:
+                    if not self._numbering_known:
+                        self._learn_numbering(response.stored_through)
+                    self._on_ack(response.sequences)
+                    self._on_stored()
+                    if failing:
+                        logger.info(
+                            "writer %r: shard %s is back; re-sent unacknowledged segments",
+                            self._writer_id,
+                            self._shard.address,
+                        )
+                        failing = False
+                    backoff = BACKOFF_INITIAL_S
+            except grpc.RpcError as e:
+                err = e
+            except Exception as e:  # a closed channel, bad TLS file, ...: not recoverable
+                self._fail(e if isinstance(e, MillpondError) else MillpondError(str(e)), e)
+                return
+            finally:
+                with self._cv:
+                    self._stream_id += 1  # ends the request generator of this stream
+                    self._call = None
+                    self._cv.notify_all()
+            with self._cv:
+                if self._aborted:
+                    return
+                made_progress = self._acked > acked_before
+                stalled = err is None and bool(self._unacked) and not made_progress
+            if err is None and not stalled:
+                continue  # the server ended the stream after acknowledging: go on
+            if err is not None and not is_retryable(err):
+                self._fail(from_rpc_error(err, self._shard.address), err)
+                return
+            if not failing:
+                reason = "ended the stream early" if err is None else from_rpc_error(err)
+                logger.warning(
+                    "writer %r: shard %s unavailable (%s); reconnecting with backoff, then "
+                    "re-sending the %d unacknowledged segments",
+                    self._writer_id,
+                    self._shard.address,
+                    reason,
+                    self.pending,
+                )
+                failing = True
+            with self._cv:
+                self._cv.wait_for(lambda: self._aborted, timeout=backoff)
+            backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+    def _learn_numbering(self, stored_through: int) -> None:
+        with self._cv:
+            if stored_through:
+                self._unacked = {q + stored_through: m for q, m in self._unacked.items()}
+                self._sizes = {q + stored_through: n for q, n in self._sizes.items()}
+                for q, m in self._unacked.items():
+                    m.sequence = q
+                self._next_sequence += stored_through
+            self._numbering_known = True
+            self._cv.notify_all()
+
+    def _requests(self, stream_id: int) -> Iterator[pb.InsertRequest]:
+        """The requests of one stream: every unacknowledged segment in order, then new ones.
+
+        The first stream opens with a request without segments, whose answer tells where
+        this writer id's numbering stands on the shard; nothing is sent before it arrives.
+        """
+        sent_up_to = 0
+        if not self._numbering_known:
+            yield pb.InsertRequest(writer_id=self._writer_id, table=self._table, timeout_ms=0)
+            with self._cv:
+                while not self._numbering_known:
+                    if self._stream_id != stream_id or self._aborted:
+                        return
+                    self._cv.wait()
+        while True:
+            with self._cv:
+                while True:
+                    if self._stream_id != stream_id or self._aborted:
+                        return
+                    batch: list[pb.Segment] = []
+                    size = 0
+                    for sequence, msg in self._unacked.items():
+                        if sequence <= sent_up_to:
+                            continue
+                        n = self._sizes[sequence]
+                        if batch and size + n > REQUEST_BYTES:
+                            break
+                        batch.append(msg)
+                        size += n
+                    if batch:
+                        break
+                    if self._closing:
+                        return  # half-close: the server acknowledges the rest and ends
+                    self._cv.wait()
+                sent_up_to = batch[-1].sequence
+                self._max_sent = max(self._max_sent, sent_up_to)
+            yield pb.InsertRequest(
+                writer_id=self._writer_id, table=self._table, segments=batch, timeout_ms=0
+            )
+
+    def _on_ack(self, sequences: Sequence[int]) -> None:
+        with self._cv:
+            for sequence in sequences:
+                if self._unacked.pop(sequence, None) is not None:
+                    del self._sizes[sequence]
+                    self._acked += 1
+            self._cv.notify_all()
+
+    def _fail(self, error: MillpondError, cause: BaseException) -> None:
+        error.__cause__ = cause
+        logger.error(
+            "writer %r: shard %s refused the stream: %s",
+            self._writer_id,
+            self._shard.address,
+            error,
+        )
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+    def _abort(self) -> None:
+        with self._cv:
+            self._aborted = True
+            call = self._call
+            self._cv.notify_all()
+        if call is not None:
+            call.cancel()
+
+
+def _optional_index(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < 0:
+        raise InvalidDataError(f"{name} ({value!r}) must be a non-negative integer")
+    return int(value)
