@@ -377,9 +377,7 @@ class Millpond(System):
         self.table = Table.create(root / "uniform", TableConfig.uniform("uniform", self.capacity))
         self.slices: Table | None = None
         # Each pass gets fresh episode ids, as new experience would.
-        self._episode_stride = 1 + max(
-            s.episode_id for segs in data.segment_chunks for s in segs
-        )
+        self._episode_stride = 1 + max(s.episode_id for segs in data.segment_chunks for s in segs)
         self._passes: dict[int, list[list[Segment]]] = {}
 
     def segments_for(self, data: Data, pass_no: int) -> list[list[Segment]]:
