@@ -133,7 +133,8 @@ class PrioritizedSampler(Sampler):
 
     ``P(i) = p_i^alpha / sum_j p_j^alpha``; importance weights ``w_i = (N P(i))^-beta``
     normalised by their maximum. New steps get the largest priority seen so far.
-    Raw priorities live in ``priorities`` (a memory-mapped array, so they survive restarts).
+    Raw priorities live in ``priorities`` (a memory-mapped array of ``capacity + 1``
+    entries, so they survive restarts); its last entry holds that largest priority.
     """
 
     def __init__(
@@ -147,8 +148,10 @@ class PrioritizedSampler(Sampler):
         super().__init__(capacity, seed)
         self.alpha = alpha
         self.beta = beta
-        self.priorities = priorities
-        self.max_priority = 1.0
+        self.priorities = priorities[:capacity]
+        self._max = priorities[capacity : capacity + 1]
+        if self._max[0] < 1.0:
+            self._max[0] = 1.0
         self._tree = SumMinTree(capacity)
         self._count = 0
 
@@ -176,7 +179,12 @@ class PrioritizedSampler(Sampler):
         self._tree.set(slots, p**self.alpha)
         self._count += len(slots)
         if len(p):
-            self.max_priority = max(1.0, float(p.max()))
+            self._max[0] = max(float(self._max[0]), float(p.max()))
+
+    @property
+    def max_priority(self) -> float:
+        """The largest priority ever set (1 at first): what new steps get."""
+        return float(self._max[0])
 
     def on_evict(self, segments: SegmentBatch) -> None:
         slots = segments.step_slots()
@@ -208,7 +216,7 @@ class PrioritizedSampler(Sampler):
             return
         self.priorities[slots] = priorities
         self._tree.set(slots, priorities**self.alpha)
-        self.max_priority = max(self.max_priority, float(priorities.max()))
+        self._max[0] = max(float(self._max[0]), float(priorities.max()))
 
     def state(self) -> dict:
         return {

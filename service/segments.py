@@ -119,6 +119,20 @@ def flatten(td: TensorDictBase | Mapping) -> dict[Key, torch.Tensor]:
     return out
 
 
+_FLAG_KEYS = (DONE, TERMINATED, TRUNCATED)
+
+
+def _flag_shape(t: torch.Tensor, n: int, key: Key) -> torch.Tensor:
+    """Per-segment shape check of a flag column, flattened to ``[n]`` for concatenation."""
+    if t.shape != (n,):
+        if t.shape != (n, 1):
+            raise InvalidDataError(
+                f"key {format_key(key)}: expected shape [{n}] or [{n}, 1], received {list(t.shape)}"
+            )
+        t = t.reshape(n)
+    return t
+
+
 def _as_flags(t: torch.Tensor, n: int, key: Key) -> torch.Tensor:
     if t.shape not in ((n,), (n, 1)):
         raise InvalidDataError(
@@ -129,7 +143,9 @@ def _as_flags(t: torch.Tensor, n: int, key: Key) -> torch.Tensor:
     return t.reshape(n).to(torch.bool)
 
 
-def normalize_steps(steps: dict[Key, torch.Tensor], n: int) -> dict[Key, torch.Tensor]:
+def normalize_steps(
+    steps: dict[Key, torch.Tensor], n: int, lengths: np.ndarray | None = None
+) -> dict[Key, torch.Tensor]:
     """Replace done/terminated/truncated by bool ``terminated`` and ``truncated`` of shape [n].
 
     With only ``done``, it is taken as ``terminated``. Raises if ``done`` disagrees with the
@@ -155,11 +171,18 @@ def normalize_steps(steps: dict[Key, torch.Tensor], n: int) -> dict[Key, torch.T
     else:
         term = _as_flags(done, n, DONE) & ~trunc
     ended = term | trunc
-    if n > 1 and bool(ended[:-1].any()):
-        at = int(torch.nonzero(ended[:-1])[0])
+    if lengths is None:
+        lengths = np.array([n], dtype=np.int64)
+    last = torch.from_numpy(np.cumsum(lengths) - 1)
+    inner = ended.clone()
+    inner[last] = False  # an episode may end at each segment's last step, nowhere else
+    if bool(inner.any()):
+        row = int(torch.nonzero(inner)[0])
+        seg = int(np.searchsorted(np.cumsum(lengths), row, side="right"))
+        at = row - int(np.cumsum(lengths)[seg] - lengths[seg])
         raise InvalidDataError(
-            f"the episode ends at step {at} of a segment of {n} steps: an episode end must be "
-            "a segment's last step (cut the segment there)"
+            f"the episode ends at step {at} of a segment of {int(lengths[seg])} steps: an "
+            "episode end must be a segment's last step (cut the segment there)"
         )
     steps[TERMINATED] = term
     steps[TRUNCATED] = trunc
@@ -175,7 +198,7 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
     """
     if not segments:
         raise InvalidDataError("no segments to insert")
-    steps_list, tails_list = [], []
+    steps_list, tails_list, lengths_list = [], [], []
     obs_keys: list[Key] | None = None
     for i, seg in enumerate(segments):
         tail_td = seg.tail
@@ -204,18 +227,28 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
             raise InvalidDataError(
                 f"segment {i}: steps lack observation key(s) {', '.join(missing)}"
             )
-        steps_list.append(normalize_steps(steps, n))
+        for key in _FLAG_KEYS:
+            t = steps.get(key)
+            if t is not None:
+                steps[key] = _flag_shape(t, n, key)
+        steps_list.append(steps)
         tails_list.append(tail)
+        lengths_list.append(n)
+    lengths = np.array(lengths_list, dtype=np.int64)
+    flag_sets = {frozenset(k for k in _FLAG_KEYS if k in s) for s in steps_list}
+    if len(flag_sets) > 1:  # segments flag their ends differently: normalise each one
+        steps_list = [normalize_steps(s, n) for s, n in zip(steps_list, lengths_list)]
     keys = list(steps_list[0])
     for i, s in enumerate(steps_list[1:], 1):
-        if set(s) != set(keys):
+        if s.keys() != steps_list[0].keys():
             raise InvalidDataError(f"segment {i}: step keys differ from segment 0's")
-    lengths = np.array([len(s[TERMINATED]) for s in steps_list], dtype=np.int64)
     if len(segments) == 1:
         cat_steps, cat_tails = steps_list[0], {k: v.unsqueeze(0) for k, v in tails_list[0].items()}
     else:
         cat_steps = {k: _cat([s[k] for s in steps_list], k) for k in keys}
         cat_tails = {k: _cat([t[k].unsqueeze(0) for t in tails_list], k) for k in tails_list[0]}
+    # One vectorised pass over the episode-end flags of every segment.
+    cat_steps = normalize_steps(cat_steps, int(lengths.sum()), lengths)
     sequences = [s.sequence for s in segments]
     if any(q is not None for q in sequences):
         if any(q is None for q in sequences):

@@ -32,6 +32,8 @@ from millpond.service.spec import OBSERVATION, Key, TableSpec
 SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
 _GEN, _EPISODE, _STEP, _SEG_START, _SEG_LEN, _KIND, _WRITER, _SEQUENCE = range(8)
 _META_WIDTH = 8
+#: Rows at least this large are written with one slice copy per segment.
+_ROW_COPY_BYTES = 1024
 
 
 @dataclass
@@ -130,9 +132,12 @@ class SegmentStorage:
                 f"{meta_file} has {meta_file.stat().st_size} bytes, expected "
                 f"{capacity * _META_WIDTH * 8} for capacity {capacity}"
             )
-        self.meta = np.memmap(
+        self._meta_map = np.memmap(
             meta_file, dtype=np.int64, mode="w+" if fresh else "r+", shape=(capacity, _META_WIDTH)
         )
+        # Plain ndarray view of the same pages: numpy's memmap subclass adds microseconds of
+        # __array_finalize__ to every indexing, which dominates small samples and inserts.
+        self.meta = self._meta_map.view(np.ndarray)
         self._fds.append(os.open(meta_file, os.O_RDWR))
         #: Next slot to allocate from; recovered from the newest segment on reopen.
         self.cursor = 0
@@ -167,6 +172,7 @@ class SegmentStorage:
             index["columns"].append({"key": list(key), "file": filename.name})
         _atomic_write_json(cols_dir / "index.json", index)
         self.spec = spec
+        self._row_copy = {key: f.nbytes >= _ROW_COPY_BYTES for key, f in spec.fields.items()}
 
     # -- allocation ----------------------------------------------------------------------
     def next_start(self, n_slots: int) -> int:
@@ -219,36 +225,54 @@ class SegmentStorage:
         assert self.spec is not None
         base = int(layout.starts[0])
         n_slots = int(layout.lengths.sum()) + len(layout)
-        step_rel = torch.from_numpy(layout.step_slots() - base)
-        tail_rel = torch.from_numpy(layout.starts + layout.lengths - base)
+        rel = (layout.starts - base).tolist()
+        lengths = layout.lengths.tolist()
+        rows = (np.cumsum(layout.lengths) - layout.lengths).tolist()
+        step_rel = tail_rel = None
         for key, f in self.spec.fields.items():
             block = self.columns[key][base : base + n_slots]
-            block.index_copy_(0, step_rel, steps[key])
+            src = steps[key]
+            if self._row_copy[key]:
+                # Large rows: each segment's steps are contiguous in the block and in the
+                # source, so plain slice copies (memcpy) beat index_copy_'s per-row kernel
+                # by ~15x on image observations.
+                for s, r, n in zip(rel, rows, lengths):
+                    block[s : s + n].copy_(src[r : r + n])
+                if f.role == OBSERVATION:
+                    t = tails[key]
+                    for i, (s, n) in enumerate(zip(rel, lengths)):
+                        block[s + n].copy_(t[i])
+                continue
+            if step_rel is None:
+                step_rel = torch.from_numpy(layout.step_slots() - base)
+                tail_rel = torch.from_numpy(layout.starts + layout.lengths - base)
+            block.index_copy_(0, step_rel, src)
             if f.role == OBSERVATION:
                 block.index_copy_(0, tail_rel, tails[key])
 
     def publish(self, layout: SegmentBatch) -> None:
-        """Write the slot metadata of ``layout``, commit markers last, making it visible."""
-        steps = layout.step_slots()
-        tails = layout.starts + layout.lengths
-        seg_of_step = np.repeat(np.arange(len(layout)), layout.lengths)
-        step_in_seg = steps - np.repeat(layout.starts, layout.lengths)
+        """Write the slot metadata of ``layout``, commit markers last, making it visible.
+
+        ``layout`` is one block written by :meth:`write`: its segments lie back to back, so the
+        metadata is built as one ``[n_slots, width]`` array and stored with two slice writes.
+        """
+        base = int(layout.starts[0])
+        n_slots = int(layout.lengths.sum()) + len(layout)
+        seg = np.repeat(np.arange(len(layout)), layout.lengths + 1)
+        in_seg = np.arange(n_slots) - np.repeat(layout.starts - base, layout.lengths + 1)
+        block = np.empty((n_slots, _META_WIDTH), dtype=np.int64)
+        block[:, _EPISODE] = layout.episode_ids[seg]
+        block[:, _STEP] = layout.first_steps[seg] + in_seg
+        block[:, _SEG_START] = layout.starts[seg]
+        block[:, _SEG_LEN] = layout.lengths[seg]
+        block[:, _KIND] = np.where(in_seg == block[:, _SEG_LEN], SLOT_TAIL, SLOT_STEP)
+        block[:, _WRITER] = 0 if layout.writers is None else layout.writers[seg]
+        block[:, _SEQUENCE] = 0 if layout.sequences is None else layout.sequences[seg]
         meta = self.meta
-        for slots, seg, step_no, kind in (
-            (steps, seg_of_step, layout.first_steps[seg_of_step] + step_in_seg, SLOT_STEP),
-            (tails, np.arange(len(layout)), layout.first_steps + layout.lengths, SLOT_TAIL),
-        ):
-            meta[slots, _EPISODE] = layout.episode_ids[seg]
-            meta[slots, _STEP] = step_no
-            meta[slots, _SEG_START] = layout.starts[seg]
-            meta[slots, _SEG_LEN] = layout.lengths[seg]
-            meta[slots, _KIND] = kind
-            meta[slots, _WRITER] = 0 if layout.writers is None else layout.writers[seg]
-            meta[slots, _SEQUENCE] = 0 if layout.sequences is None else layout.sequences[seg]
+        meta[base : base + n_slots, _GEN + 1 :] = block[:, _GEN + 1 :]
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
-        meta[steps, _GEN] = layout.generations[seg_of_step]
-        meta[tails, _GEN] = layout.generations
+        meta[base : base + n_slots, _GEN] = layout.generations[seg]
         if self.fsync:
             self.flush()
 
@@ -343,7 +367,7 @@ class SegmentStorage:
 
     def close(self) -> None:
         if self.meta is not None:
-            self.meta.flush()
+            self._meta_map.flush()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

@@ -119,8 +119,9 @@ class Table:
                 prio_file,
                 dtype=np.float64,
                 mode="r+" if prio_file.exists() else "w+",
-                shape=(c.capacity,),
+                shape=(c.capacity + 1,),  # the last entry: the largest priority set
             )
+            self._priorities_file = prios
             self.sampler = PrioritizedSampler(c.capacity, prios, c.alpha, c.beta, c.seed)
         elif c.sampler == "queue":
             self.sampler = QueueSampler(c.capacity, self._counters[_C_QUEUE : _C_QUEUE + 1], c.seed)
@@ -453,7 +454,8 @@ class Table:
         root["step"] = torch.from_numpy(np.ascontiguousarray(rows[..., 2]))
         if selection.weights is not None:
             root["weight"] = torch.from_numpy(selection.weights)
-        return TensorDict(root, batch_size=list(shape))
+        # Every value was built here with the right leading shape: skip TensorDict's checks.
+        return TensorDict._new_unsafe(root, batch_size=torch.Size(shape))
 
     # -- priorities ----------------------------------------------------------------------
     def update_priorities(
@@ -522,7 +524,7 @@ class Table:
             self.storage.flush()
             self._counters.flush()
             if isinstance(self.sampler, PrioritizedSampler):
-                self.sampler.priorities.flush()  # type: ignore[attr-defined]
+                self._priorities_file.flush()
             self._write_meta()
 
     def reset(self) -> None:
@@ -536,6 +538,8 @@ class Table:
             self._counters[:] = 0
             self._counters[_C_NEXT_GEN] = next_gen  # stale indexes must stay stale
             self._counters[_C_QUEUE] = next_gen - 1
+            if isinstance(self.sampler, PrioritizedSampler):
+                self._priorities_file[-1] = 1.0  # new steps start from priority 1 again
             self._make_sampler_and_limiter()
             self._write_meta()
             self._cond.notify_all()

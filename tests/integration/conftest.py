@@ -336,7 +336,7 @@ class Experience:
     def add(self, ted: TensorDict, chunks: list[list[tuple]] | None = None) -> TensorDict:
         base = sum(t.shape[0] for t in self.teds)
         eps = ted["collector", "traj_ids"].tolist()
-        steps = ted["step_count"].tolist()
+        steps = ted["step_count"].reshape(-1).tolist()
         for i, key in enumerate(zip(eps, steps, strict=True)):
             assert key not in self.index, f"(episode, step) {key} recorded twice"
             self.index[key] = base + i
@@ -370,7 +370,10 @@ class Experience:
     @property
     def keys(self) -> set[tuple[str, ...]]:
         keys = {_key(k) for k in self.all.keys(include_nested=True, leaves_only=True)}
-        return keys - {("step_count",), ("done",), ("terminated",), ("truncated",)}
+        keys -= {("done",), ("terminated",), ("truncated",)}  # a TED's root flags: all False
+        if ("next", "step_count") not in keys:  # the rollout's bookkeeping, not an observation
+            keys.discard(("step_count",))
+        return keys
 
     @property
     def num_steps(self) -> int:

@@ -573,11 +573,6 @@ def test_checkpoint_then_sigkill_restores_priorities_queue_and_counters(tmp_path
     limited.close()
 
 
-@pytest.mark.xfail(
-    reason="PrioritizedSampler.max_priority is not persisted: after a restart it is rebuilt as "
-    "max(1, largest stored priority), so new steps get less than before the restart",
-    strict=True,
-)
 def test_new_steps_after_restart_get_the_max_priority_seen_before(tmp_path, zygote):
     """New steps get the largest priority ever set, also after the shard restarted."""
     pid = zygote.start(run="stateful", dir=str(tmp_path), seed=3)

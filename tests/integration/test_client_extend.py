@@ -1,0 +1,100 @@
+"""``ReplayClient.extend`` with TorchRL collector output: [P, T] TED in, exact TED out.
+
+A real ``torchrl.collectors.Collector`` steps three CartPole lanes (15-step limit, with a
+``StepCounter``), and its batches go through ``extend`` as they are. Trajectories run
+across batches, so some segments end only because a batch ended; the stored
+``("next", obs)`` must still be the env's true next observation at every step.
+"""
+
+import pytest
+import torch
+from torchrl.collectors import Collector
+from torchrl.envs import GymEnv, SerialEnv, StepCounter, TransformedEnv
+
+from millpond import InvalidDataError, ReplayClient, TableConfig
+from millpond.testing import CountingDictEnv, rollout
+
+LANES, TIME = 3, 20
+
+
+def collector_batches(seed, n_batches):
+    env = TransformedEnv(
+        SerialEnv(LANES, lambda: GymEnv("CartPole-v1", max_episode_steps=15)), StepCounter()
+    )
+    env.set_seed(seed)
+    collector = Collector(
+        env, policy=None, frames_per_batch=LANES * TIME, total_frames=LANES * TIME * n_batches
+    )
+    try:
+        return [td.clone() for td in collector]
+    finally:
+        collector.shutdown()
+
+
+def as_reference(td):
+    """A [P, T] collector batch as flat reference rows keyed by (traj id, step count)."""
+    return td.reshape(-1).exclude("done", "terminated", "truncated")
+
+
+def test_collector_batches_round_trip_exactly_across_three_shards(
+    server3, table_name, make_experience
+):
+    admin = ReplayClient(server3.address)
+    admin.create_table(TableConfig.uniform(table_name, capacity=10_000, seed=7))
+    exp = make_experience()
+    clients = []
+    try:
+        # One collector per client (an actor each); each client's extend writer is pinned to
+        # one shard, so add actors until every shard holds data.
+        for k in range(30):
+            client = ReplayClient(server3.address)
+            clients.append(client)
+            for td in collector_batches(seed=k, n_batches=2):
+                assert td.batch_size == torch.Size([LANES, TIME])
+                td["collector", "traj_ids"] += 1000 * k  # actors' ids must not collide
+                assert client.extend(table_name, td) == LANES * TIME
+                exp.add(as_reference(td))
+            sizes = [s["size"] for s in admin.info(table_name)["shards"]]
+            if k >= 2 and all(sizes):
+                break
+        assert sum(sizes) == exp.num_steps and all(sizes)
+        ends = exp.all["next"]
+        assert ends["terminated"].any() and ends["truncated"].any()
+        seen = set()
+        for _ in range(40):
+            batch = admin.sample(table_name, 256)
+            seen.update(exp.check(batch))
+            # millpond counts steps per trajectory across extend calls as the env does.
+            assert torch.equal(batch["step"], batch["step_count"].reshape(-1))
+            if len(seen) == exp.num_steps:
+                break
+        assert seen == set(exp.index)
+    finally:
+        for client in clients:
+            client.close()
+        admin.close()
+
+
+def test_extend_one_dimensional_ted_in_two_calls(client, table_name, make_experience):
+    client.create_table(TableConfig.uniform(table_name, capacity=2_000, seed=8))
+    exp = make_experience()
+    ted = exp.add(rollout(CountingDictEnv(pixel_shape=(2, 4, 4)), 60, seed=1))
+    # Cut mid-episode, so that the second call continues that episode's step count.
+    traj = ted["collector", "traj_ids"]
+    cut = int(torch.nonzero(traj[1:] == traj[:-1])[len(traj) // 3]) + 1
+    assert traj[cut - 1] == traj[cut] and ted["step_count"][cut] > 0
+    assert client.extend(table_name, ted[:cut]) == cut
+    assert client.extend(table_name, ted[cut:]) == 60 - cut
+    size = client.info(table_name)["size"]
+    assert size == 60
+    with pytest.raises(InvalidDataError, match="batch size"):
+        client.extend(table_name, ted[None, None])
+    with pytest.raises(InvalidDataError, match="observation keys"):
+        client.extend(table_name, ted.exclude("next"))
+    assert client.info(table_name)["size"] == size
+    seen = set()
+    for _ in range(30):
+        seen.update(exp.check(client.sample(table_name, 128)))
+        if len(seen) == exp.num_steps:
+            break
+    assert seen == set(exp.index)
