@@ -300,9 +300,13 @@ class SegmentStorage:
         nxt: dict[Key, torch.Tensor] = {}
         for key, f in self.spec.fields.items():
             col = self.columns[key]
-            now[key] = torch.index_select(col, 0, flat).reshape(*shape, *f.shape)
+            now[key] = torch.index_select(col, 0, flat)
             if f.role == OBSERVATION:
-                nxt[key] = torch.index_select(col, 0, flat_next).reshape(*shape, *f.shape)
+                nxt[key] = torch.index_select(col, 0, flat_next)
+        if len(shape) > 1:  # slices: [B, K] rows
+            for d in (now, nxt):
+                for key, t in d.items():
+                    d[key] = t.reshape(*shape, *t.shape[1:])
         return now, nxt
 
     # -- recovery and durability ---------------------------------------------------------

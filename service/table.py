@@ -60,6 +60,7 @@ class Table:
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
         self._inflight: dict[int, int] = {}  # reserved block start -> slots, during copies
+        self._evictions = 0  # bumped (under the lock) whenever published slots are dropped
         # Trajectories seen by extend(): episode id -> next step, so that a trajectory that
         # continues in the next call keeps counting its steps (and slices chain across calls).
         self._extend_state: dict[int, int] = {}
@@ -309,6 +310,8 @@ class Table:
                     else:
                         break
                 self._wait(deadline, f"insert of {packed.num_steps} steps timed out: {reason}")
+            if len(victims):
+                self._evictions += 1
             self.storage.unpublish(victims)
             self.sampler.on_evict(victims)
             self.storage.reserve(start, n_slots)
@@ -380,6 +383,7 @@ class Table:
                 )
             selection = self.sampler.sample(batch_size)
             rows = self.storage.slot_info(selection.slots)
+            evictions = self._evictions
             self.rate_limiter.on_sample(int(selection.slots.size))
             self._cond.notify_all()
             if isinstance(self.sampler, QueueSampler):
@@ -387,6 +391,10 @@ class Table:
                 now, nxt = self.storage.gather(selection.slots)
                 return self._to_ted(now, nxt, selection, rows)
         now, nxt = self.storage.gather(selection.slots)
+        if self._evictions == evictions:
+            # Nothing was unpublished since the slots were picked, so no row was overwritten
+            # during the gather (a writer unpublishes, under the lock, before it copies).
+            return self._to_ted(now, nxt, selection, rows)
         for _ in range(100):
             stale = self.storage.generations(selection.slots) != rows[..., 0]
             if stale.ndim > 1:
@@ -532,6 +540,7 @@ class Table:
         with self._cond:
             while self._inflight:
                 self._cond.wait()
+            self._evictions += 1
             self.storage.meta[:, 0] = 0
             self.storage.cursor = 0
             next_gen = int(self._counters[_C_NEXT_GEN])

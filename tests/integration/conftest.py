@@ -324,10 +324,13 @@ class Experience:
     Every row is indexed by ``(episode id, step)`` (the rollout's ``("collector",
     "traj_ids")`` and ``"step_count"``), so a sampled row is found by its ``episode_id`` and
     ``step`` and compared key by key: observations, ``("next", obs)`` (the true next
-    observation, never a reset's), action, reward and the flags.
+    observation, never a reset's), action, reward and the flags. ``step_count_stored``: the
+    rollouts' ``"step_count"`` was sent too (``extend`` of whole TED rollouts stores every
+    key).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, step_count_stored: bool = False) -> None:
+        self.step_count_stored = step_count_stored
         self.teds: list[TensorDict] = []
         self.index: dict[tuple[int, int], int] = {}
         self.segments: list[list[tuple]] = []  # per rollout: [(Segment, SegmentRecord)]
@@ -371,7 +374,7 @@ class Experience:
     def keys(self) -> set[tuple[str, ...]]:
         keys = {_key(k) for k in self.all.keys(include_nested=True, leaves_only=True)}
         keys -= {("done",), ("terminated",), ("truncated",)}  # a TED's root flags: all False
-        if ("next", "step_count") not in keys:  # the rollout's bookkeeping, not an observation
+        if not self.step_count_stored:  # the rollout's bookkeeping, not sent by writers
             keys.discard(("step_count",))
         return keys
 

@@ -41,7 +41,7 @@ def test_collector_batches_round_trip_exactly_across_three_shards(
 ):
     admin = ReplayClient(server3.address)
     admin.create_table(TableConfig.uniform(table_name, capacity=10_000, seed=7))
-    exp = make_experience()
+    exp = make_experience(step_count_stored=True)
     clients = []
     try:
         # One collector per client (an actor each); each client's extend writer is pinned to
@@ -77,7 +77,7 @@ def test_collector_batches_round_trip_exactly_across_three_shards(
 
 def test_extend_one_dimensional_ted_in_two_calls(client, table_name, make_experience):
     client.create_table(TableConfig.uniform(table_name, capacity=2_000, seed=8))
-    exp = make_experience()
+    exp = make_experience(step_count_stored=True)
     ted = exp.add(rollout(CountingDictEnv(pixel_shape=(2, 4, 4)), 60, seed=1))
     # Cut mid-episode, so that the second call continues that episode's step count.
     traj = ted["collector", "traj_ids"]
