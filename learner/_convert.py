@@ -15,8 +15,9 @@ from millpond.protos import millpond_pb2 as pb
 from millpond.protos.codec import from_tensor_map_flat, to_tensor_map
 from millpond.service.spec import check_key
 
-#: Bytes per PublishWeights chunk.
-WEIGHTS_CHUNK_BYTES = 1024 * 1024
+#: Bytes per PublishWeights chunk: well under the smallest message limit (1 MiB) of a server
+#: or a client, as the servicer's GetWeights chunks are.
+WEIGHTS_CHUNK_BYTES = 256 * 1024
 
 
 def state_dict_to_blob(state_dict: Mapping[str, torch.Tensor]) -> bytes:
@@ -60,7 +61,7 @@ def state_dict_from_blob(blob: bytes) -> dict[str, torch.Tensor]:
 
 
 def weight_chunks(blob: bytes, version: int) -> Iterator[pb.PublishWeightsRequest]:
-    """PublishWeights requests: 1 MiB chunks, the first with ``version`` and ``total_size``."""
+    """PublishWeights requests: 256 KiB chunks, the first with ``version`` and ``total_size``."""
     yield pb.PublishWeightsRequest(
         version=version, total_size=len(blob), chunk=blob[:WEIGHTS_CHUNK_BYTES]
     )

@@ -46,9 +46,17 @@ logger = logging.getLogger("millpond.client")
 #: Reconnect backoff: starts here, doubles after each failed attempt, up to the maximum.
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 2.0
-#: Queued segments are batched into one InsertRequest up to about this many bytes.
-REQUEST_BYTES = 4 * 1024 * 1024
 _MESSAGE_OVERHEAD = 64 * 1024
+#: Queued segments are batched into one InsertRequest up to about this many bytes: under the
+#: smallest message limit a server takes (1 MiB), so batching never makes a request that a
+#: server refuses when each segment alone would pass. A larger segment goes alone.
+REQUEST_BYTES = 1024 * 1024 - _MESSAGE_OVERHEAD
+#: Insert requests sent and not answered yet, at most. Segments written meanwhile wait and go
+#: together in the next request, so batching follows the shard's pace: small segments no
+#: longer travel one per request (each request costs the shard and the client far more than
+#: a small segment's bytes), while two requests in flight keep the shard busy.
+REQUESTS_IN_FLIGHT = 2
+_SEQUENCE_BYTES = 11  # the sequence field, set after a segment's size is taken
 
 
 class Writer:
@@ -116,6 +124,7 @@ class Writer:
         self._closed = False
         self._aborted = False
         self._stream_id = 0
+        self._requests_in_flight = 0  # of the current stream
         self._call: Any = None
 
         # Episode bookkeeping for write_segment (guarded by _write_lock).
@@ -216,14 +225,14 @@ class Writer:
                     self._episode_counter += 1
             if first_step is None:
                 first_step = self._next_step.get(episode_id, 0)
-            msg = self._encode(
+            msg, size = self._encode(
                 packed.steps,
                 {k: v[0] for k, v in packed.tails.items()},
                 length,
                 episode_id,
                 first_step,
             )
-            sequence = self._enqueue(msg)
+            sequence = self._enqueue(msg, size)
             if ended:
                 self._next_step.pop(episode_id, None)
                 self._current_episode = None
@@ -321,7 +330,7 @@ class Writer:
                 tail = {k: v[i] for k, v in packed.tails.items()}
                 row += length
                 self._enqueue(
-                    self._encode(
+                    *self._encode(
                         steps, tail, length, int(packed.episode_ids[i]), int(packed.first_steps[i])
                     )
                 )
@@ -346,24 +355,25 @@ class Writer:
         length: int,
         episode_id: int,
         first_step: int,
-    ) -> pb.Segment:
+    ) -> tuple[pb.Segment, int]:
+        """The segment's message (its sequence not set yet) and its size in bytes."""
         config = self._table_config()
         compress = set(tail) if config is not None and config.compression == "zstd" else set()
-        msg = pb.Segment(
-            episode_id=episode_id,
-            first_step=first_step,
-            steps=to_tensor_map(steps, batch_size=[length], compress_keys=compress),
-            tail=to_tensor_map(tail, batch_size=[], compress_keys=compress),
-        )
+        # Filled in place: a TensorMap passed to the constructor would be deep-copied (upb
+        # copies nested messages at ~1 GB/s, as slow as encoding them).
+        msg = pb.Segment(episode_id=episode_id, first_step=first_step)
+        to_tensor_map(steps, batch_size=[length], compress_keys=compress, out=msg.steps)
+        to_tensor_map(tail, batch_size=[], compress_keys=compress, out=msg.tail)
+        size = msg.ByteSize()  # upb serializes to measure: do it once per segment
         limit = self._max_message_bytes - _MESSAGE_OVERHEAD
-        if msg.ByteSize() > limit:
+        if size > limit:
             raise ResourceExhaustedError(
-                f"a segment of {length} steps takes {msg.ByteSize()} bytes on the wire, more than "
+                f"a segment of {length} steps takes {size} bytes on the wire, more than "
                 f"the message limit ({limit} bytes; raise max_message_mb or cut shorter segments)"
             )
-        return msg
+        return msg, size
 
-    def _enqueue(self, msg: pb.Segment) -> int:
+    def _enqueue(self, msg: pb.Segment, size: int) -> int:
         with self._cv:
             while True:
                 self._raise_if_unusable_locked()
@@ -374,7 +384,7 @@ class Writer:
             self._next_sequence += 1
             msg.sequence = sequence
             self._unacked[sequence] = msg
-            self._sizes[sequence] = msg.ByteSize()
+            self._sizes[sequence] = size + _SEQUENCE_BYTES
             self._cv.notify_all()
             return sequence
 
@@ -406,6 +416,7 @@ class Writer:
                     return
                 self._stream_id += 1
                 stream_id = self._stream_id
+                self._requests_in_flight = 0
                 acked_before = self._acked
             err: BaseException | None = None
             try:
@@ -481,6 +492,8 @@ class Writer:
         """
         sent_up_to = 0
         if not self._numbering_known:
+            with self._cv:
+                self._requests_in_flight += 1
             yield pb.InsertRequest(writer_id=self._writer_id, table=self._table, timeout_ms=0)
             with self._cv:
                 while not self._numbering_known:
@@ -494,27 +507,32 @@ class Writer:
                         return
                     batch: list[pb.Segment] = []
                     size = 0
-                    for sequence, msg in self._unacked.items():
-                        if sequence <= sent_up_to:
-                            continue
-                        n = self._sizes[sequence]
-                        if batch and size + n > REQUEST_BYTES:
-                            break
-                        batch.append(msg)
-                        size += n
+                    limit = min(REQUEST_BYTES, self._max_message_bytes - _MESSAGE_OVERHEAD)
+                    if self._requests_in_flight < REQUESTS_IN_FLIGHT:
+                        for sequence, msg in self._unacked.items():
+                            if sequence <= sent_up_to:
+                                continue
+                            n = self._sizes[sequence]
+                            if batch and size + n > limit:
+                                break
+                            batch.append(msg)
+                            size += n
                     if batch:
                         break
-                    if self._closing:
+                    if self._closing and next(reversed(self._unacked), 0) <= sent_up_to:
                         return  # half-close: the server acknowledges the rest and ends
                     self._cv.wait()
                 sent_up_to = batch[-1].sequence
                 self._max_sent = max(self._max_sent, sent_up_to)
-            yield pb.InsertRequest(
-                writer_id=self._writer_id, table=self._table, segments=batch, timeout_ms=0
-            )
+                self._requests_in_flight += 1
+            request = pb.InsertRequest(writer_id=self._writer_id, table=self._table, timeout_ms=0)
+            for msg in batch:  # CopyFrom: a plain memcpy; segments=batch deep-copies slowly
+                request.segments.add().CopyFrom(msg)
+            yield request
 
     def _on_ack(self, sequences: Sequence[int]) -> None:
         with self._cv:
+            self._requests_in_flight = max(0, self._requests_in_flight - 1)  # one answer each
             for sequence in sequences:
                 if self._unacked.pop(sequence, None) is not None:
                     del self._sizes[sequence]

@@ -29,6 +29,7 @@ __all__ = [
     "CountingDictEnv",
     "SegmentRecord",
     "chunk_segments",
+    "make_counting_vector_env",
     "observation_keys",
     "pattern",
     "pixels_of",
@@ -155,6 +156,24 @@ class CountingDictEnv(gym.Env):
         terminated = bool(self.np_random.random() < self.terminate_prob)
         truncated = not terminated and self._step >= self._limit
         return self._obs(), reward, terminated, truncated, {"episode": self._episode}
+
+
+def make_counting_vector_env(
+    num_envs: int, *, lane_stride: int = 1_000_000, **kwargs
+) -> gym.vector.SyncVectorEnv:
+    """A ``SyncVectorEnv`` of :class:`CountingDictEnv` lanes whose episode numbers never meet.
+
+    Lane ``i`` numbers its episodes from ``i * lane_stride``, so an observation identifies
+    its lane, episode and step (the float32 ``state`` holds episode numbers exactly below
+    2**24; the ``pixels`` header always does). ``kwargs`` go to every :class:`CountingDictEnv`.
+    """
+    kwargs.pop("episode_offset", None)
+    return gym.vector.SyncVectorEnv(
+        [
+            functools.partial(CountingDictEnv, episode_offset=i * lane_stride, **kwargs)
+            for i in range(num_envs)
+        ]
+    )
 
 
 def _obs_td(obs: object) -> dict:

@@ -60,6 +60,7 @@ class Table:
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
         self._inflight: dict[int, int] = {}  # reserved block start -> slots, during copies
+        self._queue_full_writers = 0  # writers waiting for a learner to drain a full queue
         self._evictions = 0  # bumped (under the lock) whenever published slots are dropped
         # Trajectories seen by extend(): episode id -> next step, so that a trajectory that
         # continues in the next call keeps counting its steps (and slices chain across calls).
@@ -309,7 +310,17 @@ class Table:
                         reason = "the queue is full of steps not yet delivered to a learner"
                     else:
                         break
-                self._wait(deadline, f"insert of {packed.num_steps} steps timed out: {reason}")
+                message = f"insert of {packed.num_steps} steps timed out: {reason}"
+                if reason.startswith("the queue is full"):
+                    # A learner waiting for a full batch must not wait for this writer.
+                    self._queue_full_writers += 1
+                    self._cond.notify_all()
+                    try:
+                        self._wait(deadline, message)
+                    finally:
+                        self._queue_full_writers -= 1
+                else:
+                    self._wait(deadline, message)
             if len(victims):
                 self._evictions += 1
             self.storage.unpublish(victims)
@@ -355,7 +366,8 @@ class Table:
         """Sample ``batch_size`` steps (``[B, slice_len]`` for slices tables) as a TED TensorDict.
 
         Blocks until the rate limiter and the sampler allow it, up to ``timeout`` seconds.
-        Queue tables return whole segments: at most ``batch_size`` steps, in order.
+        Queue tables return whole segments, in order: at most ``batch_size`` steps, waiting
+        until that many are queued, or less when the queue is full and writers wait on it.
         """
         if (
             isinstance(batch_size, bool)
@@ -372,8 +384,10 @@ class Table:
         with self._cond:
             while True:
                 self._check_open()
-                if self.rate_limiter.can_sample(self.sampler.size) and self.sampler.can_sample(
-                    batch_size
+                if self.rate_limiter.can_sample(self.sampler.size) and (
+                    self.sampler.can_sample(batch_size)
+                    # A full queue delivers what it holds rather than deadlock its writers.
+                    or (self._queue_full_writers and self.sampler.size > 0)
                 ):
                     break
                 self._wait(

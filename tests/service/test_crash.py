@@ -251,7 +251,8 @@ class Zygote:
         )
         self.worker: int | None = None
         self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         assert "ready" in self.next(60)
 
     def _read(self) -> None:
@@ -305,6 +306,9 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.reader.join(10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -546,7 +550,7 @@ def test_checkpoint_then_sigkill_restores_priorities_queue_and_counters(tmp_path
     np.testing.assert_array_equal(np.asarray(prio.sampler.priorities)[slots], p["values"])
     assert prio.info()["mass"] == pytest.approx(p["mass"], rel=1e-12)
     assert prio.size == len(slots)
-    td = prio.sample(64)
+    td = prio.sample(64, timeout=5)
     # P(i) and the weights follow the restored priorities.
     pa = np.asarray(p["values"]) ** 0.6
     by_slot = dict(zip(p["slots"], pa / pa.sum()))
@@ -559,7 +563,7 @@ def test_checkpoint_then_sigkill_restores_priorities_queue_and_counters(tmp_path
     fifo = Table.open(tmp_path / "fifo")
     assert fifo.size == state["queue_size"]
     assert {k: fifo.info()[k] for k in ("inserts", "samples")} == state["fifo_counters"]
-    rest = fifo.sample(fifo.size)
+    rest = fifo.sample(fifo.size, timeout=5)
     got = list(zip(rest["episode_id"].tolist(), rest["step"].tolist()))
     delivered = [tuple(x) for x in state["delivered"]]
     assert not set(got) & set(delivered)

@@ -37,15 +37,15 @@ STEPS_PER_LANE = 400
 LARGE, SMALL = 4096, 64
 SLICE_LEN = 4
 
-# env name -> (factory(lane), end kinds its rollout must contain)
+# env name -> (factory(first episode id), end kinds its rollout must contain)
 ENVS = {
-    "cartpole": (lambda lane: gym.make("CartPole-v1"), {"terminated", "cut"}),
+    "cartpole": (lambda first: gym.make("CartPole-v1"), {"terminated", "cut"}),
     "cartpole-trunc15": (
-        lambda lane: gym.make("CartPole-v1", max_episode_steps=15),
+        lambda first: gym.make("CartPole-v1", max_episode_steps=15),
         {"terminated", "truncated", "cut"},
     ),
     "dict-obs": (
-        lambda lane: CountingDictEnv(pixel_shape=(3, 16, 16), episode_offset=1000 * lane),
+        lambda first: CountingDictEnv(pixel_shape=(3, 16, 16), episode_offset=first),
         {"terminated", "truncated", "cut"},
     ),
 }
@@ -59,9 +59,9 @@ class Reference:
         rng = np.random.default_rng(zlib.crc32(env_name.encode()))
         lanes = []
         for lane in range(2):
-            env = factory(lane)
-            offset = 1000 * lane + 7
-            td = rollout(env, STEPS_PER_LANE, seed=100 + lane, episode_offset=offset)
+            first = 1000 * lane + 7
+            env = factory(first)
+            td = rollout(env, STEPS_PER_LANE, seed=100 + lane, episode_offset=first)
             env.close()
             lanes.append(td)
         self.ted = torch.cat(lanes)
@@ -154,9 +154,9 @@ def _insert(table: Table, call: list) -> None:
     segments = [seg for seg, _ in call]
     if len(segments) == 1:
         s = segments[0]
-        table.insert(s.steps, s.tail, s.episode_id, s.first_step)
+        table.insert(s.steps, s.tail, s.episode_id, s.first_step, timeout=10)
     else:
-        table.insert_many(segments)
+        table.insert_many(segments, timeout=10)
 
 
 def _make(make_table, kind: str, capacity: int) -> Table:
@@ -239,9 +239,11 @@ def test_queue_delivers_each_step_once_in_order(make_table, ref: Reference, capa
         # The ring is smaller than the data: the writer waits for the learner to read.
         drainer = threading.Thread(target=drain, daemon=True)
         drainer.start()
-        for call in ref.calls:
-            _insert(table, call)
-        finished.set()
+        try:
+            for call in ref.calls:
+                _insert(table, call)
+        finally:
+            finished.set()
         drainer.join(30)
         assert not drainer.is_alive()
     else:

@@ -80,7 +80,7 @@ def live_steps(table: Table) -> tuple[np.ndarray, np.ndarray]:
 def draw_slots(table: Table, draws: int, batch: int = 1000) -> tuple[np.ndarray, np.ndarray]:
     slots, weights = [], []
     for _ in range(draws // batch):
-        td = table.sample(batch)
+        td = table.sample(batch, timeout=10)
         slots.append(td["index", "slot"].numpy())
         if td.get("weight", None) is not None:
             weights.append(td["weight"].numpy())
@@ -199,7 +199,7 @@ def test_slice_starts_are_uniform_over_valid_starts(make_table):
     index = {v: i for i, v in enumerate(valid)}
     counts = np.zeros(len(valid), dtype=np.int64)
     for _ in range(60):
-        td = table.sample(500)
+        td = table.sample(500, timeout=10)
         starts = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
         np.add.at(counts, [index[s] for s in starts], 1)
     assert_frequencies(counts, np.full(len(valid), 1 / len(valid)))

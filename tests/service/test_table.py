@@ -320,3 +320,24 @@ def test_resent_segments_are_stored_once(tmp_path):
     with pytest.raises(InvalidDataError, match="increasing"):
         t.insert_many([segs[1], segs[0]], writer_id="actor-2")
     t.close()
+
+
+def test_full_queue_delivers_what_it_holds_instead_of_deadlocking(tmp_path):
+    # 64 slots hold two segments of 30 steps (62 slots): fewer steps than a batch of 64.
+    t = Table.create(tmp_path / "t", TableConfig.queue("t", 64))
+    t.insert(*segment(n=30, ep=0), episode_id=0)
+    t.insert(*segment(n=30, ep=1), episode_id=1)
+    with pytest.raises(RateLimiterTimeoutError, match="queue is full"):
+        t.insert(*segment(n=30, ep=2), episode_id=2, timeout=0.05)
+    with pytest.raises(RateLimiterTimeoutError):
+        t.sample(64, timeout=0.05)  # no writer is waiting: wait for a full batch
+    writer = threading.Thread(
+        target=lambda: t.insert(*segment(n=30, ep=2), episode_id=2, timeout=10)
+    )
+    writer.start()
+    first = t.sample(64, timeout=10)  # the writer waits on the full queue: deliver what is there
+    assert first["episode_id"].tolist() == [0] * 30 + [1] * 30
+    writer.join(10)
+    assert not writer.is_alive()
+    assert t.sample(30, timeout=1)["episode_id"].unique().tolist() == [2]
+    t.close()
