@@ -1,1 +1,74 @@
-"""millpond.actors — filled in by later milestones."""
+"""millpond.actors — the env side: the collection loop, segmenting, experience processors.
+
+:class:`Collector` steps a gymnasium vector env with a policy (:mod:`.policies`) in chunks
+of ``[P, T]`` real steps, cuts them into segments (:mod:`.segmenting`), passes them through
+experience processors (:mod:`.processors`) and writes what they return to a sink (a
+:class:`millpond.Writer`, or a :class:`TableSink`). The loop imports no Ray; the Ray actor
+wraps it.
+"""
+
+from .collector import Collector
+from .episode_ids import (
+    EPISODES_PER_INCARNATION,
+    HINDSIGHT_EPISODE_OFFSET,
+    INCARNATIONS_PER_ACTOR,
+    MAX_ACTORS,
+    episode_id_base,
+)
+from .lanes import LaneBuffer
+from .policies import (
+    ActorPolicy,
+    EpsilonGreedy,
+    ModulePolicy,
+    PolicySpec,
+    RandomPolicy,
+    WeightSource,
+    load_factory,
+    make_policy,
+)
+from .processors import (
+    EpisodeAnnotator,
+    EpisodeFilter,
+    EpisodeProcessor,
+    ExperienceProcessor,
+    HindsightRelabeler,
+    PassThrough,
+    ProcessorChain,
+    StepFilter,
+)
+from .segmenting import cut_batch, ends_episode, from_ted, join, observation_keys, to_ted
+from .sinks import SegmentSink, TableSink
+
+__all__ = [
+    "EPISODES_PER_INCARNATION",
+    "HINDSIGHT_EPISODE_OFFSET",
+    "INCARNATIONS_PER_ACTOR",
+    "MAX_ACTORS",
+    "ActorPolicy",
+    "Collector",
+    "EpisodeAnnotator",
+    "EpisodeFilter",
+    "EpisodeProcessor",
+    "EpsilonGreedy",
+    "ExperienceProcessor",
+    "HindsightRelabeler",
+    "LaneBuffer",
+    "ModulePolicy",
+    "PassThrough",
+    "PolicySpec",
+    "ProcessorChain",
+    "RandomPolicy",
+    "SegmentSink",
+    "StepFilter",
+    "TableSink",
+    "WeightSource",
+    "cut_batch",
+    "ends_episode",
+    "episode_id_base",
+    "from_ted",
+    "join",
+    "load_factory",
+    "make_policy",
+    "observation_keys",
+    "to_ted",
+]

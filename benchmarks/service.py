@@ -448,15 +448,15 @@ def settle() -> None:
     os.sync()
 
 
-def calibrate(fn: Callable[[], object], rep_seconds: float) -> int:
+def calibrate(fn: Callable[[], object], rep_seconds: float, at_least: int = 3) -> int:
     """Warm ``fn`` up and return how many calls make one repetition of ~``rep_seconds``."""
     t0 = time.perf_counter()
     n = 0
-    while n < 3 or time.perf_counter() - t0 < min(0.3, rep_seconds):
+    while n < at_least or time.perf_counter() - t0 < min(0.3, rep_seconds):
         fn()
         n += 1
     per_call = (time.perf_counter() - t0) / n
-    return max(3, int(rep_seconds / per_call))
+    return max(at_least, int(rep_seconds / per_call))
 
 
 def timed_calls(
@@ -481,10 +481,18 @@ def timed_calls(
 def timed_iterate(
     label: str, make_iter: Callable[[], object], items: int, s: Settings
 ) -> tuple[float, float, float]:
-    """Like :func:`timed_calls` for an iterator: the wait for each ``next`` is one latency."""
+    """Like :func:`timed_calls` for an iterator: the wait for each ``next`` is one latency.
+
+    A repetition takes at least ``4 * PREFETCH`` batches, so that the batches already in
+    flight when it starts do not inflate its rate.
+    """
     it = make_iter()
     try:
-        calls = calibrate(lambda: next(it), s.sample_rep_seconds)  # type: ignore[call-overload]
+        calls = calibrate(
+            lambda: next(it),  # type: ignore[call-overload]
+            s.sample_rep_seconds,
+            at_least=4 * PREFETCH,
+        )
         rates: list[float] = []
         lat: list[float] = []
         for rep in range(s.sample_reps):
@@ -547,7 +555,10 @@ def new_result(system: str, shape: str, shards: int, streams: int, wl: Workload)
 
 # -- raw gRPC ------------------------------------------------------------------------------------
 def bench_raw(
-    root: Path, workloads: dict[str, Workload], sample_bytes: dict[tuple[str, int], int], s: Settings
+    root: Path,
+    workloads: dict[str, Workload],
+    sample_bytes: dict[tuple[str, int], int],
+    s: Settings,
 ) -> list[dict]:
     out: list[dict] = []
     servers: list[Process] = []
@@ -627,6 +638,22 @@ def pinned_writer_ids(prefix: str, shards: int, count: int) -> list[str]:
     return ids
 
 
+def millpond_pass(wl: Workload, writers: list, lanes: list[list[int]], pass_no: int) -> float:
+    """Every segment once, writer k writing its lanes' segments in its own thread; flushed.
+
+    Each pass gets fresh episode ids, as new experience would.
+    """
+    off = pass_no * wl.num_episodes
+
+    def job(writer, mine: set[int]) -> None:
+        for g in wl.segments:
+            if g.lane in mine:
+                writer.write_segment(g.steps, g.tail, off + g.episode, g.first_step)
+        writer.flush(300)
+
+    return run_parallel([functools.partial(job, w, set(ls)) for w, ls in zip(writers, lanes)])
+
+
 def bench_millpond(
     root: Path, workloads: dict[str, Workload], shards: int, s: Settings
 ) -> tuple[list[dict], dict[str, int]]:
@@ -647,22 +674,7 @@ def bench_millpond(
                 slots = wl.num_steps + len(wl.segments)
                 capacity = -(-slots // shards) + 2 * (T + 1)
                 client.create_table(TableConfig.uniform(name, capacity))
-                stride = wl.num_episodes
                 passes = 0
-
-                def insert_pass(writers: list, lanes: list[list[int]], pass_no: int) -> float:
-                    off = pass_no * stride
-
-                    def job(writer, mine: set[int]) -> None:
-                        for g in wl.segments:
-                            if g.lane in mine:
-                                writer.write_segment(g.steps, g.tail, off + g.episode, g.first_step)
-                        writer.flush(300)
-
-                    return run_parallel(
-                        [functools.partial(job, w, set(ls)) for w, ls in zip(writers, lanes)]
-                    )
-
                 configs = []
                 for w in s.writers:
                     n = shards * w
@@ -676,7 +688,7 @@ def bench_millpond(
                     # Warm-up: the first fill (files grow, pages fault in), with the first
                     # writer set; the timed passes then overwrite the ring (the steady state).
                     settle()
-                    dt = insert_pass(configs[0][1], configs[0][2], passes)
+                    dt = millpond_pass(wl, configs[0][1], configs[0][2], passes)
                     passes += 1
                     log(
                         f"[{name}] millpond {shards} shard(s): first fill "
@@ -687,7 +699,7 @@ def bench_millpond(
                     for rep in range(s.insert_reps):
                         for r, writers, lanes in configs:
                             settle()
-                            dt = insert_pass(writers, lanes, passes)
+                            dt = millpond_pass(wl, writers, lanes, passes)
                             passes += 1
                             r["times"].append(dt)
                             log(
@@ -725,7 +737,10 @@ def bench_millpond(
                 settle()
                 label = f"[{name}] millpond {shards} shard(s)"
                 tps, p50, p99 = timed_calls(
-                    f"{label} sample({BATCH})", lambda name=name: client.sample(name, BATCH), BATCH, s
+                    f"{label} sample({BATCH})",
+                    lambda name=name: client.sample(name, BATCH),
+                    BATCH,
+                    s,
                 )
                 it_tps, it50, it99 = timed_iterate(
                     f"{label} iterate({BATCH}, prefetch={PREFETCH})",
@@ -750,6 +765,16 @@ def bench_millpond(
 
 
 # -- TorchRL ---------------------------------------------------------------------------------
+def torchrl_pass(rb, wl: Workload, callers: int) -> float:
+    """Every TED chunk once (one ``extend`` each), chunks dealt round-robin to the callers."""
+
+    def job(k: int) -> None:
+        for c in range(k, len(wl.ted_chunks), callers):
+            rb.extend(wl.ted_chunks[c])
+
+    return run_parallel([functools.partial(job, k) for k in range(callers)])
+
+
 def bench_torchrl(root: Path, workloads: dict[str, Workload], s: Settings) -> list[dict]:
     import ray
     from torchrl.data import LazyMemmapStorage, RandomSampler, RayReplayBuffer
@@ -765,27 +790,25 @@ def bench_torchrl(root: Path, workloads: dict[str, Workload], s: Settings) -> li
             scratch = root / f"torchrl-{name}"
             scratch.mkdir()
             rb = RayReplayBuffer(
-                storage=functools.partial(LazyMemmapStorage, wl.num_steps, scratch_dir=str(scratch)),
+                storage=functools.partial(
+                    LazyMemmapStorage, wl.num_steps, scratch_dir=str(scratch)
+                ),
                 sampler=RandomSampler,
                 batch_size=BATCH,
                 remote_config={"num_cpus": 1},
             )
             try:
+                t1 = time.perf_counter()
+                len(rb)  # the actor process has started (not part of the first fill)
+                log(f"[{name}] torchrl-ray: actor ready ({time.perf_counter() - t1:.1f} s)")
                 configs = []
                 for w in s.writers:
                     r = new_result("torchrl-ray", name, 1, w, wl)
                     r["times"] = []
                     configs.append(r)
 
-                def insert_pass(callers: int) -> float:
-                    def job(k: int) -> None:
-                        for c in range(k, len(wl.ted_chunks), callers):
-                            rb.extend(wl.ted_chunks[c])
-
-                    return run_parallel([functools.partial(job, k) for k in range(callers)])
-
                 settle()
-                dt = insert_pass(1)
+                dt = torchrl_pass(rb, wl, 1)
                 log(
                     f"[{name}] torchrl-ray: first fill {wl.num_steps / dt:,.0f} transitions/s, "
                     f"{wl.ted_bytes / dt / 1e6:,.0f} MB/s"
@@ -794,7 +817,7 @@ def bench_torchrl(root: Path, workloads: dict[str, Workload], s: Settings) -> li
                 for rep in range(s.insert_reps):
                     for r in configs:
                         settle()
-                        dt = insert_pass(r["streams"])
+                        dt = torchrl_pass(rb, wl, r["streams"])
                         r["times"].append(dt)
                         log(
                             f"[{name}] torchrl-ray extend, {r['streams']} caller(s), "
@@ -852,7 +875,7 @@ def _code_version() -> str:
 
 
 def _f(x: float | None, fmt: str = ",.0f") -> str:
-    return "–" if x is None else format(x, fmt)
+    return "-" if x is None else format(x, fmt)
 
 
 def render(
@@ -904,13 +927,13 @@ def render(
             vs = (
                 f"{r['insert_mbps'] / ceiling['insert_mbps']:.0%}"
                 if ceiling and r["system"] == "millpond"
-                else ("100%" if r["system"] == "raw-grpc" else "–")
+                else ("100%" if r["system"] == "raw-grpc" else "-")
             )
             system = {"raw-grpc": "raw gRPC (ceiling)"}.get(r["system"], r["system"])
             it = (
                 f"{_f(r.get('iterate_p50'), '.1f')} / {_f(r.get('iterate_p99'), '.1f')}"
                 if "iterate_p50" in r
-                else "–"
+                else "-"
             )
             lines.append(
                 f"| {shape} | {system} | {r['shards']} | {r['streams']} "
@@ -929,12 +952,15 @@ def render(
     firsts = [r for r in results if "first_fill_tps" in r]
     if firsts:
         lines.append("")
-        lines.append("First fill (warm-up pass, not in the table), transitions/s: " + "; ".join(
-            f"{r['shape']} / {r['system']}"
-            + (f" {r['shards']} shard(s)" if r["system"] == "millpond" else "")
-            + f" {r['first_fill_tps']:,.0f}"
-            for r in firsts
-        ))
+        lines.append(
+            "First fill (warm-up pass, not in the table), transitions/s: "
+            + "; ".join(
+                f"{r['shape']} / {r['system']}"
+                + (f" {r['shards']} shard(s)" if r["system"] == "millpond" else "")
+                + f" {r['first_fill_tps']:,.0f}"
+                for r in firsts
+            )
+        )
     lines.append("")
     lines += targets(results)
     lines.append("")
@@ -990,9 +1016,7 @@ def targets(results: list[dict]) -> list[str]:
             f"{best_tr['insert_tps']:,.0f} with {best_tr['streams']} caller(s))"
         )
         if one_mp and one_tr:
-            text += (
-                f"; one writer vs one caller {one_mp[0]['insert_tps'] / one_tr[0]['insert_tps']:.2f}x"
-            )
+            text += f"; one writer vs one caller {one_mp[0]['insert_tps'] / one_tr[0]['insert_tps']:.2f}x"
         out.append(text + ".")
         best_s = max(mp, key=lambda r: r["sample_tps"])
         one = pick("millpond", "cartpole", 1)

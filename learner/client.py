@@ -267,8 +267,10 @@ class ReplayClient:
         shard = shards[writer_hash(writer_id) % len(shards)]
         known = self._set.configs.get(table)
         if known is None or known.spec is None:  # best effort: the writer checks the spec early
+            # Ask every live shard: the first insert may have set the spec on another one, and
+            # this shard must not take a different spec from this writer.
             with contextlib.suppress(MillpondError):
-                self._set.refresh(table, [shard])
+                self._set.refresh(table, [s for s in shards if not s.down])
         writer = Writer(
             shard,
             table,

@@ -37,7 +37,7 @@ from millpond.testing import (
     CountingDictEnv,
     SegmentRecord,
     chunk_segments,
-    observation_keys,
+    pattern,
     rollout,
 )
 
@@ -211,15 +211,12 @@ def client(server) -> Iterator[ReplayClient]:
     c.close()
 
 
-@pytest.fixture(scope="module")
-def module_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
-    """``module_server(*args, shards=1)``: a started server, stopped when the module ends."""
+def _servers(base: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """A factory of :class:`ServerProcess` under ``base``; stops what it made at the end."""
     servers: list[ServerProcess] = []
-    base = tmp_path_factory.mktemp("module-servers")
 
     def make(*args: str, shards: int = 1, start: bool = True) -> ServerProcess:
-        n = len(servers)
-        server = ServerProcess(base / f"s{n}", base / "logs", *args, shards=shards)
+        server = ServerProcess(base / f"s{len(servers)}", base / "logs", *args, shards=shards)
         servers.append(server)
         if start:
             server.start()
@@ -228,6 +225,12 @@ def module_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
+    """``module_server(*args, shards=1)``: a started server, stopped when the module ends."""
+    yield from _servers(tmp_path_factory.mktemp("module-servers"))
 
 
 @pytest.fixture
@@ -235,28 +238,9 @@ def server_process(tmp_path) -> Iterator[Callable[..., ServerProcess]]:
     """``server_process(*args, shards=1, start=True)``: a server for one test.
 
     Call ``.kill()`` / ``.restart()`` on it to crash it and bring it back on the same port
-    and directory. With ``start=False`` it is only made; ``start_servers`` starts several at
-    once.
+    and directory. With ``start=False`` it is only made (``.start()`` it later).
     """
-    servers: list[ServerProcess] = []
-
-    def make(*args: str, shards: int = 1, start: bool = True) -> ServerProcess:
-        n = len(servers)
-        server = ServerProcess(tmp_path / f"s{n}", tmp_path / "logs", *args, shards=shards)
-        servers.append(server)
-        if start:
-            server.start()
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
-
-
-@pytest.fixture
-def start_servers() -> Callable[[Sequence[ServerProcess]], None]:
-    """:func:`start_all`: launch several servers at once, then wait for each."""
-    return start_all
+    yield from _servers(tmp_path)
 
 
 _table_ids = itertools.count()
@@ -411,9 +395,7 @@ class Experience:
         if weights:
             w = flat["weight"]
             assert w.dtype == torch.float32 and bool(((w > 0) & (w <= 1)).all()), w
-        return list(
-            zip(flat["episode_id"].tolist(), flat["step"].tolist(), strict=True)
-        )
+        return list(zip(flat["episode_id"].tolist(), flat["step"].tolist(), strict=True))
 
 
 def cartpole(episode_offset: int = 0) -> gym.Env:
@@ -474,3 +456,61 @@ def write_experience(
 def write() -> Callable[..., None]:
     """:func:`write_experience`."""
     return write_experience
+
+
+# -- patterned segments: every value a function of (episode, step) ------------------------------
+class Patterned:
+    """Segments whose every value encodes ``(episode, step)``, so any row read back can be
+    checked on its own (a torn, stale or misplaced row shows at once). Cheap to make in bulk,
+    for tests that stream many segments."""
+
+    OBS = (24,)
+    L = 4  # steps per segment
+
+    @classmethod
+    def segment(cls, episode: int, first_step: int = 0, length: int | None = None):
+        """``(steps, tail)`` of one segment; its last step is truncated (the episode ends)."""
+        length = cls.L if length is None else length
+        steps = torch.arange(first_step, first_step + length)
+        eps = torch.full((length,), episode)
+        ended = torch.zeros(length, 1, dtype=torch.bool)
+        ended[-1] = True
+        td = TensorDict(
+            {
+                "observation": pattern(eps, steps, cls.OBS),
+                "action": eps * 1000 + steps,
+                "next": {
+                    "reward": (eps * 1000 + steps).float().unsqueeze(-1),
+                    "terminated": torch.zeros(length, 1, dtype=torch.bool),
+                    "truncated": ended,
+                },
+            },
+            [length],
+        )
+        tail = TensorDict({"observation": pattern(episode, first_step + length, cls.OBS)}, [])
+        return td, tail
+
+    @classmethod
+    def check(cls, batch: TensorDictBase) -> list[tuple[int, int]]:
+        """Assert each row is the one its ``(episode_id, step)`` says; returns those pairs."""
+        eps, steps = batch["episode_id"], batch["step"]
+        assert torch.equal(batch["observation"], pattern(eps, steps, cls.OBS))
+        assert torch.equal(batch["next", "observation"], pattern(eps, steps + 1, cls.OBS))
+        assert torch.equal(batch["action"], eps * 1000 + steps)
+        assert torch.equal(batch["next", "reward"], (eps * 1000 + steps).float().unsqueeze(-1))
+        return list(zip(eps.reshape(-1).tolist(), steps.reshape(-1).tolist(), strict=True))
+
+    @classmethod
+    def drain(cls, client: ReplayClient, table: str, steps: int) -> list[tuple[int, int]]:
+        """Sample ``steps`` steps of a queue table (checking each row), then find it empty."""
+        got: list[tuple[int, int]] = []
+        while len(got) < steps:
+            got += cls.check(client.sample(table, min(512, steps - len(got)), timeout_s=10))
+        assert client.info(table)["size"] == 0
+        return got
+
+
+@pytest.fixture
+def patterned() -> type[Patterned]:
+    """:class:`Patterned`: self-checking segments."""
+    return Patterned

@@ -10,9 +10,9 @@ and compared key by key, ``("next", obs)`` included.
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from millpond import DeadlineExceededError, TableConfig
+from millpond.service.table import writer_hash
 
 ENV_NAMES = ["cartpole", "dict"]
 
@@ -82,8 +82,6 @@ def test_queue_drains_each_step_once_in_fifo_order_per_shard(
     client.create_table(TableConfig.queue(table_name, capacity=5_000))
     exp, wids = fill(ctx, client, server, table_name, env_name)
     # Writers ran one after another, so each shard's order is its writers' rows in turn.
-    from millpond.service.table import writer_hash
-
     expected: dict[int, list] = {s: [] for s in range(server.shards)}
     for wid, ted in zip(wids, exp.teds, strict=True):
         keys = list(zip(ted["collector", "traj_ids"].tolist(), ted["step_count"].tolist()))
@@ -113,7 +111,9 @@ def test_slices_are_consecutive_steps_of_one_episode(client, server, table_name,
     for ep, step in exp.index:
         lengths[ep] = max(lengths.get(ep, 0), step + 1)
     starts = {(ep, s) for ep, n in lengths.items() for s in range(n - k + 1)}
-    cut_ends = {(r.episode_id, r.first_step + r.length - 1) for r in exp.records() if r.end == "cut"}
+    cut_ends = {
+        (r.episode_id, r.first_step + r.length - 1) for r in exp.records() if r.end == "cut"
+    }
     seen_starts: set = set()
     crossed_cut = False
     for _ in range(60):
@@ -200,6 +200,6 @@ def test_update_priorities_accepts_index_mapping_and_any_shape(client, server, t
     client.create_table(TableConfig.prioritized(table_name, capacity=5_000, seed=6))
     exp, _ = fill(ctx, client, server, table_name, "cartpole", steps=40, per_shard=1)
     batch = client.sample(table_name, 64)
+    exp.check(batch, weights=True)
     index = {k: batch["index", k].numpy() for k in ("slot", "generation", "shard")}
     assert client.update_priorities(table_name, index, np.full((8, 8), 2.0)) == 64
-    assert isinstance(batch, TensorDict)

@@ -1,0 +1,69 @@
+"""Where the collection loop writes segments: anything with ``write_segment`` and ``flush``.
+
+A :class:`millpond.Writer` (``ReplayClient.writer(table)``) is the sink of a deployed
+actor; :class:`TableSink` writes into an in-process :class:`millpond.Table`, for tests,
+notebooks and single-process jobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from tensordict import TensorDictBase
+
+from millpond.errors import InvalidDataError
+from millpond.service.table import Table
+
+__all__ = ["SegmentSink", "TableSink"]
+
+
+@runtime_checkable
+class SegmentSink(Protocol):
+    """The interface of :class:`millpond.Writer` that the loop uses."""
+
+    def write_segment(
+        self,
+        steps: TensorDictBase,
+        tail: TensorDictBase,
+        episode_id: int | None = None,
+        first_step: int | None = None,
+    ) -> Any: ...
+
+    def flush(self) -> None: ...
+
+
+class TableSink:
+    """Inserts each segment into an in-process :class:`~millpond.Table`.
+
+    Args:
+        table: the table to insert into.
+        timeout: seconds an insert may wait for the table's rate limiter before raising
+            :class:`~millpond.RateLimiterTimeoutError` (``None``: wait as long as needed).
+    """
+
+    def __init__(self, table: Table, timeout: float | None = None) -> None:
+        self.table = table
+        self.timeout = timeout
+        self.segments_written = 0
+        self.steps_written = 0
+
+    def write_segment(
+        self,
+        steps: TensorDictBase,
+        tail: TensorDictBase,
+        episode_id: int | None = None,
+        first_step: int | None = None,
+    ) -> int:
+        """Store one segment; returns its generation."""
+        if episode_id is None:
+            raise InvalidDataError("TableSink needs an explicit episode_id")
+        gens = self.table.insert(steps, tail, episode_id, first_step or 0, timeout=self.timeout)
+        self.segments_written += 1
+        self.steps_written += steps.batch_size[0]
+        return int(gens[0])
+
+    def flush(self) -> None:
+        """Nothing to wait for: inserts are synchronous."""
+
+    def __repr__(self) -> str:
+        return f"TableSink({self.table.name!r}, steps_written={self.steps_written})"
