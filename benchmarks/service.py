@@ -865,12 +865,12 @@ def _code_version() -> str:
             cwd=here,
             capture_output=True,
             text=True,
-        ).stdout.split()
+        ).stdout.splitlines()
     except OSError:
         return f"{here} (no git)"
     if not head:
         return f"{here} (not a git checkout)"
-    edited = sorted({p for p in dirty if p.endswith(".py")})
+    edited = sorted({line[3:] for line in dirty if line[3:].endswith(".py")})
     return f"commit {head}" + (f" with local edits in {', '.join(edited)}" if edited else "")
 
 
@@ -897,7 +897,7 @@ def render(
         f"torch {torch.__version__}, grpcio {grpc.__version__}, torchrl {torchrl.__version__}, "
         f"ray {ray.__version__}; everything on loopback. Load average (1/5/15 min) at start "
         f"{'/'.join(f'{x:.2f}' for x in load[0])}, at end {'/'.join(f'{x:.2f}' for x in load[1])}."
-        f" Run took {seconds:.0f} s."
+        f" Run took {seconds:.0f} s. GLIBC_TUNABLES: {os.environ.get('GLIBC_TUNABLES') or 'unset'}."
     )
     lines.append("")
     lines.append(f"millpond code: {_code_version()}.")
@@ -1080,6 +1080,8 @@ def main(argv: list[str] | None = None) -> int:
         quick=quick,
     )
     warnings.filterwarnings("ignore", category=UserWarning, module="torchrl")
+    import torchrl  # noqa: F401  (configures its logger on import; quieten it afterwards)
+
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()

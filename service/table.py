@@ -257,8 +257,16 @@ class Table:
             return gens
 
     def writer_sequence(self, writer_id: str) -> int:
-        """The highest sequence stored from ``writer_id`` (0 if none)."""
-        return self._writer_hwm.get(writer_hash(writer_id), 0)
+        """The highest sequence stored from ``writer_id`` (0 if none).
+
+        Waits for an insert of that writer still in progress (a previous connection of a
+        restarted writer), so that the answer is final.
+        """
+        writer = writer_hash(writer_id)
+        with self._cond:
+            lock = self._writer_locks.setdefault(writer, threading.Lock())
+        with lock:
+            return self._writer_hwm.get(writer, 0)
 
     def extend(self, td: TensorDictBase, timeout: float | None = None) -> np.ndarray:
         """Insert TED data (batch ``[T]`` or ``[P, T]``, e.g. a TorchRL collector's output).

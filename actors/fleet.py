@@ -1,0 +1,181 @@
+"""ActorFleet: start N env actors on Ray, drive them, report their status, stop them.
+
+The fleet keeps one ``run`` call in flight per actor and collects the reports as they come
+back, so status needs no extra round trips and a slow actor never stalls the others. An
+actor that dies is restarted by Ray (``max_restarts``); its call in flight fails, and the
+fleet simply submits the next one to the restarted actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from millpond.actors.ray_actor import ActorConfig, EnvActor
+from millpond.errors import InvalidConfigError, MillpondError
+from millpond.learner.client import ReplayClient
+
+log = logging.getLogger("millpond.fleet")
+
+
+@dataclass
+class FleetStatus:
+    """What the fleet has collected so far (all incarnations of all actors).
+
+    Attributes:
+        frames: real env steps collected.
+        episodes: episodes finished.
+        mean_return: mean return of the last ``window`` finished episodes, or ``None``.
+        frames_per_s: frames per wall-clock second since the fleet started.
+        restarts: actor restarts seen.
+        actors: the latest report of each actor (see :meth:`EnvActor.status`).
+    """
+
+    frames: int = 0
+    episodes: int = 0
+    mean_return: float | None = None
+    frames_per_s: float = 0.0
+    restarts: int = 0
+    actors: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def line(self) -> str:
+        ret = "-" if self.mean_return is None else f"{self.mean_return:.1f}"
+        return (
+            f"frames {self.frames:,}  fps {self.frames_per_s:,.0f}  episodes {self.episodes:,}  "
+            f"mean return {ret}  actors {len(self.actors)}  restarts {self.restarts}"
+        )
+
+
+class ActorFleet:
+    """N Ray env actors writing to one replay service.
+
+    Args:
+        client: the replay service the actors write to and take weights from.
+        config: what each actor runs.
+        num_actors: how many actors.
+        num_cpus: CPUs each actor reserves.
+        resources: extra Ray resources each actor reserves (e.g. ``{"env_node": 1}``).
+        max_restarts: how often Ray restarts a dead actor.
+        chunks_per_call: chunks each ``run`` call collects before reporting.
+        window: finished episodes averaged in ``mean_return``.
+    """
+
+    def __init__(
+        self,
+        client: ReplayClient,
+        config: ActorConfig,
+        num_actors: int = 2,
+        *,
+        num_cpus: float = 1.0,
+        resources: dict[str, float] | None = None,
+        max_restarts: int = 3,
+        chunks_per_call: int = 1,
+        window: int = 100,
+    ) -> None:
+        if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
+            raise InvalidConfigError(f"num_actors ({num_actors!r}) must be a positive integer")
+        if chunks_per_call < 1:
+            raise InvalidConfigError(f"chunks_per_call ({chunks_per_call}) must be >= 1")
+        if not ray.is_initialized():
+            raise MillpondError("ray.init() first (or use millpond launch, which does)")
+        self.client = client
+        self.config = config
+        self.chunks_per_call = chunks_per_call
+        remote = ray.remote(EnvActor).options(
+            num_cpus=num_cpus,
+            resources=resources or {},
+            max_restarts=max_restarts,
+            max_task_retries=0,  # a failed run is resubmitted by the fleet, not replayed
+        )
+        self.actors = [remote.remote(i, client, config) for i in range(num_actors)]
+        self._inflight: dict[Any, int] = {}
+        self._status = FleetStatus()
+        self._recent: deque[float] = deque(maxlen=window)
+        self._started = time.monotonic()
+        self._stopped = False
+
+    def _submit(self, index: int) -> None:
+        ref = self.actors[index].run.remote(self.chunks_per_call)
+        self._inflight[ref] = index
+
+    def poll(self, timeout_s: float = 1.0) -> FleetStatus:
+        """Wait up to ``timeout_s`` for reports, keep every actor busy, return the status."""
+        if self._stopped:
+            return self._status
+        busy = set(self._inflight.values())
+        for i in range(len(self.actors)):
+            if i not in busy:
+                self._submit(i)
+        ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=timeout_s)
+        more, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0)
+        for ref in set(ready) | set(more):
+            index = self._inflight.pop(ref)
+            try:
+                report = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self._status.restarts += 1
+                log.warning("env actor %d died (%s); Ray restarts it", index, type(e).__name__)
+                continue
+            except ray.exceptions.RayTaskError as e:
+                raise MillpondError(f"env actor {index} failed: {e}") from e
+            self._account(index, report)
+        self._status.frames_per_s = self._status.frames / max(
+            1e-9, time.monotonic() - self._started
+        )
+        return self._status
+
+    def _account(self, index: int, report: dict[str, Any]) -> None:
+        s = self._status
+        s.frames += report.pop("new_frames")
+        finished = report.pop("finished_episodes")
+        s.episodes += len(finished)
+        self._recent.extend(r for r, _ in finished)
+        s.mean_return = sum(self._recent) / len(self._recent) if self._recent else None
+        s.actors[index] = report
+
+    def run(
+        self,
+        frames: int,
+        on_status: Callable[[FleetStatus], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> FleetStatus:
+        """Collect until ``frames`` frames (or ``timeout_s`` seconds); returns the status."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._status.frames < frames:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            status = self.poll(timeout_s=1.0)
+            if on_status is not None:
+                on_status(status)
+        return self._status
+
+    @property
+    def status(self) -> FleetStatus:
+        return self._status
+
+    def stop(self, timeout_s: float = 30.0) -> FleetStatus:
+        """Let calls in flight finish, flush and close every actor, then kill them."""
+        if self._stopped:
+            return self._status
+        self._stopped = True
+        if self._inflight:
+            done, _ = ray.wait(
+                list(self._inflight), num_returns=len(self._inflight), timeout=timeout_s
+            )
+            for ref in done:
+                index = self._inflight.pop(ref)
+                try:
+                    self._account(index, ray.get(ref))
+                except ray.exceptions.RayError:
+                    pass
+        closing = [a.close.remote() for a in self.actors]
+        ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        return self._status

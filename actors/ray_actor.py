@@ -1,0 +1,179 @@
+"""EnvActor: a thin Ray actor around a :class:`~millpond.actors.Collector`.
+
+The actor builds its collector from an :class:`ActorConfig`, writes through a pinned
+:class:`millpond.Writer` of the :class:`millpond.ReplayClient` it is given, and pulls new
+policy weights from the same client. Started with ``max_restarts``, a killed actor comes
+back with a new *incarnation*: fresh episode ids, and a writer that continues its shard's
+sequence numbering (the writer handshake), so nothing it sent is stored twice or torn —
+what the dead process had not yet sent is lost with it, as with any crash.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from millpond.actors.collector import Collector
+from millpond.actors.episode_ids import INCARNATIONS_PER_ACTOR, episode_id_base
+from millpond.actors.episode_stats import ReturnTracker
+from millpond.actors.policies import EpsilonGreedy
+from millpond.actors.processors import ExperienceProcessor
+from millpond.errors import InvalidConfigError
+from millpond.learner.client import ReplayClient
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """What every env actor of a fleet runs.
+
+    Attributes:
+        env: gymnasium env id (or a picklable factory returning a vector env).
+        table: the replay table the actors write to.
+        num_envs: lanes per actor (``P``).
+        chunk_len: real steps per lane per chunk (``T``).
+        vectorization_mode: ``"sync"`` or ``"async"``.
+        autoreset_mode: ``"same_step"`` or ``"next_step"``.
+        env_kwargs: keyword arguments for the env (e.g. ``max_episode_steps``).
+        policy: ``None`` (random), or ``"package.module:function"`` / a picklable factory.
+        policy_kwargs: keyword arguments for the policy factory.
+        deterministic: act with the policy's mode instead of sampling.
+        epsilon: epsilon-greedy exploration for discrete actions.
+        weight_sync_every: env steps between checks for newer published weights.
+        processors: a picklable callable returning the experience processors of one actor.
+        max_in_flight: unacknowledged segments a writer allows before it blocks.
+        seed: base seed; actor ``i`` uses ``seed + 1000 * i``.
+    """
+
+    env: Any
+    table: str
+    num_envs: int = 8
+    chunk_len: int = 64
+    vectorization_mode: str = "sync"
+    autoreset_mode: str = "same_step"
+    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    policy: Any = None
+    policy_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    deterministic: bool = False
+    epsilon: EpsilonGreedy | None = None
+    weight_sync_every: int = 100
+    processors: Callable[[], Sequence[ExperienceProcessor]] | None = None
+    max_in_flight: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.table, str) or not self.table:
+            raise InvalidConfigError(f"table ({self.table!r}) must be a table name")
+        for name in ("num_envs", "chunk_len", "weight_sync_every", "max_in_flight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidConfigError(f"{name} ({value!r}) must be a positive integer")
+
+
+class EnvActor:
+    """The body of the Ray actor (``ray.remote(EnvActor)``); plain Python, testable as is.
+
+    Args:
+        actor_index: this actor's number in its fleet (part of its episode ids).
+        client: the replay service (pickled as its addresses).
+        config: what to run.
+        incarnation: ``None`` to choose it: 0 on a first start, a random non-zero value after
+            Ray restarted the actor (Ray does not count restarts for the actor itself).
+    """
+
+    def __init__(
+        self,
+        actor_index: int,
+        client: ReplayClient,
+        config: ActorConfig,
+        incarnation: int | None = None,
+    ) -> None:
+        torch.set_num_threads(1)  # tiny forward passes: threads cost more than they give
+        if incarnation is None:
+            incarnation = _incarnation()
+        self.actor_index = actor_index
+        self.incarnation = incarnation
+        self.client = client
+        self.writer = client.writer(
+            config.table, writer_id=f"actor-{actor_index}", max_in_flight=config.max_in_flight
+        )
+        seed = None if config.seed is None else config.seed + 1000 * actor_index
+        self.collector = Collector(
+            config.env,
+            self.writer,
+            num_envs=config.num_envs,
+            chunk_len=config.chunk_len,
+            vectorization_mode=config.vectorization_mode,
+            autoreset_mode=config.autoreset_mode,
+            env_kwargs=dict(config.env_kwargs),
+            policy=config.policy,
+            policy_kwargs=dict(config.policy_kwargs),
+            deterministic=config.deterministic,
+            epsilon=config.epsilon,
+            weight_source=client if config.policy is not None else None,
+            weight_sync_every=config.weight_sync_every,
+            processors=list(config.processors()) if config.processors is not None else None,
+            episode_id_base=episode_id_base(actor_index, incarnation),
+            seed=seed,
+        )
+        self.returns = ReturnTracker(self.collector.num_envs)
+        self._busy_s = 0.0
+
+    def run(self, num_chunks: int = 1) -> dict[str, Any]:
+        """Collect and write ``num_chunks`` chunks; returns what happened (see :meth:`status`)."""
+        frames_before = self._chunk_frames()
+        start = time.perf_counter()
+        for _ in range(num_chunks):
+            batch = self.collector.run_chunk()
+            self.returns.update(batch)
+        elapsed = time.perf_counter() - start
+        self._busy_s += elapsed
+        report = self.status()
+        report["new_frames"] = self._chunk_frames() - frames_before
+        report["elapsed_s"] = elapsed
+        report["finished_episodes"] = self.returns.drain()
+        return report
+
+    def _chunk_frames(self) -> int:
+        # Frames handed out in chunks. With NEXT_STEP autoreset the loop may hold a few real
+        # steps of its fastest lanes for the next chunk; those count once that chunk is out.
+        c = self.collector
+        return c.chunks * c.num_envs * c.chunk_len
+
+    def status(self) -> dict[str, Any]:
+        """Counters of this incarnation: frames, episodes, returns, writer and policy state."""
+        stats = self.collector.stats()
+        stats["frames"] = self._chunk_frames()
+        return {
+            "actor_index": self.actor_index,
+            "incarnation": self.incarnation,
+            **stats,
+            "mean_return": self.returns.mean_return,
+            "frames_per_s": stats["frames"] / self._busy_s if self._busy_s else 0.0,
+            "segments_acked": self.writer.acked,
+            "segments_pending": self.writer.pending,
+        }
+
+    def close(self) -> dict[str, Any]:
+        """Flush processors and the writer, release the env; returns the final status."""
+        self.collector.close()
+        self.writer.close()
+        return self.status()
+
+
+def _incarnation() -> int:
+    try:
+        import ray
+
+        reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # not inside a Ray actor
+        reconstructed = False
+    if not reconstructed:
+        return 0
+    # A random non-zero incarnation: two restarts of one actor collide with probability
+    # 1/4095, which would only make them share episode-id ranges, not data.
+    return 1 + secrets.randbelow(INCARNATIONS_PER_ACTOR - 1)
