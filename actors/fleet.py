@@ -8,6 +8,7 @@ fleet simply submits the next one to the restarted actor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -170,10 +171,8 @@ class ActorFleet:
             )
             for ref in done:
                 index = self._inflight.pop(ref)
-                try:
+                with contextlib.suppress(ray.exceptions.RayError):  # died while stopping
                     self._account(index, ray.get(ref))
-                except ray.exceptions.RayError:
-                    pass
         closing = [a.close.remote() for a in self.actors]
         ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
         for actor in self.actors:

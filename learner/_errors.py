@@ -23,7 +23,6 @@ from millpond.errors import (
     TableNotFoundError,
 )
 
-
 _BY_CODE: dict[grpc.StatusCode, type[MillpondError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidDataError,
     grpc.StatusCode.NOT_FOUND: TableNotFoundError,
