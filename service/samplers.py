@@ -282,6 +282,18 @@ class QueueSampler(Sampler):
         lengths = np.array([n for _, _, n in taken], dtype=np.int64)
         return Selection(ranges(starts, lengths), segment_lengths=lengths)
 
+    def requeue(self, segments: list[tuple[int, int, int]]) -> None:
+        """Put taken ``(generation, start, length)`` segments back at the head, in order.
+
+        For a batch that could not be delivered (the call was cancelled, or the answer was
+        too large). The cursor moves back to just before the first of them.
+        """
+        for seg in reversed(segments):
+            self._queue.appendleft(seg)
+            self._steps += seg[2]
+        if segments:
+            self._cursor[0] = min(int(self._cursor[0]), segments[0][0] - 1)
+
     def state(self) -> dict:
         return {
             "size": self.size,

@@ -119,7 +119,7 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
         ],
         maximum_concurrent_rpcs=config.max_workers * 4,
     )
-    pb_grpc.add_ReplayServicer_to_server(ReplayServicer(shard, weights), server)
+    pb_grpc.add_ReplayServicer_to_server(ReplayServicer(shard, weights, limit), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"

@@ -16,7 +16,12 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from millpond.errors import InvalidDataError, MillpondError, RateLimiterTimeoutError
+from millpond.errors import (
+    InvalidDataError,
+    MillpondError,
+    RateLimiterTimeoutError,
+    ResourceExhaustedError,
+)
 from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
@@ -81,9 +86,12 @@ def _timeout(ms: int) -> float | None:
 class ReplayServicer(pb_grpc.ReplayServicer):
     """Serves one :class:`Shard` and its :class:`WeightStore`."""
 
-    def __init__(self, shard: Shard, weights: WeightStore) -> None:
+    def __init__(
+        self, shard: Shard, weights: WeightStore, max_message_bytes: int = 256 << 20
+    ) -> None:
         self.shard = shard
         self.weights = weights
+        self.max_message_bytes = max_message_bytes
 
     @_edge
     def CreateTable(self, request: pb.CreateTableRequest, context) -> pb.CreateTableResponse:
@@ -163,6 +171,15 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 batch, table.spec.observation_keys, compress=table.config.compression == "zstd"
             )
             response.mass = table.sampler.mass
+            size = response.ByteSize()
+            if size > self.max_message_bytes or not context.is_active():
+                table.requeue(batch)  # a queue batch nobody can receive is not lost
+                if size > self.max_message_bytes:
+                    raise ResourceExhaustedError(
+                        f"a batch of {len(batch)} steps takes {size} bytes, more than the "
+                        f"message limit ({self.max_message_bytes}); sample fewer at a time"
+                    )
+                return
             yield response
             sent += 1
 

@@ -487,6 +487,32 @@ class Table:
         # Every value was built here with the right leading shape: skip TensorDict's checks.
         return TensorDict._new_unsafe(root, batch_size=torch.Size(shape))
 
+    def requeue(self, batch: TensorDictBase) -> int:
+        """Give back a queue batch that could not be delivered; returns the steps requeued.
+
+        Segments of the batch that writers have overwritten since (they became evictable
+        when delivered) are gone and are not requeued.
+        """
+        if not isinstance(self.sampler, QueueSampler):
+            return 0
+        slots = batch["index", "slot"].reshape(-1).numpy()
+        gens = batch["index", "generation"].reshape(-1).numpy()
+        if len(slots) == 0:
+            return 0
+        first = np.flatnonzero(np.r_[True, gens[1:] != gens[:-1]])
+        lengths = np.diff(np.r_[first, len(gens)])
+        with self._cond:
+            live = self.storage.generations(slots[first]) == gens[first]
+            segments = [
+                (int(gens[i]), int(slots[i]), int(n))
+                for i, n, ok in zip(first, lengths, live)
+                if ok
+            ]
+            self.sampler.requeue(segments)
+            self._counters[_C_SAMPLES] -= sum(n for _, _, n in segments)
+            self._cond.notify_all()
+        return sum(n for _, _, n in segments)
+
     # -- priorities ----------------------------------------------------------------------
     def update_priorities(
         self,

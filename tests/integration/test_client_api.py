@@ -90,12 +90,6 @@ def test_iterate_a_queue_in_order_and_close_loses_nothing(server1, table_name, p
     client.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a cancelled Sample that waits on the shard (queue short of the batch) still takes "
-    "the next inserted steps and drops them: Table.sample cannot see the cancellation, and the "
-    "servicer checks it only between 0.5 s wait slices (fix: make the wait cancellable)",
-)
 def test_closing_iterate_while_the_shard_waits_for_queue_data_loses_nothing(
     server1, table_name, patterned
 ):

@@ -338,12 +338,6 @@ def test_spec_taken_from_the_first_insert_holds_on_every_shard(
         patterned.check(batch)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a queue sample whose answer exceeds the message limit fails with "
-    "RESOURCE_EXHAUSTED after the shard has advanced the queue: the steps are lost (fix: cap "
-    "a queue batch, or refuse an oversized one, before taking it)",
-)
 def test_too_large_queue_sample_loses_nothing(small_server, table_name, patterned):
     with ReplayClient(small_server.address) as client:
         client.create_table(TableConfig.queue(table_name, capacity=30_000))

@@ -341,3 +341,17 @@ def test_full_queue_delivers_what_it_holds_instead_of_deadlocking(tmp_path):
     assert not writer.is_alive()
     assert t.sample(30, timeout=1)["episode_id"].unique().tolist() == [2]
     t.close()
+
+
+def test_requeued_queue_batch_is_delivered_again_first(tmp_path):
+    t = Table.create(tmp_path / "t", TableConfig.queue("t", 100))
+    for ep in range(3):
+        t.insert(*segment(n=5, ep=ep), episode_id=ep)
+    taken = t.sample(10)
+    assert taken["episode_id"].unique().tolist() == [0, 1]
+    assert t.requeue(taken) == 10
+    again = t.sample(15)
+    assert again["episode_id"].tolist() == [0] * 5 + [1] * 5 + [2] * 5
+    assert torch.equal(again[:10]["observation"], taken["observation"])
+    assert t.info()["samples"] == 15
+    t.close()
