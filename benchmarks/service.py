@@ -459,56 +459,6 @@ def calibrate(fn: Callable[[], object], rep_seconds: float, at_least: int = 3) -
     return max(at_least, int(rep_seconds / per_call))
 
 
-def timed_calls(
-    label: str, fn: Callable[[], object], items: int, s: Settings
-) -> tuple[float, float, float]:
-    """(median items/s over repetitions, p50 ms, p99 ms of single calls)."""
-    calls = calibrate(fn, s.sample_rep_seconds)
-    rates: list[float] = []
-    lat: list[float] = []
-    for rep in range(s.sample_reps):
-        t_rep = time.perf_counter()
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            fn()
-            lat.append(time.perf_counter() - t0)
-        rates.append(items * calls / (time.perf_counter() - t_rep))
-        log(f"{label} rep {rep + 1}/{s.sample_reps}: {rates[-1]:,.0f} transitions/s")
-    p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
-    return statistics.median(rates), float(p50), float(p99)
-
-
-def timed_iterate(
-    label: str, make_iter: Callable[[], object], items: int, s: Settings
-) -> tuple[float, float, float]:
-    """Like :func:`timed_calls` for an iterator: the wait for each ``next`` is one latency.
-
-    A repetition takes at least ``4 * PREFETCH`` batches, so that the batches already in
-    flight when it starts do not inflate its rate.
-    """
-    it = make_iter()
-    try:
-        calls = calibrate(
-            lambda: next(it),  # type: ignore[call-overload]
-            s.sample_rep_seconds,
-            at_least=4 * PREFETCH,
-        )
-        rates: list[float] = []
-        lat: list[float] = []
-        for rep in range(s.sample_reps):
-            t_rep = time.perf_counter()
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                next(it)  # type: ignore[call-overload]
-                lat.append(time.perf_counter() - t0)
-            rates.append(items * calls / (time.perf_counter() - t_rep))
-            log(f"{label} rep {rep + 1}/{s.sample_reps}: {rates[-1]:,.0f} transitions/s")
-    finally:
-        it.close()  # type: ignore[attr-defined]
-    p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
-    return statistics.median(rates), float(p50), float(p99)
-
-
 def run_parallel(jobs: list[Callable[[], None]]) -> float:
     """Run ``jobs`` in one thread each, started together; returns the wall time."""
     if len(jobs) == 1:
@@ -543,85 +493,162 @@ def lanes_of(n_lanes: int, n_streams: int) -> list[list[int]]:
     return [[p for p in range(n_lanes) if p % n_streams == k] for k in range(n_streams)]
 
 
-def new_result(system: str, shape: str, shards: int, streams: int, wl: Workload) -> dict:
-    return {
-        "system": system,
-        "shape": shape,
-        "shards": shards,
-        "streams": streams,
-        "num_steps": wl.num_steps,
-    }
+class Sampler:
+    """One way of drawing batches of ``BATCH``, timed call by call.
+
+    ``calls`` (a function) or ``iterator`` (a factory of iterators, one opened per
+    repetition and closed after it; its first ``PREFETCH`` batches, already requested when
+    the repetition starts, are drawn before the clock starts).
+    """
+
+    def __init__(
+        self,
+        key: str,
+        call: Callable[[], object] | None = None,
+        iterator: Callable[[], object] | None = None,
+    ) -> None:
+        self.key = key  # "sample" or "iterate"
+        self.call = call
+        self.iterator = iterator
+        self.n = 0
+        self.rates: list[float] = []
+        self.latencies: list[float] = []
+
+    def calibrate(self, rep_seconds: float) -> None:
+        if self.call is not None:
+            self.n = calibrate(self.call, rep_seconds)
+            return
+        it = self.iterator()  # type: ignore[misc]
+        try:
+            self.n = calibrate(lambda: next(it), rep_seconds, at_least=4 * PREFETCH)  # type: ignore[call-overload]
+        finally:
+            it.close()  # type: ignore[attr-defined]
+
+    def rep(self) -> float:
+        it = None
+        if self.call is not None:
+            fn = self.call
+        else:
+            it = self.iterator()  # type: ignore[misc]
+            for _ in range(PREFETCH):
+                next(it)  # type: ignore[call-overload]
+            fn = functools.partial(next, it)
+        try:
+            t_rep = time.perf_counter()
+            for _ in range(self.n):
+                t0 = time.perf_counter()
+                fn()
+                self.latencies.append(time.perf_counter() - t0)
+            self.rates.append(BATCH * self.n / (time.perf_counter() - t_rep))
+        finally:
+            if it is not None:
+                it.close()  # type: ignore[attr-defined]
+        return self.rates[-1]
+
+    def summary(self) -> dict[str, float]:
+        p50, p99 = np.percentile(np.array(self.latencies) * 1e3, [50, 99])
+        k = self.key
+        return {f"{k}_tps": statistics.median(self.rates), f"{k}_p50": p50, f"{k}_p99": p99}
+
+
+class Runner:
+    """One system under test, with its insert configurations (writer / caller / stream counts)."""
+
+    system: str
+    shards: int
+    label: str
+
+    def __init__(self, streams: list[int]) -> None:
+        self.streams = streams
+        self.times: dict[int, list[float]] = {n: [] for n in streams}
+        self.first_fill_tps: float | None = None
+        self.samplers_made: list[Sampler] = []
+
+    def setup(self, wl: Workload) -> None:
+        """Prepare for ``wl`` (tables, writers, buffers)."""
+
+    def insert(self, streams: int) -> float:
+        """One insert pass of the workload with ``streams`` writers; returns its wall time."""
+        raise NotImplementedError
+
+    def first_fill(self) -> None:
+        dt = self.insert(self.streams[0])
+        self.first_fill_tps = self.wl.num_steps / dt
+        log(
+            f"[{self.wl.shape.name}] {self.label}: first fill (warm-up) "
+            f"{self.wl.num_steps / dt:,.0f} transitions/s, {self.payload / dt / 1e6:,.0f} MB/s"
+        )
+
+    @property
+    def payload(self) -> int:
+        """Bytes one insert pass moves (for MB/s)."""
+        return self.wl.wire_bytes
+
+    def samplers(self) -> list[Sampler]:
+        return []
+
+    def teardown(self) -> None:
+        pass
+
+    def results(self) -> list[dict]:
+        out = []
+        extra: dict[str, float] = {}
+        for sampler in self.samplers_made:
+            extra.update(sampler.summary())
+        for n in self.streams:
+            dt = statistics.median(self.times[n])
+            r = {
+                "system": self.system,
+                "shape": self.wl.shape.name,
+                "shards": self.shards,
+                "streams": n,
+                "num_steps": self.wl.num_steps,
+                "insert_tps": self.wl.num_steps / dt,
+                "insert_mbps": self.payload / dt / 1e6,
+                **extra,
+            }
+            if n == self.streams[0] and self.first_fill_tps is not None:
+                r["first_fill_tps"] = self.first_fill_tps
+            out.append(r)
+        return out
+
+    wl: Workload
 
 
 # -- raw gRPC ------------------------------------------------------------------------------------
-def bench_raw(
-    root: Path,
-    workloads: dict[str, Workload],
-    sample_bytes: dict[tuple[str, int], int],
-    s: Settings,
-) -> list[dict]:
-    out: list[dict] = []
-    servers: list[Process] = []
-    try:
-        for i in range(max(s.shards)):
-            servers.append(raw_serve(root, i))
-        client = RawClient([a for p in servers for a in p.addresses])
-        try:
-            for name, wl in workloads.items():
-                for shards in s.shards:
-                    configs = []
-                    for w in s.writers:
-                        n = shards * w
-                        lanes = lanes_of(wl.shape.lanes, n)
-                        # Stream k goes to server k % shards (as writer k is pinned to a shard).
-                        per_stream = [
-                            [g.wire for g in wl.segments if g.lane in set(lanes[k])]
-                            for k in range(n)
-                        ]
-                        jobs = [
-                            functools.partial(client.stream, k % shards, per_stream[k])
-                            for k in range(n)
-                        ]
-                        r = new_result("raw-grpc", name, shards, n, wl)
-                        r["times"] = []
-                        configs.append((r, jobs))
-                    run_parallel(configs[0][1])  # warm-up: connections, allocator
-                    for rep in range(s.insert_reps):
-                        for r, jobs in configs:
-                            dt = run_parallel(jobs)
-                            r["times"].append(dt)
-                            log(
-                                f"[{name}] raw gRPC sink, {shards} server(s), {r['streams']} "
-                                f"stream(s), rep {rep + 1}/{s.insert_reps}: "
-                                f"{wl.wire_bytes / dt / 1e6:,.0f} MB/s"
-                            )
-                    size = sample_bytes.get((name, shards))
-                    for r, _ in configs:
-                        dt = statistics.median(r["times"])
-                        r["insert_tps"] = wl.num_steps / dt
-                        r["insert_mbps"] = wl.wire_bytes / dt / 1e6
-                        if size is not None:
-                            # The sample ceiling depends on the servers only: same for each
-                            # stream count; measured once per shard count below.
-                            r["sample_bytes"] = size
-                    if size is not None:
-                        per = [size // shards] * shards
-                        tps, p50, p99 = timed_calls(
-                            f"[{name}] raw gRPC source {size / MiB:.2f} MiB/batch, "
-                            f"{shards} server(s)",
-                            functools.partial(client.fetch, per),
-                            BATCH,
-                            s,
-                        )
-                        for r, _ in configs:
-                            r.update(sample_tps=tps, sample_p50=p50, sample_p99=p99)
-                    out += [r for r, _ in configs]
-        finally:
-            client.close()
-    finally:
-        for p in servers:
-            p.stop()
-    return out
+class RawRunner(Runner):
+    """The ceiling: the same bytes in messages of the same sizes, on as many streams/servers."""
+
+    system = "raw-grpc"
+
+    def __init__(self, client: RawClient, shards: int, writers: list[int]) -> None:
+        super().__init__([shards * w for w in writers])
+        self.client = client
+        self.shards = shards
+        self.label = f"raw gRPC, {shards} server(s)"
+        self.sample_bytes = 0
+
+    def setup(self, wl: Workload) -> None:
+        self.wl = wl
+        self.jobs: dict[int, list[Callable[[], None]]] = {}
+        for n in self.streams:
+            lanes = lanes_of(wl.shape.lanes, n)
+            # Stream k goes to server k % shards, as writer k is pinned to shard k % shards.
+            sizes = [[g.wire for g in wl.segments if g.lane in set(lanes[k])] for k in range(n)]
+            self.jobs[n] = [
+                functools.partial(self.client.stream, k % self.shards, sizes[k]) for k in range(n)
+            ]
+
+    def insert(self, streams: int) -> float:
+        return run_parallel(self.jobs[streams])
+
+    def first_fill(self) -> None:
+        self.insert(self.streams[0])  # warm-up: connections, allocator
+
+    def samplers(self) -> list[Sampler]:
+        per = [self.sample_bytes // self.shards] * self.shards
+        self.samplers_made = [Sampler("sample", functools.partial(self.client.fetch, per))]
+        return self.samplers_made
 
 
 # -- millpond --------------------------------------------------------------------------------
@@ -638,215 +665,204 @@ def pinned_writer_ids(prefix: str, shards: int, count: int) -> list[str]:
     return ids
 
 
-def millpond_pass(wl: Workload, writers: list, lanes: list[list[int]], pass_no: int) -> float:
-    """Every segment once, writer k writing its lanes' segments in its own thread; flushed.
+class MillpondRunner(Runner):
+    """``millpond serve --shards N`` and a ReplayClient; writers each own whole env lanes."""
 
-    Each pass gets fresh episode ids, as new experience would.
-    """
-    off = pass_no * wl.num_episodes
+    system = "millpond"
 
-    def job(writer, mine: set[int]) -> None:
-        for g in wl.segments:
-            if g.lane in mine:
-                writer.write_segment(g.steps, g.tail, off + g.episode, g.first_step)
-        writer.flush(300)
+    def __init__(self, server: Process, shards: int, writers: list[int]) -> None:
+        from millpond import ReplayClient
 
-    return run_parallel([functools.partial(job, w, set(ls)) for w, ls in zip(writers, lanes)])
+        super().__init__([shards * w for w in writers])
+        self.server = server
+        self.shards = shards
+        self.label = f"millpond, {shards} shard(s)"
+        self.client = ReplayClient(server.addresses, timeout_s=300)
+        self.passes = 0
 
+    def setup(self, wl: Workload) -> None:
+        from millpond import TableConfig
 
-def bench_millpond(
-    root: Path, workloads: dict[str, Workload], shards: int, s: Settings
-) -> tuple[list[dict], dict[str, int]]:
-    """Insert and sample through ``millpond serve --shards N``; also the sample wire sizes."""
-    import grpc
+        self.wl = wl
+        self.table = wl.shape.name
+        slots = wl.num_steps + len(wl.segments)
+        # Each shard's ring holds its share of one pass (plus slack): the timed passes
+        # overwrite it, the steady state of a full replay table.
+        capacity = -(-slots // self.shards) + 2 * (wl.shape.chunk_len + 1)
+        self.client.create_table(TableConfig.uniform(self.table, capacity))
+        self.writers: dict[int, list] = {}
+        for n in self.streams:
+            ids = pinned_writer_ids(f"bench-{self.table}-{self.shards}x{n}", self.shards, n)
+            self.writers[n] = [self.client.writer(self.table, i) for i in ids]
+            assert [w.shard_index for w in self.writers[n]] == [k % self.shards for k in range(n)]
 
-    from millpond import ReplayClient, TableConfig
-    from millpond.protos import millpond_pb2 as pb
-    from millpond.protos import millpond_pb2_grpc as pb_grpc
+    def insert(self, streams: int) -> float:
+        """Every segment once, writer k writing its lanes' segments in its own thread; flushed.
 
-    out: list[dict] = []
-    sample_bytes: dict[str, int] = {}
-    with millpond_serve(root, shards) as server:
-        client = ReplayClient(server.addresses, timeout_s=300)
-        try:
-            for name, wl in workloads.items():
-                T = wl.shape.chunk_len
-                slots = wl.num_steps + len(wl.segments)
-                capacity = -(-slots // shards) + 2 * (T + 1)
-                client.create_table(TableConfig.uniform(name, capacity))
-                passes = 0
-                configs = []
-                for w in s.writers:
-                    n = shards * w
-                    ids = pinned_writer_ids(f"bench-{name}-{shards}x{w}", shards, n)
-                    writers = [client.writer(name, i) for i in ids]
-                    assert [x.shard_index for x in writers] == [k % shards for k in range(n)]
-                    r = new_result("millpond", name, shards, n, wl)
-                    r["times"] = []
-                    configs.append((r, writers, lanes_of(wl.shape.lanes, n)))
-                try:
-                    # Warm-up: the first fill (files grow, pages fault in), with the first
-                    # writer set; the timed passes then overwrite the ring (the steady state).
-                    settle()
-                    dt = millpond_pass(wl, configs[0][1], configs[0][2], passes)
-                    passes += 1
-                    log(
-                        f"[{name}] millpond {shards} shard(s): first fill "
-                        f"{wl.num_steps / dt:,.0f} transitions/s, "
-                        f"{wl.wire_bytes / dt / 1e6:,.0f} MB/s"
-                    )
-                    configs[0][0]["first_fill_tps"] = wl.num_steps / dt
-                    for rep in range(s.insert_reps):
-                        for r, writers, lanes in configs:
-                            settle()
-                            dt = millpond_pass(wl, writers, lanes, passes)
-                            passes += 1
-                            r["times"].append(dt)
-                            log(
-                                f"[{name}] millpond insert, {shards} shard(s), {r['streams']} "
-                                f"writer(s), rep {rep + 1}/{s.insert_reps}: "
-                                f"{wl.num_steps / dt:,.0f} transitions/s, "
-                                f"{wl.wire_bytes / dt / 1e6:,.0f} MB/s"
-                            )
-                finally:
-                    for _, writers, _ in configs:
-                        for x in writers:
-                            x.close(60)
-                for r, _, _ in configs:
-                    dt = statistics.median(r["times"])
-                    r["insert_tps"] = wl.num_steps / dt
-                    r["insert_mbps"] = wl.wire_bytes / dt / 1e6
-                info = client.info(name)
-                if info["inserts"] != passes * wl.num_steps:
-                    raise AssertionError(
-                        f"the shards counted {info['inserts']} inserted steps, "
-                        f"expected {passes * wl.num_steps}"
-                    )
-                log(f"[{name}] millpond {shards} shard(s): {info['size']:,} steps stored")
+        Each pass gets fresh episode ids, as new experience would.
+        """
+        wl, off = self.wl, self.passes * self.wl.num_episodes
+        self.passes += 1
 
-                # The bytes of one sample response (batch 256 split over the shards).
-                total = 0
-                for address in server.addresses:
-                    with grpc.insecure_channel(address, options=_channel_options()) as ch:
-                        resp = pb_grpc.ReplayStub(ch).Sample(
-                            pb.SampleRequest(table=name, batch_size=BATCH // shards, num_batches=1)
-                        )
-                        total += sum(m.ByteSize() for m in resp)
-                sample_bytes[name] = total
+        def job(writer, mine: set[int]) -> None:
+            for g in wl.segments:
+                if g.lane in mine:
+                    writer.write_segment(g.steps, g.tail, off + g.episode, g.first_step)
+            writer.flush(300)
 
-                settle()
-                label = f"[{name}] millpond {shards} shard(s)"
-                tps, p50, p99 = timed_calls(
-                    f"{label} sample({BATCH})",
-                    lambda name=name: client.sample(name, BATCH),
-                    BATCH,
-                    s,
+        lanes = lanes_of(wl.shape.lanes, streams)
+        writers = self.writers[streams]
+        return run_parallel([functools.partial(job, w, set(ls)) for w, ls in zip(writers, lanes)])
+
+    def sample_bytes(self) -> int:
+        """The bytes of one sample response (a batch of 256 split over the shards)."""
+        import grpc
+
+        from millpond.protos import millpond_pb2 as pb
+        from millpond.protos import millpond_pb2_grpc as pb_grpc
+
+        total = 0
+        for address in self.server.addresses:
+            with grpc.insecure_channel(address, options=_channel_options()) as ch:
+                request = pb.SampleRequest(
+                    table=self.table, batch_size=BATCH // self.shards, num_batches=1
                 )
-                it_tps, it50, it99 = timed_iterate(
-                    f"{label} iterate({BATCH}, prefetch={PREFETCH})",
-                    lambda name=name: client.iterate(name, BATCH, prefetch=PREFETCH),
-                    BATCH,
-                    s,
-                )
-                for r, _, _ in configs:
-                    r.update(
-                        sample_tps=tps,
-                        sample_p50=p50,
-                        sample_p99=p99,
-                        iterate_tps=it_tps,
-                        iterate_p50=it50,
-                        iterate_p99=it99,
-                        sample_bytes=total,
-                    )
-                out += [r for r, _, _ in configs]
-        finally:
-            client.close()
-    return out, sample_bytes
+                total += sum(m.ByteSize() for m in pb_grpc.ReplayStub(ch).Sample(request))
+        return total
+
+    def check(self) -> None:
+        info = self.client.info(self.table)
+        if info["inserts"] != self.passes * self.wl.num_steps:
+            raise AssertionError(
+                f"{self.label}: the shards counted {info['inserts']} inserted steps, "
+                f"expected {self.passes * self.wl.num_steps}"
+            )
+
+    def samplers(self) -> list[Sampler]:
+        c, t = self.client, self.table
+        self.samplers_made = [
+            Sampler("sample", lambda: c.sample(t, BATCH)),
+            Sampler("iterate", iterator=lambda: c.iterate(t, BATCH, prefetch=PREFETCH)),
+        ]
+        return self.samplers_made
+
+    def teardown(self) -> None:
+        for writers in self.writers.values():
+            for w in writers:
+                w.close(60)
+
+    def close(self) -> None:
+        self.client.close()
 
 
 # -- TorchRL ---------------------------------------------------------------------------------
-def torchrl_pass(rb, wl: Workload, callers: int) -> float:
-    """Every TED chunk once (one ``extend`` each), chunks dealt round-robin to the callers."""
+class TorchRLRunner(Runner):
+    """``RayReplayBuffer`` over ``LazyMemmapStorage`` (TED, next observation stored)."""
 
-    def job(k: int) -> None:
-        for c in range(k, len(wl.ted_chunks), callers):
-            rb.extend(wl.ted_chunks[c])
+    system = "torchrl-ray"
+    shards = 1
+    label = "torchrl-ray"
 
-    return run_parallel([functools.partial(job, k) for k in range(callers)])
+    def __init__(self, root: Path, callers: list[int]) -> None:
+        super().__init__(callers)
+        self.root = root
 
+    def setup(self, wl: Workload) -> None:
+        from torchrl.data import LazyMemmapStorage, RandomSampler, RayReplayBuffer
 
-def bench_torchrl(root: Path, workloads: dict[str, Workload], s: Settings) -> list[dict]:
-    import ray
-    from torchrl.data import LazyMemmapStorage, RandomSampler, RayReplayBuffer
+        self.wl = wl
+        self.scratch = self.root / f"torchrl-{wl.shape.name}"
+        self.scratch.mkdir()
+        t0 = time.perf_counter()
+        self.rb = RayReplayBuffer(
+            storage=functools.partial(
+                LazyMemmapStorage, wl.num_steps, scratch_dir=str(self.scratch)
+            ),
+            sampler=RandomSampler,
+            batch_size=BATCH,
+            remote_config={"num_cpus": 1},
+        )
+        len(self.rb)  # the actor process has started (not part of the first fill)
+        log(f"[{wl.shape.name}] torchrl-ray: actor ready ({time.perf_counter() - t0:.1f} s)")
 
-    out: list[dict] = []
-    t0 = time.perf_counter()
-    ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
-    )
-    log(f"ray: started ({time.perf_counter() - t0:.1f} s)")
-    try:
-        for name, wl in workloads.items():
-            scratch = root / f"torchrl-{name}"
-            scratch.mkdir()
-            rb = RayReplayBuffer(
-                storage=functools.partial(
-                    LazyMemmapStorage, wl.num_steps, scratch_dir=str(scratch)
-                ),
-                sampler=RandomSampler,
-                batch_size=BATCH,
-                remote_config={"num_cpus": 1},
+    @property
+    def payload(self) -> int:
+        return self.wl.ted_bytes
+
+    def insert(self, streams: int) -> float:
+        """Every TED chunk once (one ``extend`` each), dealt round-robin to the callers."""
+        rb, chunks = self.rb, self.wl.ted_chunks
+
+        def job(k: int) -> None:
+            for c in range(k, len(chunks), streams):
+                rb.extend(chunks[c])
+
+        return run_parallel([functools.partial(job, k) for k in range(streams)])
+
+    def check(self) -> None:
+        if len(self.rb) != self.wl.num_steps:
+            raise AssertionError(
+                f"torchrl holds {len(self.rb)} steps, expected {self.wl.num_steps}"
             )
-            try:
-                t1 = time.perf_counter()
-                len(rb)  # the actor process has started (not part of the first fill)
-                log(f"[{name}] torchrl-ray: actor ready ({time.perf_counter() - t1:.1f} s)")
-                configs = []
-                for w in s.writers:
-                    r = new_result("torchrl-ray", name, 1, w, wl)
-                    r["times"] = []
-                    configs.append(r)
+        batch = self.rb.sample()
+        if ("next", OBS) not in batch.keys(True) or batch.batch_size[0] != BATCH:
+            raise AssertionError("RayReplayBuffer.sample() returned an unexpected batch")
 
-                settle()
-                dt = torchrl_pass(rb, wl, 1)
-                log(
-                    f"[{name}] torchrl-ray: first fill {wl.num_steps / dt:,.0f} transitions/s, "
-                    f"{wl.ted_bytes / dt / 1e6:,.0f} MB/s"
-                )
-                configs[0]["first_fill_tps"] = wl.num_steps / dt
-                for rep in range(s.insert_reps):
-                    for r in configs:
-                        settle()
-                        dt = torchrl_pass(rb, wl, r["streams"])
-                        r["times"].append(dt)
-                        log(
-                            f"[{name}] torchrl-ray extend, {r['streams']} caller(s), "
-                            f"rep {rep + 1}/{s.insert_reps}: "
-                            f"{wl.num_steps / dt:,.0f} transitions/s, "
-                            f"{wl.ted_bytes / dt / 1e6:,.0f} MB/s"
-                        )
-                for r in configs:
-                    dt = statistics.median(r["times"])
-                    r["insert_tps"] = wl.num_steps / dt
-                    r["insert_mbps"] = wl.ted_bytes / dt / 1e6
-                if len(rb) != wl.num_steps:
-                    raise AssertionError(f"torchrl holds {len(rb)} steps, expected {wl.num_steps}")
-                settle()
-                batch = rb.sample()
-                if ("next", OBS) not in batch.keys(True) or batch.batch_size[0] != BATCH:
-                    raise AssertionError("RayReplayBuffer.sample() returned an unexpected batch")
-                tps, p50, p99 = timed_calls(
-                    f"[{name}] torchrl-ray sample({BATCH})", rb.sample, BATCH, s
-                )
-                for r in configs:
-                    r.update(sample_tps=tps, sample_p50=p50, sample_p99=p99)
-                out += configs
-            finally:
-                rb.close()
-                shutil.rmtree(scratch, ignore_errors=True)
+    def samplers(self) -> list[Sampler]:
+        self.samplers_made = [Sampler("sample", self.rb.sample)]
+        return self.samplers_made
+
+    def teardown(self) -> None:
+        self.rb.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def run_shape(wl: Workload, runners: list[Runner], s: Settings) -> list[dict]:
+    """Insert passes, then samples, with the repetitions alternating between the systems.
+
+    Alternating keeps the slow phases of a shared machine from landing on one system only.
+    """
+    name = wl.shape.name
+    done: list[Runner] = []
+    try:
+        for r in runners:
+            r.setup(wl)
+            done.append(r)
+        for r in runners:
+            settle()
+            r.first_fill()
+        for rep in range(s.insert_reps):
+            line = []
+            for r in runners:
+                for n in r.streams:
+                    settle()
+                    dt = r.insert(n)
+                    r.times[n].append(dt)
+                    line.append(f"{r.label} x{n} {wl.num_steps / dt:,.0f}")
+            log(f"[{name}] insert rep {rep + 1}/{s.insert_reps}: " + " | ".join(line) + " tr/s")
+        for r in runners:
+            if isinstance(r, MillpondRunner | TorchRLRunner):
+                r.check()
+        sizes = {r.shards: r.sample_bytes() for r in runners if isinstance(r, MillpondRunner)}
+        for r in runners:
+            if isinstance(r, RawRunner):
+                r.sample_bytes = sizes.get(r.shards, 0)
+        settle()
+        samplers = [
+            (f"{r.label} {sp.key}", sp)
+            for r in runners
+            if not (isinstance(r, RawRunner) and not r.sample_bytes)
+            for sp in r.samplers()
+        ]
+        for _, sp in samplers:
+            sp.calibrate(s.sample_rep_seconds)
+        for rep in range(s.sample_reps):
+            line = [f"{label} {sp.rep():,.0f}" for label, sp in samplers]
+            log(f"[{name}] sample({BATCH}) rep {rep + 1}/{s.sample_reps}: " + " | ".join(line))
+        return [row for r in runners for row in r.results()]
     finally:
-        ray.shutdown()
-    return out
+        for r in done:
+            r.teardown()
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -1038,6 +1054,46 @@ def targets(results: list[dict]) -> list[str]:
     return out
 
 
+def run_all(
+    root: Path, workloads: dict[str, Workload], systems: list[str], s: Settings
+) -> list[dict]:
+    """Start every system's processes, then measure shape after shape, systems side by side."""
+    results: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        raw_client = None
+        if "raw-grpc" in systems:
+            servers = [stack.enter_context(raw_serve(root, i)) for i in range(max(s.shards))]
+            raw_client = RawClient([a for p in servers for a in p.addresses])
+            stack.callback(raw_client.close)
+        mp_servers = {}
+        if "millpond" in systems:
+            for shards in s.shards:
+                mp_servers[shards] = stack.enter_context(millpond_serve(root, shards))
+        if "torchrl-ray" in systems:
+            import ray
+
+            t0 = time.perf_counter()
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+            stack.callback(ray.shutdown)
+            log(f"ray: started ({time.perf_counter() - t0:.1f} s)")
+        for wl in workloads.values():
+            runners: list[Runner] = []
+            if raw_client is not None:
+                runners += [RawRunner(raw_client, n, s.writers) for n in s.shards]
+            for shards, server in mp_servers.items():
+                runners.append(MillpondRunner(server, shards, s.writers))
+                stack.callback(runners[-1].close)
+            if "torchrl-ray" in systems:
+                runners.append(TorchRLRunner(root, s.writers))
+            results += run_shape(wl, runners, s)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1054,7 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
         "(ceiling); comma-separated (default 1,2; quick 1)",
     )
     ap.add_argument(
-        "--reps", type=int, help="timed repetitions (default: 3 insert / 5 sample; quick 1 / 2)"
+        "--reps", type=int, help="timed repetitions (default: 5 insert / 5 sample; quick 1 / 2)"
     )
     ap.add_argument(
         "--threads",
@@ -1074,7 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(
         shards=[int(x) for x in args.shards.split(",") if x],
         writers=[int(x) for x in (args.writers or ("1" if quick else "1,2")).split(",") if x],
-        insert_reps=args.reps or (1 if quick else 3),
+        insert_reps=args.reps or (1 if quick else 5),
         sample_reps=args.reps or (2 if quick else 5),
         sample_rep_seconds=0.2 if quick else 0.5,
         quick=quick,
@@ -1100,17 +1156,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{wl.wire_bytes / 1e6:,.1f} MB on the wire per pass "
                 f"({time.perf_counter() - t1:.1f} s)"
             )
-        results: list[dict] = []
-        sample_bytes: dict[tuple[str, int], int] = {}
-        if "millpond" in systems:
-            for shards in s.shards:
-                rows, sizes = bench_millpond(root, workloads, shards, s)
-                results += rows
-                sample_bytes.update({(name, shards): n for name, n in sizes.items()})
-        if "raw-grpc" in systems:
-            results = bench_raw(root, workloads, sample_bytes, s) + results
-        if "torchrl-ray" in systems:
-            results += bench_torchrl(root, workloads, s)
+        results = run_all(root, workloads, systems, s)
     finally:
         with contextlib.suppress(Exception):
             shutil.rmtree(root)

@@ -176,8 +176,8 @@ def cut_chunk(
 def pack_chunk(cols: dict[str, torch.Tensor], episode_offset: int) -> PackedSegments:
     """Cut a [P, T] chunk into segments with a few vectorised ops, straight into columns.
 
-    Not what ``insert_many`` does (it takes one ``Segment`` per cut); this measures what a
-    chunk-level insert path would cost, for the report's proposal.
+    Not what ``insert_many`` does (it takes one ``Segment`` per cut); this measures what an
+    actor that packs whole chunks itself would get from ``Table.insert_packed``.
     """
     T = int(cols["lanes"][1])
     ends = (cols["terminated"] | cols["truncated"]).numpy().copy()
@@ -585,8 +585,8 @@ def run_shape(shape: Shape, root: Path, s: Settings, names: list[str]) -> list[d
             for name, system in systems.items():
                 if isinstance(system, Millpond) and rep > 0:
                     # Supplementary: the same chunks packed in one vectorised step each and
-                    # stored with insert_packed (the proposal in docs/storage.md). Run first,
-                    # so that the table ends up holding what insert_many stored.
+                    # stored with insert_packed (see pack_chunk). Run first, so that the
+                    # table ends up holding what insert_many stored.
                     settle()
                     t0 = time.perf_counter()
                     system.insert_pass_packed(data, 1000 + rep)
@@ -698,6 +698,7 @@ def render(
     s: Settings,
     argv: list[str],
     load: tuple[tuple[float, ...], tuple[float, ...]],
+    code_version: str,
 ) -> str:
     import torchrl
 
@@ -712,7 +713,7 @@ def render(
         f"{'/'.join(f'{x:.2f}' for x in load[1])}."
     )
     lines.append("")
-    lines.append(f"millpond code: {_code_version()}.")
+    lines.append(f"millpond code: {code_version}.")
     lines.append("")
     lines.append(
         "| shape | system | stored | bytes/transition | vs TED | insert tr/s | vs TED "
@@ -819,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
+    code_version = _code_version()  # now: the modules measured were imported at start
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="millpond-bench-", dir=args.dir))
@@ -830,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         with contextlib.suppress(Exception):
             shutil.rmtree(root)
-    report = render(results, s, argv, (load_before, os.getloadavg()))
+    report = render(results, s, argv, (load_before, os.getloadavg()), code_version)
     print(report)
     if args.out is not None:
         args.out.write_text(report)
