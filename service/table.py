@@ -30,6 +30,7 @@ from millpond.errors import (
 )
 from millpond.service.config import TableConfig
 from millpond.service.rate_limiter import RateLimiter
+from millpond.service.sample_format import assemble_ted
 from millpond.service.samplers import (
     PrioritizedSampler,
     QueueSampler,
@@ -411,12 +412,12 @@ class Table:
             if isinstance(self.sampler, QueueSampler):
                 # Delivered queue segments become evictable at once, so read them now.
                 now, nxt = self.storage.gather(selection.slots)
-                return self._to_ted(now, nxt, selection, rows)
+                return assemble_ted(now, nxt, selection.slots, rows, selection.weights)
         now, nxt = self.storage.gather(selection.slots)
         if self._evictions == evictions:
             # Nothing was unpublished since the slots were picked, so no row was overwritten
             # during the gather (a writer unpublishes, under the lock, before it copies).
-            return self._to_ted(now, nxt, selection, rows)
+            return assemble_ted(now, nxt, selection.slots, rows, selection.weights)
         for _ in range(100):
             stale = self.storage.generations(selection.slots) != rows[..., 0]
             if stale.ndim > 1:
@@ -424,7 +425,7 @@ class Table:
             if not stale.any():
                 break
             self._redraw(stale, selection, rows, now, nxt)
-        return self._to_ted(now, nxt, selection, rows)
+        return assemble_ted(now, nxt, selection.slots, rows, selection.weights)
 
     def _redraw(
         self,
@@ -447,45 +448,6 @@ class Table:
         for d, r in ((now, r_now), (nxt, r_nxt)):
             for k, v in r.items():
                 d[k][t_idx] = v
-
-    def _to_ted(
-        self,
-        now: dict[Key, torch.Tensor],
-        nxt: dict[Key, torch.Tensor],
-        selection: Selection,
-        rows: np.ndarray,
-    ) -> TensorDict:
-        shape = selection.slots.shape
-        root: dict[str, Any] = {}
-        nested_next: dict[str, Any] = {}
-        for key, value in now.items():
-            if key in (TERMINATED, TRUNCATED):
-                continue
-            _put(root, key, value)
-        for key, value in nxt.items():
-            _put(nested_next, key, value)
-        term = now[TERMINATED].unsqueeze(-1)
-        trunc = now[TRUNCATED].unsqueeze(-1)
-        nxt_dict = root.setdefault("next", {})
-        for k, v in nested_next.items():
-            nxt_dict[k] = v
-        nxt_dict["terminated"] = term
-        nxt_dict["truncated"] = trunc
-        nxt_dict["done"] = term | trunc
-        false = torch.zeros(*shape, 1, dtype=torch.bool)
-        root["done"] = false
-        root["terminated"] = false.clone()
-        root["truncated"] = false.clone()
-        root["index"] = {
-            "slot": torch.from_numpy(np.ascontiguousarray(selection.slots)),
-            "generation": torch.from_numpy(np.ascontiguousarray(rows[..., 0])),
-        }
-        root["episode_id"] = torch.from_numpy(np.ascontiguousarray(rows[..., 1]))
-        root["step"] = torch.from_numpy(np.ascontiguousarray(rows[..., 2]))
-        if selection.weights is not None:
-            root["weight"] = torch.from_numpy(selection.weights)
-        # Every value was built here with the right leading shape: skip TensorDict's checks.
-        return TensorDict._new_unsafe(root, batch_size=torch.Size(shape))
 
     def requeue(self, batch: TensorDictBase) -> int:
         """Give back a queue batch that could not be delivered; returns the steps requeued.
@@ -647,12 +609,6 @@ def writer_hash(writer_id: str) -> int:
     """A stable, positive 63-bit hash of a writer id (the same in every process)."""
     digest = hashlib.blake2b(writer_id.encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") & (2**63 - 1)) or 1
-
-
-def _put(d: dict[str, Any], key: Key, value: torch.Tensor) -> None:
-    for part in key[:-1]:
-        d = d.setdefault(part, {})
-    d[key[-1]] = value
 
 
 def _as_int64(x: np.ndarray | torch.Tensor) -> np.ndarray:

@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from millpond.errors import InvalidDataError
-from millpond.service.samplers import Selection
+from millpond.service.sample_format import assemble_ted
 from millpond.service.segments import PackedSegments, _as_flags, flatten
 from millpond.service.spec import (
     DONE,
@@ -361,7 +361,7 @@ def _export(
 def _ted_rows(table: Table, slots: np.ndarray) -> TensorDict:
     """The TED rows of step ``slots`` as the table samples them, plus collector traj ids."""
     now, nxt = table.storage.gather(slots)
-    td = table._to_ted(now, nxt, Selection(slots), table.storage.slot_info(slots))
+    td = assemble_ted(now, nxt, slots, table.storage.slot_info(slots))
     td = td.exclude("index")
     td["collector", "traj_ids"] = td["episode_id"].clone()
     return td

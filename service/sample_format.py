@@ -1,0 +1,68 @@
+"""The TED form of sampled steps, assembled from gathered columns and slot metadata."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from millpond.service.spec import TERMINATED, TRUNCATED, Key
+
+
+def assemble_ted(
+    now: dict[Key, torch.Tensor],
+    nxt: dict[Key, torch.Tensor],
+    slots: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray | None = None,
+) -> TensorDict:
+    """Sampled steps as a TorchRL TED TensorDict of batch ``slots.shape``.
+
+    Args:
+        now: every stored key at the sampled slots (see ``SegmentStorage.gather``).
+        nxt: the observation keys at the following slots: the next observations.
+        slots: the sampled step slots.
+        rows: their slot metadata (generation, episode, step, ...; ``slot_info``).
+        weights: importance weights (prioritized tables).
+
+    Root: the observation and step keys, ``done``/``terminated``/``truncated`` (all false:
+    a sampled state is never terminal), ``index`` (``slot``, ``generation``),
+    ``episode_id``, ``step`` and ``weight``. Under ``"next"``: the observations,
+    ``reward`` and the other next keys, and ``done``/``terminated``/``truncated`` of shape
+    ``[..., 1]``, as TorchRL's losses read them.
+    """
+    shape = slots.shape
+    root: dict[str, Any] = {}
+    for key, value in now.items():
+        if key not in (TERMINATED, TRUNCATED):
+            _put(root, key, value)
+    for key, value in nxt.items():
+        _put(root, ("next", *key), value)
+    term = now[TERMINATED].unsqueeze(-1)
+    trunc = now[TRUNCATED].unsqueeze(-1)
+    nxt_dict = root.setdefault("next", {})
+    nxt_dict["terminated"] = term
+    nxt_dict["truncated"] = trunc
+    nxt_dict["done"] = term | trunc
+    false = torch.zeros(*shape, 1, dtype=torch.bool)
+    root["done"] = false
+    root["terminated"] = false.clone()
+    root["truncated"] = false.clone()
+    root["index"] = {
+        "slot": torch.from_numpy(np.ascontiguousarray(slots)),
+        "generation": torch.from_numpy(np.ascontiguousarray(rows[..., 0])),
+    }
+    root["episode_id"] = torch.from_numpy(np.ascontiguousarray(rows[..., 1]))
+    root["step"] = torch.from_numpy(np.ascontiguousarray(rows[..., 2]))
+    if weights is not None:
+        root["weight"] = torch.from_numpy(weights)
+    # Every value was built here with the right leading shape: skip TensorDict's checks.
+    return TensorDict._new_unsafe(root, batch_size=torch.Size(shape))
+
+
+def _put(d: dict[str, Any], key: Key, value: torch.Tensor) -> None:
+    for part in key[:-1]:
+        d = d.setdefault(part, {})
+    d[key[-1]] = value
