@@ -138,14 +138,20 @@ def test_float32_column_shapes_are_kept(rng):
     assert ret.shape == (200, 1)
 
 
-def test_long_trajectories(rng):
-    """Hundreds of steps without an end: many doubling steps of the scan."""
+@pytest.mark.parametrize(
+    ("dtype", "gamma", "lmbda", "atol"),
+    [(torch.float64, 0.999, 1.0, 1e-10), (torch.float32, 0.99, 0.95, 1e-5)],
+)
+def test_long_trajectories(rng, dtype, gamma, lmbda, atol):
+    """Hundreds of steps without an end: many doubling steps of the scan (in float32 its
+    discount products fall below the smallest normal float, and are flushed)."""
     d = random_steps(rng, 1500)
     ends = torch.zeros(1500, dtype=torch.bool)
     ends[600] = True
     no = torch.zeros(1500, dtype=torch.bool)
-    advantage, _ = gae(d["reward"], d["value"], d["next_value"], no, ends, 0.999, 1.0)
-    close(advantage, gae_loop(d["reward"], d["value"], d["next_value"], no, ends, 0.999, 1.0))
+    args = [d["reward"], d["value"], d["next_value"]]
+    advantage, _ = gae(*(x.to(dtype) for x in args), no, ends, gamma, lmbda)
+    close(advantage, gae_loop(*args, no, ends, gamma, lmbda), atol=atol)
 
 
 def test_a_termination_ends_the_trajectory(rng):
@@ -224,6 +230,12 @@ def test_n_step_on_single_transitions_is_one_step(rng, column):
     ret, discount = n_step_return(r, v1, term, trunc, 0.99, n=3)
     close(discount, 0.99 * (~term).double())
     close(ret, r + 0.99 * (~term).double() * v1)
+
+
+def test_n_step_needs_a_step():
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match="n"):
+        n_step_return(x, x, x.bool(), x.bool(), 0.9, 0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 50])
@@ -341,7 +353,8 @@ def test_gae_from_batch_matches_gae_on_every_next_observation(queue_batch):
     )
     close(advantage, expected)
     close(value_target, expected + value)
-    assert batch["advantage"] is advantage and batch["value_target"] is value_target
+    assert torch.equal(batch["advantage"], advantage)
+    assert torch.equal(batch["value_target"], value_target)
     close(batch["state_value"], value)
 
 
@@ -349,7 +362,15 @@ def test_gae_from_batch_critic_kinds(queue_batch):
     from tensordict.nn import TensorDictModule
 
     _, _, batch = queue_batch
-    advantage, _ = gae_from_batch(batch, critic, 0.9, 0.8)
+    calls = []
+
+    def counting_critic(obs):
+        calls.append((len(obs), torch.is_grad_enabled()))
+        return critic(obs)
+
+    advantage, _ = gae_from_batch(batch, counting_critic, 0.9, 0.8)
+    # One call, without gradients: every row, plus the next observation where one ends.
+    assert calls == [(len(batch) + int(trajectory_ends(batch).sum()), False)]
     module = TensorDictModule(
         lambda state, pixels: critic(
             TensorDict({"observation": {"state": state, "pixels": pixels}}, [len(state)])
