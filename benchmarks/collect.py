@@ -13,8 +13,8 @@ collected in chunks of T = 64 steps per lane (512 frames):
   the in-process actor. Each repetition ends with ``writer.flush()`` and counts it.
 * ``millpond-table``: the same Collector writing into an in-process :class:`millpond.Table`
   through :class:`~millpond.actors.TableSink` (CartPole only; diagnostic).
-* ``fleet-1``, ``fleet-2``: an :class:`~millpond.actors.fleet.ActorFleet` of 1 or 2 Ray
-  ``EnvActor`` s (``ray.init(num_cpus=2)``, one CPU each) writing to the same server; the
+* ``fleet-1``, ``fleet-2``: an :class:`~millpond.actors.fleet.ActorFleet` of 1 or 2 Ray env
+  actors (``ray.init(num_cpus=2)``, one CPU each) writing to the same server; the
   frames the driver has been told about per wall-clock second. The bare rate these rows are
   compared with is measured interleaved with them (the actors idle meanwhile).
 * ``torchrl-*``: TorchRL's ``torchrl.collectors.Collector`` with
@@ -36,7 +36,7 @@ that a slow phase of the machine does not land on one system only; each system g
 untimed warm-up repetition. After the run, the server's insert counters are checked against
 the frames each millpond system wrote.
 
-Run ``python benchmarks/collect.py`` (about 5 minutes on 2 cores; see ``--help``), or
+Run ``python benchmarks/collect.py`` (about 4 minutes on 2 cores; see ``--help``), or
 ``--quick`` for a small smoke run (< 90 s).
 """
 
@@ -230,13 +230,19 @@ def collector_system(
     )
     frames = lanes * chunk_len
 
+    def collect() -> int:
+        collector.collect()
+        return frames
+
+    def collect_and_write() -> int:
+        collector.run_chunk()
+        return frames
+
     def rep(seconds: float) -> tuple[int, float]:
         t0 = time.perf_counter()
-        if sink is None:
-            n, _ = run_chunks(seconds, lambda: (collector.collect(), frames)[1])
-        else:
-            n, _ = run_chunks(seconds, lambda: (collector.run_chunk(), frames)[1])
-            sink.flush()
+        n, _ = run_chunks(seconds, collect if sink is None else collect_and_write)
+        if sink is not None:
+            sink.flush()  # part of the repetition: what was written is stored
         return n, time.perf_counter() - t0
 
     def close() -> None:
@@ -245,14 +251,16 @@ def collector_system(
             sink.close(60)
 
     def check() -> str | None:
-        if client is not None:
-            inserts = client.info(table)["inserts"]
-            if inserts != collector.steps_written:
-                return f"{name}/{shape}: the server counted {inserts} inserts, the loop wrote {collector.steps_written}"
-        elif sink is not None:
-            inserts = sink.table.info()["inserts"]
-            if inserts != collector.steps_written:
-                return f"{name}/{shape}: the table counted {inserts} inserts, the loop wrote {collector.steps_written}"
+        if sink is None:
+            return None
+        inserts = (
+            client.info(table)["inserts"] if client is not None else sink.table.info()["inserts"]
+        )
+        if inserts != collector.steps_written:
+            return (
+                f"{name} [{shape}]: {inserts} inserts counted where the loop wrote "
+                f"{collector.steps_written} steps"
+            )
         return None
 
     return System(name, shape, rep, close=close, check=check)
@@ -373,6 +381,7 @@ def run_fleets(
     seconds: float,
     lanes: int,
     chunk_len: int,
+    chunks_per_call: int = 1,
 ) -> list[tuple[System, System]]:
     """Each fleet in turn, its repetitions interleaved with fresh bare repetitions."""
     import ray
@@ -397,7 +406,9 @@ def run_fleets(
             env = functools.partial(make_vector_env, shape, lanes) if shape == "atari" else CARTPOLE
             config = ActorConfig(env=env, table=table, num_envs=lanes, chunk_len=chunk_len, seed=0)
             t1 = time.perf_counter()
-            fleet = ActorFleet(client, config, num_actors=n, num_cpus=1)
+            fleet = ActorFleet(
+                client, config, num_actors=n, num_cpus=1, chunks_per_call=chunks_per_call
+            )
             try:
                 # Warm-up: every actor started (imports, env, writer handshake) and ran chunks.
                 warm = n * 3 * lanes * chunk_len
@@ -599,6 +610,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, help="timed repetitions (default 5; quick 2)")
     ap.add_argument("--seconds", type=float, help="seconds per repetition (default 1.5; quick 0.4)")
     ap.add_argument(
+        "--chunks-per-call",
+        type=int,
+        default=1,
+        help="chunks each fleet actor collects per Ray call (ActorFleet's default: 1)",
+    )
+    ap.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads in this process (1)"
     )
     args = ap.parse_args(argv)
@@ -668,7 +685,9 @@ def main(argv: list[str] | None = None) -> int:
         fleets = [(sh, int(f.split("-")[1])) for sh in shapes for f in FLEETS if f in systems]
         fleets = [(sh, n) for sh, n in fleets if sh == "cartpole" or n == 1]
         if fleets:
-            for s, ref in run_fleets(client, shapes, fleets, bare, reps, seconds, lanes, chunk_len):
+            for s, ref in run_fleets(
+                client, shapes, fleets, bare, reps, seconds, lanes, chunk_len, args.chunks_per_call
+            ):
                 rows.append((s, ref))
         errors = [e for s in inproc if (e := s.check()) is not None]
         if errors:
@@ -687,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: (SHAPES.index(r[0].shape), order[r[0].name]))
     settings_line = (
         f"P = {lanes} lanes, T = {chunk_len} steps per chunk ({lanes * chunk_len} frames), "
-        f"{reps} repetitions of ~{seconds} s per system (median, min-max shown)."
+        f"{reps} repetitions of ~{seconds} s per system (median, min-max shown); fleet actors "
+        f"collect {args.chunks_per_call} chunk(s) per Ray call."
     )
     report = render(
         rows,

@@ -24,9 +24,13 @@ for two step shapes (CartPole-like: float32[4] observations; Atari-like: uint8[4
 Metrics: insert transitions/s and MB/s (payload bytes on the wire per second: serialized
 ``InsertRequest`` segments for millpond, the TED chunk's tensor bytes for TorchRL), insert as
 a share of the raw ceiling, ``sample(256)`` transitions/s with p50/p99 latency per call, and
-``iterate(prefetch=4)`` transitions/s with p50/p99 of the learner's wait per batch.
+``iterate(prefetch=4)`` transitions/s with p50/p99 of the learner's wait per batch. Every
+system is started first; each insert repetition and each sampling repetition then runs every
+system in turn, so that the slow phases of a shared machine fall on all of them alike, and
+the report gives the medians and, for the targets, the ratios of repetitions run side by side.
+Set ``GLIBC_TUNABLES`` (it reaches every process) to measure allocator settings.
 
-Run ``python benchmarks/service.py`` (about 6 minutes on 2 cores; see ``--help``), or
+Run ``python benchmarks/service.py`` (about 4 minutes on 2 cores; see ``--help``), or
 ``--quick`` for a small smoke run (< 90 s).
 """
 
@@ -496,9 +500,10 @@ def lanes_of(n_lanes: int, n_streams: int) -> list[list[int]]:
 class Sampler:
     """One way of drawing batches of ``BATCH``, timed call by call.
 
-    ``calls`` (a function) or ``iterator`` (a factory of iterators, one opened per
-    repetition and closed after it; its first ``PREFETCH`` batches, already requested when
-    the repetition starts, are drawn before the clock starts).
+    ``call`` (a function) or ``iterator`` (a factory of iterators, one opened per
+    repetition and closed after it; its first ``PREFETCH`` batches are drawn before the
+    clock starts, so that a repetition measures the steady state with ``PREFETCH`` requests
+    in flight).
     """
 
     def __init__(
@@ -545,7 +550,7 @@ class Sampler:
                 it.close()  # type: ignore[attr-defined]
         return self.rates[-1]
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, object]:
         p50, p99 = np.percentile(np.array(self.latencies) * 1e3, [50, 99])
         k = self.key
         return {
@@ -597,7 +602,7 @@ class Runner:
 
     def results(self) -> list[dict]:
         out = []
-        extra: dict[str, float] = {}
+        extra: dict[str, object] = {}
         for sampler in self.samplers_made:
             extra.update(sampler.summary())
         for n in self.streams:
@@ -632,7 +637,7 @@ class RawRunner(Runner):
         self.client = client
         self.shards = shards
         self.label = f"raw gRPC, {shards} server(s)"
-        self.sample_bytes = 0
+        self.response_bytes = 0  # of one millpond sample response, for the same shards
 
     def setup(self, wl: Workload) -> None:
         self.wl = wl
@@ -652,7 +657,7 @@ class RawRunner(Runner):
         self.insert(self.streams[0])  # warm-up: connections, allocator
 
     def samplers(self) -> list[Sampler]:
-        per = [self.sample_bytes // self.shards] * self.shards
+        per = [self.response_bytes // self.shards] * self.shards
         self.samplers_made = [Sampler("sample", functools.partial(self.client.fetch, per))]
         return self.samplers_made
 
@@ -852,12 +857,12 @@ def run_shape(wl: Workload, runners: list[Runner], s: Settings) -> list[dict]:
         sizes = {r.shards: r.sample_bytes() for r in runners if isinstance(r, MillpondRunner)}
         for r in runners:
             if isinstance(r, RawRunner):
-                r.sample_bytes = sizes.get(r.shards, 0)
+                r.response_bytes = sizes.get(r.shards, 0)
         settle()
         samplers = [
             (f"{r.label} {sp.key}", sp)
             for r in runners
-            if not (isinstance(r, RawRunner) and not r.sample_bytes)
+            if not (isinstance(r, RawRunner) and not r.response_bytes)
             for sp in r.samplers()
         ]
         for _, sp in samplers:
@@ -1099,12 +1104,20 @@ def run_all(
             import ray
 
             t0 = time.perf_counter()
-            ray.init(
-                num_cpus=2,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-            )
+            for attempt in (1, 2):
+                try:
+                    ray.init(
+                        num_cpus=2,
+                        include_dashboard=False,
+                        log_to_driver=False,
+                        logging_level=logging.WARNING,
+                    )
+                    break
+                except Exception as e:  # a node that timed out starting on a busy machine
+                    ray.shutdown()
+                    if attempt == 2:
+                        raise
+                    log(f"ray: {e}; trying once more")
             stack.callback(ray.shutdown)
             log(f"ray: started ({time.perf_counter() - t0:.1f} s)")
         for wl in workloads.values():

@@ -6,7 +6,17 @@ and exchanges policy weights with a set of replay shards.
 """
 
 from millpond.learner.client import ReplayClient
+from millpond.learner.dqn import DQNConfig, DQNLearner
+from millpond.learner.ppo import PPOConfig, PPOLearner
 from millpond.learner.writer import Writer
 from millpond.service.config import TableConfig
 
-__all__ = ["ReplayClient", "TableConfig", "Writer"]
+__all__ = [
+    "DQNConfig",
+    "DQNLearner",
+    "PPOConfig",
+    "PPOLearner",
+    "ReplayClient",
+    "TableConfig",
+    "Writer",
+]

@@ -1,0 +1,318 @@
+"""A reference DQN learner on a uniform, prioritized or slices table, using only the public
+:class:`ReplayClient`.
+
+Each :meth:`DQNLearner.step` is one gradient step of DQN (Mnih et al. 2015) on one sampled
+batch, with the usual extensions as options:
+
+- **n-step targets** (Sutton 1988; Rainbow): from a slices table of ``slice_len >=
+  n_step``, each row ``[K]`` is one episode's consecutive steps and the target of its first
+  step is :func:`~millpond.learner.estimators.n_step_return` over the first ``n_step``
+  columns, bootstrapping from the target network at the real next observation (zero after a
+  termination; a truncation stops the sum early and bootstraps). From a uniform or
+  prioritized table each row is one transition and the target is the 1-step one
+  (``n_step=1``)::
+
+      y_t = sum_{k<m} gamma^k r_{t+k} + gamma^m (1 - terminated) max_a Q_target(s_{t+m}, a)
+
+- **a target network**, copied from the online network every ``target_update_every``
+  steps (a hard update);
+- **Double DQN** (van Hasselt et al. 2016): the online network chooses
+  ``a* = argmax_a Q(s_{t+m}, a)``, the target network evaluates it;
+- **the Huber loss** (or the squared error), weighted by the prioritized table's importance
+  weights ``batch["weight"]`` when the batch carries them;
+- **prioritized replay** (Schaul et al. 2016): after each step the sampled transitions get
+  the priority ``|TD error| + priority_eps`` (``client.update_priorities``). ``alpha`` and
+  ``beta`` live in the table's config. The slices sampler has no priorities, so prioritized
+  replay goes with 1-step targets.
+
+**Pacing.** The learner just samples. The update rate follows the stored experience through
+the table's rate limiter: with ``TableConfig.uniform(..., samples_per_insert=R)`` (or
+``prioritized``/``slices``) the server blocks a sample that would take the ratio of sampled
+to inserted steps past ``R`` (within the error buffer) until actors insert more, and blocks
+inserts when the learner falls behind. ``sample_timeout_s`` bounds the wait.
+
+The Q-network maps the observation tensor to ``Q(s, ·)``, ``[..., n]`` for a
+``Discrete(n)`` action space (start 0), e.g. :func:`millpond.learner.networks.mlp_q`. The
+actors run the same factory (``"millpond.learner.networks:mlp_q"``) with
+``deterministic=True`` (act by ``argmax Q``) and an :class:`~millpond.actors.EpsilonGreedy`
+schedule; they pick up the weights published every ``publish_every`` steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner.client import ReplayClient
+from millpond.learner.estimators import n_step_return
+
+__all__ = ["DQNConfig", "DQNLearner"]
+
+
+@dataclass(frozen=True)
+class DQNConfig:
+    """Hyperparameters of :class:`DQNLearner`. Exploration (epsilon) is the actors' business.
+
+    Attributes:
+        batch_size: transitions (1-step) or slices (n-step) per gradient step.
+        lr: Adam learning rate.
+        gamma: discount factor.
+        n_step: steps summed in the target. ``1`` for uniform and prioritized tables; more
+            needs a slices table with ``slice_len >= n_step``.
+        target_update_every: gradient steps between hard copies of the online network into
+            the target network.
+        double_dqn: choose the bootstrap action with the online network (Double DQN).
+        huber: the Huber (smooth L1) loss instead of the squared TD error.
+        max_grad_norm: gradients are clipped to this global norm; ``None`` for no clipping.
+        prioritized: the table is prioritized: use its importance weights and send new
+            priorities after every step.
+        priority_eps: added to ``|TD error|`` so that no transition gets priority zero.
+        publish_every: gradient steps between weight publications for the actors.
+        observation_key: the batch key the Q-network reads.
+        sample_timeout_s: how long :meth:`DQNLearner.step` waits for a batch (the rate
+            limiter may hold it back); ``None``: the client's timeout.
+    """
+
+    batch_size: int = 128
+    lr: float = 2.5e-4
+    gamma: float = 0.99
+    n_step: int = 1
+    target_update_every: int = 500
+    double_dqn: bool = True
+    huber: bool = True
+    max_grad_norm: float | None = 10.0
+    prioritized: bool = False
+    priority_eps: float = 1e-6
+    publish_every: int = 10
+    observation_key: str = "observation"
+    sample_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "n_step", "target_update_every", "publish_every"):
+            _check_int(name, getattr(self, name), 1)
+        _check_number("lr", self.lr, positive=True)
+        _check_number("gamma", self.gamma)
+        if not 0 <= self.gamma <= 1:
+            raise InvalidConfigError(f"gamma ({self.gamma!r}) must be in [0, 1]")
+        _check_number("priority_eps", self.priority_eps)
+        if self.max_grad_norm is not None:
+            _check_number("max_grad_norm", self.max_grad_norm, positive=True)
+        if self.sample_timeout_s is not None:
+            _check_number("sample_timeout_s", self.sample_timeout_s)
+        for name in ("double_dqn", "huber", "prioritized"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be a bool")
+        if self.prioritized and self.n_step > 1:
+            raise InvalidConfigError(
+                f"prioritized replay needs n_step=1 (n_step={self.n_step}): n-step targets come "
+                "from a slices table, which has no priorities"
+            )
+        if not isinstance(self.observation_key, str) or not self.observation_key:
+            raise InvalidConfigError(
+                f"observation_key ({self.observation_key!r}) must be a non-empty string"
+            )
+
+
+class DQNLearner:
+    """DQN with a target network, n-step targets, Double DQN and prioritized replay.
+
+    Args:
+        client: the replay client.
+        table: a uniform or prioritized table (``n_step=1``), or a slices table with
+            ``slice_len >= n_step``.
+        config: hyperparameters.
+        q_network: the module the actors run: observations -> ``Q(s, ·)``, ``[..., n]``.
+        version: the last published weight version; every publication takes the next
+            one. ``None``: the version the server holds now (``-1`` if none), so a restarted
+            learner goes on counting.
+
+    Attributes:
+        q_network: the online network.
+        target_network: its copy, refreshed every ``target_update_every`` steps.
+        optimizer: Adam over the online network's parameters.
+        updates: gradient steps taken.
+        version: the last published version (the actors' policy lag is counted from it).
+    """
+
+    def __init__(
+        self,
+        client: ReplayClient,
+        table: str,
+        config: DQNConfig,
+        q_network: nn.Module,
+        *,
+        version: int | None = None,
+    ) -> None:
+        if not isinstance(config, DQNConfig):
+            raise InvalidConfigError(f"config must be a DQNConfig, received {config!r}")
+        if not isinstance(q_network, nn.Module):
+            raise InvalidConfigError("q_network must be a torch nn.Module")
+        if version is not None:
+            _check_int("version", version, -1)
+        self.client = client
+        self.table = table
+        self.config = config
+        self.q_network = q_network
+        self.target_network = copy.deepcopy(q_network)
+        self.target_network.requires_grad_(False)
+        self.optimizer = torch.optim.Adam(q_network.parameters(), lr=config.lr)
+        self.updates = 0
+        self.version = _published_version(client) if version is None else version
+        params = list(q_network.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+
+    # -- the update ----------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """Sample a batch, take one gradient step, update priorities, maybe sync and publish.
+
+        Returns metrics: ``loss``, ``td_error`` (mean ``|y - Q(s, a)|``), ``q_value`` (mean
+        ``Q(s, a)``), ``updates``, ``target_updated`` (the target network was refreshed
+        after this step), ``published`` (the version published after this step, or
+        ``None``), ``version``, ``priorities_applied`` (prioritized tables) and, when the
+        batch records it, ``policy_lag_mean`` / ``policy_lag_max``.
+        """
+        c = self.config
+        batch = self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
+        metrics: dict[str, Any] = {}
+        if "policy_version" in batch:
+            lag = self.version - batch["policy_version"].reshape(-1)
+            metrics["policy_lag_mean"] = float(lag.float().mean())
+            metrics["policy_lag_max"] = int(lag.max())
+        index = batch["index"] if batch.ndim == 1 else batch["index"][:, 0]
+        batch = batch.to(self.device)
+        loss, td_error, q_value = self.loss(batch)
+        self.optimizer.zero_grad()
+        loss.backward()
+        if c.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.q_network.parameters(), c.max_grad_norm)
+        self.optimizer.step()
+        self.updates += 1
+        if c.prioritized:
+            priorities = td_error.detach().abs().cpu() + c.priority_eps
+            metrics["priorities_applied"] = self.client.update_priorities(
+                self.table, index, priorities
+            )
+        metrics["target_updated"] = self.updates % c.target_update_every == 0
+        if metrics["target_updated"]:
+            self.update_target()
+        metrics["published"] = None
+        if self.updates % c.publish_every == 0:
+            metrics["published"] = self.publish()
+        metrics.update(
+            loss=float(loss.detach()),
+            td_error=float(td_error.detach().abs().mean()),
+            q_value=float(q_value.detach().mean()),
+            updates=self.updates,
+            version=self.version,
+        )
+        return metrics
+
+    def loss(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(loss, td_error, Q(s, a))`` of a sampled batch, ``[B]`` transitions or ``[B, K]``
+        slices (the first step of each row is trained, with the n-step target)."""
+        y = self.target(batch)
+        first = batch if batch.ndim == 1 else batch[:, 0]
+        q = _q_values(self.q_network(first[self.config.observation_key]))
+        action = first["action"].reshape(-1, 1).long()
+        q_value = q.gather(-1, action).squeeze(-1)
+        td_error = y - q_value
+        if self.config.huber:
+            elementwise = nn.functional.smooth_l1_loss(q_value, y, reduction="none")
+        else:
+            elementwise = 0.5 * td_error**2
+        weight = first.get("weight", None)
+        if weight is not None:
+            elementwise = elementwise * weight.reshape(-1).to(elementwise.dtype)
+        return elementwise.mean(), td_error, q_value
+
+    @torch.no_grad()
+    def target(self, batch: TensorDictBase) -> torch.Tensor:
+        """The TD target ``y`` of each row's first step, ``[B]`` (see the module docstring)."""
+        c = self.config
+        if batch.ndim == 1:
+            if c.n_step > 1:
+                raise InvalidDataError(
+                    f"n_step={c.n_step} needs slices [B, K] with K >= n_step; the table "
+                    "returned single transitions [B] (use a slices table, or n_step=1)"
+                )
+            batch = batch.unsqueeze(1)  # [B, 1]: one transition per row
+        elif batch.ndim == 2:
+            if batch.shape[1] < c.n_step:
+                raise InvalidDataError(
+                    f"slices of {batch.shape[1]} steps are shorter than n_step ({c.n_step})"
+                )
+            batch = batch[:, : c.n_step]
+        else:
+            raise InvalidDataError(f"expected a batch [B] or [B, K], received {batch.shape}")
+        next_obs = batch["next", c.observation_key]
+        next_q_target = _q_values(self.target_network(next_obs))
+        if c.double_dqn:
+            best = _q_values(self.q_network(next_obs)).argmax(-1, keepdim=True)
+            next_value = next_q_target.gather(-1, best).squeeze(-1)
+        else:
+            next_value = next_q_target.max(-1).values
+        shape = next_value.shape  # [B, n]
+        G, _ = n_step_return(
+            batch["next", "reward"].reshape(shape).to(next_value.dtype),
+            next_value,
+            batch["next", "terminated"].reshape(shape),
+            batch["next", "truncated"].reshape(shape),
+            c.gamma,
+            batch.shape[1],
+        )
+        return G[:, 0]
+
+    # -- networks ------------------------------------------------------------------------
+    def update_target(self) -> None:
+        """Copy the online network's weights into the target network."""
+        self.target_network.load_state_dict(self.q_network.state_dict())
+
+    def publish(self) -> int:
+        """Publish the online network's weights as version :attr:`version` ``+ 1``; returns it.
+
+        :meth:`step` calls it every ``publish_every`` steps. Call it once before the actors
+        start, so that they act with the learner's initial weights.
+        """
+        state = {k: v.detach().cpu() for k, v in self.q_network.state_dict().items()}
+        self.version = self.client.publish_weights(state, self.version + 1)
+        return self.version
+
+
+def _q_values(out: Any) -> torch.Tensor:
+    """The action values of a network's output: a tensor, or a mapping with ``"logits"``
+    or ``"action_value"`` (the actors read Q-values as logits)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("action_value", "logits"):
+        try:
+            return out[key]
+        except (KeyError, TypeError, IndexError):
+            continue
+    raise InvalidDataError(
+        f"the Q-network returned {type(out).__name__}; DQN needs Q-values (a tensor, or a "
+        "mapping with 'action_value' or 'logits')"
+    )
+
+
+def _published_version(client: ReplayClient) -> int:
+    """The weight version shard 0 holds now, ``-1`` if none (or if it cannot say)."""
+    version = client.info().get("weights_version")
+    return -1 if version is None else int(version)
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidConfigError(f"{name} ({value!r}) must be an integer >= {low}")
+
+
+def _check_number(name: str, value: object, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise InvalidConfigError(f"{name} ({value!r}) must be a number >= 0")
+    if positive and value == 0:
+        raise InvalidConfigError(f"{name} ({value!r}) must be > 0")

@@ -1,0 +1,316 @@
+"""A reference PPO learner on a queue table, using only the public :class:`ReplayClient`.
+
+Each :meth:`PPOLearner.step` is one PPO iteration (Schulman et al. 2017, Algorithm 1):
+
+1. take one batch of steps from the queue (each step is delivered once, whole segments in
+   order, see :meth:`ReplayClient.sample`);
+2. drop the steps that a too old policy acted (``policy_version`` more than
+   ``max_policy_lag`` versions behind the learner), and report the lag;
+3. compute advantages with GAE (:func:`~millpond.learner.estimators.gae_from_batch`: the
+   critic on every observation and on the real next observation where a trajectory stops,
+   so truncations and chunk cuts bootstrap correctly);
+4. run ``epochs`` passes of minibatch updates of the clipped surrogate objective, with an
+   entropy bonus and a value loss;
+5. bump the weight version and publish the policy's weights for the actors.
+
+The probability ratio is taken against the ``sample_log_prob`` the actor recorded, the
+behaviour policy's own log-probability: steps acted by a slightly older version are
+corrected by the ratio (and its clipping) exactly as PPO's epochs correct for their own
+drift; ``max_policy_lag`` bounds how far that is trusted.
+
+The policy is the module actors run (e.g. :func:`millpond.learner.networks.mlp_policy`
+under the factory name ``"millpond.learner.networks:mlp_policy"``): it maps the observation
+tensor to logits over a ``Discrete(n)`` action space (start 0), returning a tensor or a
+mapping with ``"logits"``. The critic maps observations to ``V(s)``, ``[..., 1]``.
+
+A minimal loop::
+
+    client = ReplayClient("127.0.0.1:50051")
+    client.create_table(TableConfig.queue("rollouts", capacity=100_000))
+    learner = PPOLearner(client, "rollouts", PPOConfig(), mlp_policy(obs_space, act_space),
+                         mlp_critic(obs_space))
+    learner.publish()  # actors act with the learner's initial weights from their next sync
+    while True:
+        print(learner.step())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner.client import ReplayClient
+from millpond.learner.estimators import gae_from_batch
+
+__all__ = ["PPOConfig", "PPOLearner"]
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """Hyperparameters of :class:`PPOLearner` (defaults: CleanRL's ``ppo.py`` for CartPole).
+
+    Attributes:
+        batch_size: steps asked of the queue per iteration. The queue delivers whole
+            segments, so a batch holds at most this many (and waits until it can).
+        epochs: passes over the batch per iteration (``K`` in the paper).
+        minibatch_size: steps per gradient step.
+        lr: Adam learning rate.
+        gamma: discount factor.
+        lmbda: GAE's lambda.
+        clip_eps: the clipping range epsilon of the surrogate objective.
+        entropy_coef: weight of the entropy bonus (``c_2``).
+        value_coef: weight of the value loss (``c_1``).
+        max_grad_norm: gradients are clipped to this global norm; ``None`` for no clipping.
+        normalize_advantage: standardise the advantages of each batch.
+        max_policy_lag: steps whose ``policy_version`` is older than the learner's version
+            minus this are dropped; ``None`` keeps every step.
+        observation_key: the batch key the policy and the critic read.
+        sample_timeout_s: how long :meth:`PPOLearner.step` waits for a batch; ``None``: the
+            client's timeout.
+    """
+
+    batch_size: int = 512
+    epochs: int = 4
+    minibatch_size: int = 128
+    lr: float = 2.5e-4
+    gamma: float = 0.99
+    lmbda: float = 0.95
+    clip_eps: float = 0.2
+    entropy_coef: float = 0.01
+    value_coef: float = 0.5
+    max_grad_norm: float | None = 0.5
+    normalize_advantage: bool = True
+    max_policy_lag: int | None = 4
+    observation_key: str = "observation"
+    sample_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "epochs", "minibatch_size"):
+            _check_int(name, getattr(self, name), 1)
+        if self.max_policy_lag is not None:
+            _check_int("max_policy_lag", self.max_policy_lag, 0)
+        _check_number("lr", self.lr, positive=True)
+        for name in ("gamma", "lmbda"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not 0 <= value <= 1:
+                raise InvalidConfigError(f"{name} ({value!r}) must be in [0, 1]")
+        _check_number("clip_eps", self.clip_eps, positive=True)
+        for name in ("entropy_coef", "value_coef"):
+            _check_number(name, getattr(self, name))
+        if self.max_grad_norm is not None:
+            _check_number("max_grad_norm", self.max_grad_norm, positive=True)
+        if self.sample_timeout_s is not None:
+            _check_number("sample_timeout_s", self.sample_timeout_s)
+        if not isinstance(self.observation_key, str) or not self.observation_key:
+            raise InvalidConfigError(
+                f"observation_key ({self.observation_key!r}) must be a non-empty string"
+            )
+
+
+class PPOLearner:
+    """Clipped-surrogate PPO over a queue table (see the module docstring).
+
+    Args:
+        client: the replay client.
+        table: a queue table the actors write into.
+        config: hyperparameters.
+        policy: the module the actors run: observations -> logits ``[..., n]``.
+        critic: observations -> ``V(s)``, ``[..., 1]``.
+        version: the last published weight version; every publication takes the next
+            one. ``None``: the version the server holds now (``-1`` if none), so a restarted
+            learner goes on counting.
+
+    Attributes:
+        version: the last published version: the learner's policy, as far as actors know it.
+        optimizer: Adam over the policy's and the critic's parameters.
+    """
+
+    def __init__(
+        self,
+        client: ReplayClient,
+        table: str,
+        config: PPOConfig,
+        policy: nn.Module,
+        critic: nn.Module,
+        *,
+        version: int | None = None,
+    ) -> None:
+        if not isinstance(config, PPOConfig):
+            raise InvalidConfigError(f"config must be a PPOConfig, received {config!r}")
+        if not isinstance(policy, nn.Module) or not isinstance(critic, nn.Module):
+            raise InvalidConfigError("policy and critic must be torch nn.Modules")
+        if version is not None:
+            _check_int("version", version, -1)
+        self.client = client
+        self.table = table
+        self.config = config
+        self.policy = policy
+        self.critic = critic
+        self.version = _published_version(client) if version is None else version
+        params = [*policy.parameters(), *critic.parameters()]
+        self.optimizer = torch.optim.Adam(params, lr=config.lr, eps=1e-5)
+        self.device = params[0].device if params else torch.device("cpu")
+
+    # -- the iteration -------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """One PPO iteration: sample, drop stale steps, GAE, ``epochs`` of updates, publish.
+
+        Returns metrics: ``sampled`` (steps delivered), ``steps`` (kept and trained on),
+        ``dropped``, ``policy_lag_mean`` / ``policy_lag_max`` (learner version minus the
+        steps' ``policy_version``, over the delivered steps), the means over the update's
+        minibatches of ``loss_policy`` (the clipped surrogate, to minimise), ``loss_value``,
+        ``entropy``, ``approx_kl`` and ``clip_fraction``, and ``version`` (the published
+        one). When every step was dropped nothing is trained or published.
+        """
+        c = self.config
+        batch = self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
+        batch, metrics = self.drop_stale(batch)
+        if batch.shape[0] == 0:
+            metrics.update(version=self.version)
+            return metrics
+        batch = batch.to(self.device)
+        advantage, _ = gae_from_batch(
+            batch, self.critic, c.gamma, c.lmbda, obs_key=c.observation_key
+        )
+        if c.normalize_advantage and advantage.numel() > 1:
+            advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+        batch.set("advantage", advantage)
+        metrics.update(self.update(batch))
+        metrics["version"] = self.publish()
+        return metrics
+
+    def drop_stale(self, batch: TensorDictBase) -> tuple[TensorDictBase, dict[str, Any]]:
+        """``batch`` without the steps older than ``max_policy_lag`` versions, and the lag.
+
+        Dropping rows is safe for GAE: a kept step whose successor was dropped ends its
+        trajectory there and bootstraps from its own ``("next", obs)``.
+        """
+        n = batch.shape[0]
+        metrics: dict[str, Any] = {"sampled": n}
+        if "policy_version" not in batch:
+            raise InvalidDataError(
+                "the batch has no 'policy_version': write it with millpond's actors, or record "
+                "the version of the policy that acted"
+            )
+        lag = self.version - batch["policy_version"].reshape(n)
+        metrics["policy_lag_mean"] = float(lag.float().mean()) if n else 0.0
+        metrics["policy_lag_max"] = int(lag.max()) if n else 0
+        if self.config.max_policy_lag is not None:
+            batch = batch[lag <= self.config.max_policy_lag]
+        metrics["steps"] = batch.shape[0]
+        metrics["dropped"] = n - batch.shape[0]
+        return batch, metrics
+
+    def update(self, batch: TensorDictBase) -> dict[str, float]:
+        """``epochs`` passes of shuffled minibatch updates on a batch holding ``"advantage"``
+        and ``"value_target"``; returns the mean of each loss term over the minibatches."""
+        c = self.config
+        n = batch.shape[0]
+        totals: dict[str, float] = {}
+        count = 0
+        for _ in range(c.epochs):
+            order = torch.randperm(n, device=batch.device)
+            for start in range(0, n, c.minibatch_size):
+                minibatch = batch[order[start : start + c.minibatch_size]]
+                losses = self.loss(minibatch)
+                self.optimizer.zero_grad()
+                losses["loss"].backward()
+                if c.max_grad_norm is not None:
+                    params = [p for group in self.optimizer.param_groups for p in group["params"]]
+                    nn.utils.clip_grad_norm_(params, c.max_grad_norm)
+                self.optimizer.step()
+                for name, value in losses.items():
+                    totals[name] = totals.get(name, 0.0) + float(value.detach())
+                count += 1
+        return {name: total / count for name, total in totals.items()}
+
+    def loss(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
+        """PPO's loss terms on ``batch`` (``"advantage"``, ``"value_target"``,
+        ``"sample_log_prob"``, the action and the observation)::
+
+            ratio_t   = pi_theta(a_t | s_t) / pi_old(a_t | s_t)
+            L^CLIP    = E[min(ratio_t A_t, clip(ratio_t, 1 - eps, 1 + eps) A_t)]
+            L^VF      = E[(V(s_t) - V^targ_t)^2] / 2
+            loss      = -L^CLIP + c_1 L^VF - c_2 E[entropy]
+
+        Returns ``loss``, ``loss_policy`` (``-L^CLIP``), ``loss_value``, ``entropy``,
+        ``approx_kl`` (``E[(ratio - 1) - log ratio]``) and ``clip_fraction``.
+        """
+        c = self.config
+        obs = batch[c.observation_key]
+        action = batch["action"].reshape(-1).long()
+        old_log_prob = batch["sample_log_prob"].reshape(-1)
+        advantage = batch["advantage"].reshape(-1)
+        value_target = batch["value_target"].reshape(-1)
+
+        dist = torch.distributions.Categorical(logits=_logits(self.policy(obs)))
+        new_log_prob = dist.log_prob(action)
+        log_ratio = new_log_prob - old_log_prob
+        ratio = log_ratio.exp()
+        pg_loss1 = -advantage * ratio
+        pg_loss2 = -advantage * torch.clamp(ratio, 1 - c.clip_eps, 1 + c.clip_eps)
+        pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+        value = self.critic(obs).reshape(-1)
+        v_loss = 0.5 * ((value - value_target) ** 2).mean()
+        entropy = dist.entropy().mean()
+        loss = pg_loss - c.entropy_coef * entropy + c.value_coef * v_loss
+        with torch.no_grad():
+            approx_kl = ((ratio - 1) - log_ratio).mean()
+            clip_fraction = ((ratio - 1).abs() > c.clip_eps).float().mean()
+        return {
+            "loss": loss,
+            "loss_policy": pg_loss,
+            "loss_value": v_loss,
+            "entropy": entropy,
+            "approx_kl": approx_kl,
+            "clip_fraction": clip_fraction,
+        }
+
+    # -- weights -------------------------------------------------------------------------
+    def publish(self) -> int:
+        """Publish the policy's weights as version :attr:`version` ``+ 1``; returns it.
+
+        :meth:`step` calls it after every update. Call it once before the actors start, so
+        that they act with the learner's initial weights.
+        """
+        state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+        self.version = self.client.publish_weights(state, self.version + 1)
+        return self.version
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """The logits of a policy's output: a tensor, or a mapping holding ``"logits"``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    try:
+        return out["logits"]
+    except (KeyError, TypeError, IndexError):
+        raise InvalidDataError(
+            f"the policy returned {type(out).__name__}; PPO needs logits (a tensor, or a "
+            "mapping with 'logits')"
+        ) from None
+
+
+def _published_version(client: ReplayClient) -> int:
+    """The weight version shard 0 holds now, ``-1`` if none (or if it cannot say)."""
+    version = client.info().get("weights_version")
+    return -1 if version is None else int(version)
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidConfigError(f"{name} ({value!r}) must be an integer >= {low}")
+
+
+def _check_number(name: str, value: object, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise InvalidConfigError(f"{name} ({value!r}) must be a number >= 0")
+    if positive and value == 0:
+        raise InvalidConfigError(f"{name} ({value!r}) must be > 0")

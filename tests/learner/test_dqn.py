@@ -1,0 +1,320 @@
+"""DQNLearner against a real in-process server, on fixed CartPole experience.
+
+The experience comes from the real :class:`millpond.actors.Collector` running the factory
+``"millpond.learner.networks:mlp_q"`` greedily (``deterministic=True``) with epsilon-greedy
+exploration, and is written once into uniform, prioritized and slices tables; the learner
+then samples the same stored steps over and over, so its TD loss is measured on fixed data.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import gymnasium as gym
+import pytest
+import torch
+from tensordict import TensorDict
+
+from millpond import ReplayClient, TableConfig
+from millpond.actors import Collector, EpsilonGreedy, cut_batch, make_policy
+from millpond.errors import InvalidConfigError, InvalidDataError, RateLimiterTimeoutError
+from millpond.learner.dqn import DQNConfig, DQNLearner
+from millpond.learner.networks import mlp_q
+from millpond.service.server import ServerConfig, create_server
+
+FACTORY = "millpond.learner.networks:mlp_q"
+LANES, CHUNK = 4, 64  # 256 steps per chunk
+TABLES = {
+    "uniform": TableConfig.uniform("uniform", capacity=4096, seed=1),
+    "prioritized": TableConfig.prioritized("prioritized", capacity=4096, seed=1),
+    "slices": TableConfig.slices("slices", capacity=4096, slice_len=3, seed=1),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny networks: one intra-op thread is fastest, and immune to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def client(tmp_path) -> Iterator[ReplayClient]:
+    server, port = create_server(ServerConfig(dir=str(tmp_path / "s")))
+    client = ReplayClient(f"127.0.0.1:{port}", timeout_s=10)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop(grace=0.5)
+
+
+def cartpole_spaces() -> tuple[gym.Space, gym.Space]:
+    env = gym.make("CartPole-v1")
+    spaces = env.observation_space, env.action_space
+    env.close()
+    return spaces
+
+
+def make_learner(client: ReplayClient, table: str, config: DQNConfig, seed: int = 0) -> DQNLearner:
+    torch.manual_seed(seed)
+    return DQNLearner(client, table, config, mlp_q(*cartpole_spaces()))
+
+
+def collect(client: ReplayClient, seed: int = 0) -> TensorDict:
+    """One chunk ``[P, T]``: greedy on the server's latest Q-network, epsilon 0.5."""
+    with Collector(
+        "CartPole-v1",
+        num_envs=LANES,
+        chunk_len=CHUNK,
+        policy=FACTORY,
+        deterministic=True,
+        epsilon=EpsilonGreedy(eps_start=0.5, eps_end=0.5, decay_frames=0),
+        weight_source=client,
+        seed=seed,
+    ) as collector:
+        return collector.collect()
+
+
+def fill(client: ReplayClient, table: str, chunk: TensorDict) -> int:
+    """Write a chunk's segments into ``table`` through a writer; returns the steps."""
+    with client.writer(table) as writer:
+        for segment in cut_batch(chunk):
+            writer.write_segment(
+                segment.steps, segment.tail, segment.episode_id, segment.first_step
+            )
+        writer.flush(timeout_s=10)
+    return chunk.numel()
+
+
+def assert_published(client: ReplayClient, learner: DQNLearner, version: int) -> None:
+    weights, got = client.get_weights()
+    assert got == version == learner.version
+    expected = learner.q_network.state_dict()
+    assert weights is not None and weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_actors_act_greedily_on_the_q_network():
+    """``mlp_q`` as an actor factory with ``deterministic=True`` plays ``argmax_a Q(s, a)``."""
+    obs_space, act_space = cartpole_spaces()
+    policy = make_policy(FACTORY, obs_space, act_space, num_envs=8, deterministic=True)
+    obs = torch.randn(8, 4)
+    out = policy(TensorDict({"observation": obs}, [8]), frames=0)
+    with torch.no_grad():
+        greedy = policy.module(obs).argmax(-1)
+    assert torch.equal(out["action"], greedy)
+
+
+@pytest.mark.parametrize(("kind", "n_step"), [("uniform", 1), ("prioritized", 1), ("slices", 3)])
+def test_steps_lower_the_td_loss_on_fixed_data_and_publish_weights(client, kind, n_step):
+    config = DQNConfig(
+        batch_size=64,
+        lr=1e-3,
+        n_step=n_step,
+        prioritized=kind == "prioritized",
+        target_update_every=1000,  # a fixed target: the loss is a fixed regression
+        publish_every=10,
+    )
+    client.create_table(TABLES[kind])
+    learner = make_learner(client, kind, config)
+    assert learner.publish() == 0
+    chunk = collect(client)
+    assert (chunk["policy_version"] == 0).all()
+    fill(client, kind, chunk)
+    fixed = client.sample(kind, 64)
+    assert fixed.shape == ((64, 3) if kind == "slices" else (64,))
+    with torch.no_grad():
+        before = float(learner.loss(fixed)[0])
+    for i in range(1, 41):
+        metrics = learner.step()
+        assert metrics["updates"] == i
+        assert metrics["published"] == (i // 10 if i % 10 == 0 else None)
+        assert metrics["version"] == i // 10
+        assert metrics["policy_lag_max"] == (i - 1) // 10
+        assert metrics["target_updated"] is False
+    assert_published(client, learner, 4)
+    with torch.no_grad():
+        after = float(learner.loss(fixed)[0])
+    assert after < 0.7 * before
+
+
+class Spy:
+    """The client, recording what the learner samples and the priorities it sends."""
+
+    def __init__(self, client: ReplayClient) -> None:
+        self.client = client
+        self.batches: list[TensorDict] = []
+        self.priorities: list[tuple[TensorDict, torch.Tensor]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    def sample(self, table: str, batch_size: int, timeout_s: float | None = None) -> TensorDict:
+        batch = self.client.sample(table, batch_size, timeout_s)
+        self.batches.append(batch.clone())
+        return batch
+
+    def update_priorities(self, table: str, index, priorities) -> int:
+        self.priorities.append((index, torch.as_tensor(priorities)))
+        return self.client.update_priorities(table, index, priorities)
+
+
+def test_priorities_follow_the_td_errors(client):
+    table = TABLES["prioritized"]
+    client.create_table(table)
+    n = fill(client, table.name, collect(client))
+    assert client.info(table.name)["mass"] == pytest.approx(n)  # every new step: priority 1
+    assert bool((client.sample(table.name, 64)["weight"] == 1).all())
+
+    spy = Spy(client)
+    config = DQNConfig(batch_size=64, prioritized=True, priority_eps=1e-3)
+    learner = make_learner(spy, table.name, config)  # type: ignore[arg-type]
+    # The same networks, kept as they are before the step, to recompute its TD errors.
+    before = DQNLearner(client, table.name, config, copy.deepcopy(learner.q_network))
+    metrics = learner.step()
+    assert metrics["priorities_applied"] == 64
+    (batch,), ((index, priorities),) = spy.batches, spy.priorities
+    assert torch.equal(index["slot"], batch["index", "slot"])
+    with torch.no_grad():
+        _, td_error, _ = before.loss(batch)
+    torch.testing.assert_close(priorities.float(), td_error.abs() + config.priority_eps)
+
+    # The table's mass is sum_i p_i^alpha: the sampled slots now hold their new priority
+    # (a slot drawn twice keeps the last), every other step still 1.
+    last = dict(zip(index["slot"].tolist(), priorities.tolist(), strict=True))
+    expected = n - len(last) + sum(p**table.alpha for p in last.values())
+    assert client.info(table.name)["mass"] == pytest.approx(expected, rel=1e-6)
+    assert client.sample(table.name, 256)["weight"].unique().numel() > 1  # no longer uniform
+
+
+def test_target_network_is_copied_on_schedule(client):
+    client.create_table(TABLES["uniform"])
+    fill(client, "uniform", collect(client))
+    learner = make_learner(
+        client, "uniform", DQNConfig(batch_size=32, lr=1e-2, target_update_every=3)
+    )
+
+    def synced() -> bool:
+        online, target = learner.q_network.state_dict(), learner.target_network.state_dict()
+        return all(torch.equal(online[k], target[k]) for k in online)
+
+    assert synced()  # the target starts as a copy
+    flags = []
+    for _ in range(7):
+        flags.append(learner.step()["target_updated"])
+        assert synced() == flags[-1]
+    assert flags == [False, False, True, False, False, True, False]
+    assert not any(p.requires_grad for p in learner.target_network.parameters())
+
+
+def hand_n_step_target(learner: DQNLearner, row: TensorDict, n: int, gamma: float) -> float:
+    """The n-step target of a slice's first step, summed one reward at a time."""
+    double = learner.config.double_dqn
+    G = 0.0
+    for k in range(n):
+        G += gamma**k * float(row["next", "reward"][k])
+        terminated = bool(row["next", "terminated"][k])
+        stop = terminated or bool(row["next", "truncated"][k]) or k == n - 1
+        if stop:
+            if not terminated:
+                next_obs = row["next", "observation"][k]
+                q_target = learner.target_network(next_obs)
+                a = int(learner.q_network(next_obs).argmax()) if double else int(q_target.argmax())
+                G += gamma ** (k + 1) * float(q_target[a])
+            return G
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("double_dqn", [False, True])
+def test_n_step_target_equals_a_hand_computed_one(client, double_dqn):
+    gamma = 0.9
+    client.create_table(TABLES["slices"])
+    fill(client, "slices", collect(client))
+    batch = client.sample("slices", 16)  # [16, 3]: one episode's consecutive steps per row
+    for n in (1, 2, 3):
+        config = DQNConfig(gamma=gamma, n_step=n, double_dqn=double_dqn)
+        learner = make_learner(client, "slices", config, seed=n)
+        with torch.no_grad():
+            # Make the online and target networks differ, so that Double DQN matters.
+            for p in learner.q_network.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+            y = learner.target(batch)
+            expected = [hand_n_step_target(learner, batch[b], n, gamma) for b in range(16)]
+        torch.testing.assert_close(y, torch.tensor(expected))
+
+    # Episode ends inside a slice: a termination stops the sum with no bootstrap, a
+    # truncation stops it and bootstraps from its real next observation.
+    rewards = torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0]]).unsqueeze(-1)
+    terminated = torch.zeros(2, 3, 1, dtype=torch.bool)
+    truncated = torch.zeros(2, 3, 1, dtype=torch.bool)
+    terminated[0, 1] = True
+    truncated[1, 0] = True
+    next_obs = torch.randn(2, 3, 4)
+    handmade = TensorDict(
+        {
+            "next": {
+                "observation": next_obs,
+                "reward": rewards,
+                "terminated": terminated,
+                "truncated": truncated,
+            }
+        },
+        [2, 3],
+    )
+    learner = make_learner(client, "slices", DQNConfig(gamma=gamma, n_step=3, double_dqn=False))
+    with torch.no_grad():
+        y = learner.target(handmade)
+        bootstrap = float(learner.target_network(next_obs[1, 0]).max())
+    torch.testing.assert_close(y, torch.tensor([1.0 + gamma * 2.0, 1.0 + gamma * bootstrap]))
+
+
+def test_the_rate_limiter_paces_the_updates(client):
+    """With ``samples_per_insert`` the server holds the learner to the stored experience:
+    once the error buffer is spent, each inserted step buys ``spi`` sampled steps."""
+    spi, batch_size = 0.5, 64
+    client.create_table(
+        TableConfig.uniform("paced", capacity=4096, samples_per_insert=spi, error_buffer=256)
+    )
+    config = DQNConfig(batch_size=batch_size, sample_timeout_s=0.3)
+    learner = make_learner(client, "paced", config)
+    chunk = collect(client)
+
+    def steps_until_blocked() -> int:
+        steps = 0
+        while True:
+            try:
+                learner.step()
+            except RateLimiterTimeoutError:
+                return steps
+            steps += 1
+
+    inserted = fill(client, "paced", chunk)
+    first = steps_until_blocked()  # the error buffer lets it run ahead: 256 / 64 more steps
+    assert first == inserted * spi / batch_size + 256 // batch_size
+    inserted = fill(client, "paced", chunk)
+    assert steps_until_blocked() == inserted * spi / batch_size
+    assert learner.updates == first + inserted * spi / batch_size
+
+
+def test_n_step_needs_slices_and_priorities_need_one_step(client):
+    with pytest.raises(InvalidConfigError, match="n_step=1"):
+        DQNConfig(n_step=3, prioritized=True)
+    client.create_table(TABLES["uniform"])
+    fill(client, "uniform", collect(client))
+    learner = make_learner(client, "uniform", DQNConfig(batch_size=8, n_step=3))
+    with pytest.raises(InvalidDataError, match="slices"):
+        learner.step()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"batch_size": 0}, {"gamma": -0.1}, {"target_update_every": 0}, {"huber": 1}, {"lr": 0}],
+)
+def test_config_checks_its_values(kwargs):
+    with pytest.raises(InvalidConfigError, match=next(iter(kwargs))):
+        DQNConfig(**kwargs)
