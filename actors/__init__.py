@@ -44,13 +44,17 @@ __all__ = [
     "HINDSIGHT_EPISODE_OFFSET",
     "INCARNATIONS_PER_ACTOR",
     "MAX_ACTORS",
+    "ActorConfig",
+    "ActorFleet",
     "ActorPolicy",
     "Collector",
+    "EnvActor",
     "EpisodeAnnotator",
     "EpisodeFilter",
     "EpisodeProcessor",
     "EpsilonGreedy",
     "ExperienceProcessor",
+    "FleetStatus",
     "HindsightRelabeler",
     "LaneBuffer",
     "ModulePolicy",
@@ -72,3 +76,19 @@ __all__ = [
     "observation_keys",
     "to_ted",
 ]
+
+# The Ray layer is imported on first use, so that the loop itself never loads Ray.
+_RAY_NAMES = {
+    "ActorConfig": "ray_actor",
+    "EnvActor": "ray_actor",
+    "ActorFleet": "fleet",
+    "FleetStatus": "fleet",
+}
+
+
+def __getattr__(name: str):
+    if name in _RAY_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_RAY_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -366,6 +366,8 @@ def fleet_rep(fleet, seconds: float) -> tuple[int, float]:
     t0 = time.perf_counter()
     t_last, frames = t0, start
     while time.perf_counter() - t0 < seconds or frames == start:
+        if time.perf_counter() - t0 > seconds + 120:
+            raise RuntimeError("the fleet reported no frames for two minutes")
         status = fleet.poll(timeout_s=1.0)
         if status.frames != frames:
             frames, t_last = status.frames, time.perf_counter()
@@ -429,8 +431,8 @@ def run_fleets(
                             f"[{shape}] {s.name}{' (' + s.note + ')' if s.note else ''} "
                             f"rep {rep + 1}/{reps}: {frames / dt:,.0f} frames/s"
                         )
-                        if s is sys_:
-                            time.sleep(0.3)  # the calls in flight finish (one chunk each)
+                        if s is sys_:  # let the calls in flight finish (their chunks)
+                            time.sleep(0.3 * chunks_per_call)
             finally:
                 final = fleet.stop()
             inserts = client.info(table)["inserts"]

@@ -156,7 +156,12 @@ def test_restarted_writer_with_the_same_id_is_stored(server, table_name, pattern
         w.flush(timeout_s=30)
         assert w.sequence > 40  # numbered after what the shard holds from this id
     stored = second.info(table_name)["size"]
-    assert stored == first_size + 40 * patterned.L
+    if abandon:
+        # Requests the dead writer had already sent may still be stored after first_size was
+        # read; what matters is that the new writer's 40 segments all are (checked below).
+        assert stored >= first_size + 40 * patterned.L
+    else:
+        assert stored == first_size + 40 * patterned.L
     got = patterned.drain(second, table_name, stored)
     assert len(got) == len(set(got))
     eps = {ep for ep, _ in got}
