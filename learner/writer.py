@@ -241,6 +241,54 @@ class Writer:
                 self._current_episode = episode_id
             return sequence
 
+    def write_segments(self, segments: Sequence[Segment]) -> list[int]:
+        """Queue several segments, in order; returns their sequence numbers.
+
+        The same as :meth:`write_segment` for each (``segment.episode_id`` and
+        ``segment.first_step`` are used as given), but validated and packed in one pass and
+        queued under one lock: with short episodes the per-segment Python work is most of
+        an actor's cost. On a validation error nothing is queued. Blocks while
+        ``max_in_flight`` segments await acknowledgement.
+        """
+        if not segments:
+            return []
+        for s in segments:
+            _optional_index("episode_id", s.episode_id)
+            _optional_index("first_step", s.first_step)
+        self._raise_if_unusable()
+        packed = pack(
+            [Segment(s.steps, s.tail, int(s.episode_id), int(s.first_step)) for s in segments]
+        )
+        with self._write_lock:
+            self._check_spec(packed)
+            messages = []
+            row = 0
+            for i, length in enumerate(packed.lengths.tolist()):
+                steps = {k: v[row : row + length] for k, v in packed.steps.items()}
+                tail = {k: v[i] for k, v in packed.tails.items()}
+                row += length
+                messages.append(
+                    self._encode(
+                        steps, tail, length, int(packed.episode_ids[i]), int(packed.first_steps[i])
+                    )
+                )
+            sequences = self._enqueue_many(messages)
+            ends = torch.cumsum(torch.from_numpy(packed.lengths), 0) - 1
+            ended = (packed.steps[TERMINATED][ends] | packed.steps[TRUNCATED][ends]).tolist()
+            for episode_id, first_step, length, end in zip(
+                packed.episode_ids.tolist(),
+                packed.first_steps.tolist(),
+                packed.lengths.tolist(),
+                ended,
+            ):
+                if end:
+                    self._next_step.pop(episode_id, None)
+                    self._current_episode = None
+                else:
+                    self._next_step[episode_id] = first_step + length
+                    self._current_episode = episode_id
+            return sequences
+
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every written segment is acknowledged.
 
@@ -387,6 +435,26 @@ class Writer:
             self._sizes[sequence] = size + _SEQUENCE_BYTES
             self._cv.notify_all()
             return sequence
+
+    def _enqueue_many(self, messages: Sequence[tuple[pb.Segment, int]]) -> list[int]:
+        """Queue messages in order, waking the sender once per batch (not once per segment)."""
+        sequences: list[int] = []
+        with self._cv:
+            for msg, size in messages:
+                while True:
+                    self._raise_if_unusable_locked()
+                    if len(self._unacked) < self._max_in_flight:
+                        break
+                    self._cv.notify_all()  # let the sender take what is queued so far
+                    self._cv.wait()
+                sequence = self._next_sequence
+                self._next_sequence += 1
+                msg.sequence = sequence
+                self._unacked[sequence] = msg
+                self._sizes[sequence] = size + _SEQUENCE_BYTES
+                sequences.append(sequence)
+            self._cv.notify_all()
+        return sequences
 
     def _raise_if_unusable(self) -> None:
         with self._cv:
