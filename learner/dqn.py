@@ -49,6 +49,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner._common import check_int, check_number, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import n_step_return
 
@@ -95,16 +96,16 @@ class DQNConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "n_step", "target_update_every", "publish_every"):
-            _check_int(name, getattr(self, name), 1)
-        _check_number("lr", self.lr, positive=True)
-        _check_number("gamma", self.gamma)
+            check_int(name, getattr(self, name), 1)
+        check_number("lr", self.lr, positive=True)
+        check_number("gamma", self.gamma)
         if not 0 <= self.gamma <= 1:
             raise InvalidConfigError(f"gamma ({self.gamma!r}) must be in [0, 1]")
-        _check_number("priority_eps", self.priority_eps)
+        check_number("priority_eps", self.priority_eps)
         if self.max_grad_norm is not None:
-            _check_number("max_grad_norm", self.max_grad_norm, positive=True)
+            check_number("max_grad_norm", self.max_grad_norm, positive=True)
         if self.sample_timeout_s is not None:
-            _check_number("sample_timeout_s", self.sample_timeout_s)
+            check_number("sample_timeout_s", self.sample_timeout_s)
         for name in ("double_dqn", "huber", "prioritized"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be a bool")
@@ -154,7 +155,7 @@ class DQNLearner:
         if not isinstance(q_network, nn.Module):
             raise InvalidConfigError("q_network must be a torch nn.Module")
         if version is not None:
-            _check_int("version", version, -1)
+            check_int("version", version, -1)
         self.client = client
         self.table = table
         self.config = config
@@ -163,7 +164,7 @@ class DQNLearner:
         self.target_network.requires_grad_(False)
         self.optimizer = torch.optim.Adam(q_network.parameters(), lr=config.lr)
         self.updates = 0
-        self.version = _published_version(client) if version is None else version
+        self.version = published_version(client) if version is None else version
         params = list(q_network.parameters())
         self.device = params[0].device if params else torch.device("cpu")
 
@@ -298,21 +299,3 @@ def _q_values(out: Any) -> torch.Tensor:
         f"the Q-network returned {type(out).__name__}; DQN needs Q-values (a tensor, or a "
         "mapping with 'action_value' or 'logits')"
     )
-
-
-def _published_version(client: ReplayClient) -> int:
-    """The weight version shard 0 holds now, ``-1`` if none (or if it cannot say)."""
-    version = client.info().get("weights_version")
-    return -1 if version is None else int(version)
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidConfigError(f"{name} ({value!r}) must be an integer >= {low}")
-
-
-def _check_number(name: str, value: object, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise InvalidConfigError(f"{name} ({value!r}) must be a number >= 0")
-    if positive and value == 0:
-        raise InvalidConfigError(f"{name} ({value!r}) must be > 0")

@@ -44,6 +44,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner._common import check_int, check_number, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import gae_from_batch
 
@@ -91,22 +92,22 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "minibatch_size"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         if self.max_policy_lag is not None:
-            _check_int("max_policy_lag", self.max_policy_lag, 0)
-        _check_number("lr", self.lr, positive=True)
+            check_int("max_policy_lag", self.max_policy_lag, 0)
+        check_number("lr", self.lr, positive=True)
         for name in ("gamma", "lmbda"):
             value = getattr(self, name)
-            _check_number(name, value)
+            check_number(name, value)
             if not 0 <= value <= 1:
                 raise InvalidConfigError(f"{name} ({value!r}) must be in [0, 1]")
-        _check_number("clip_eps", self.clip_eps, positive=True)
+        check_number("clip_eps", self.clip_eps, positive=True)
         for name in ("entropy_coef", "value_coef"):
-            _check_number(name, getattr(self, name))
+            check_number(name, getattr(self, name))
         if self.max_grad_norm is not None:
-            _check_number("max_grad_norm", self.max_grad_norm, positive=True)
+            check_number("max_grad_norm", self.max_grad_norm, positive=True)
         if self.sample_timeout_s is not None:
-            _check_number("sample_timeout_s", self.sample_timeout_s)
+            check_number("sample_timeout_s", self.sample_timeout_s)
         if not isinstance(self.observation_key, str) or not self.observation_key:
             raise InvalidConfigError(
                 f"observation_key ({self.observation_key!r}) must be a non-empty string"
@@ -146,13 +147,13 @@ class PPOLearner:
         if not isinstance(policy, nn.Module) or not isinstance(critic, nn.Module):
             raise InvalidConfigError("policy and critic must be torch nn.Modules")
         if version is not None:
-            _check_int("version", version, -1)
+            check_int("version", version, -1)
         self.client = client
         self.table = table
         self.config = config
         self.policy = policy
         self.critic = critic
-        self.version = _published_version(client) if version is None else version
+        self.version = published_version(client) if version is None else version
         params = [*policy.parameters(), *critic.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=config.lr, eps=1e-5)
         self.device = params[0].device if params else torch.device("cpu")
@@ -296,21 +297,3 @@ def _logits(out: Any) -> torch.Tensor:
             f"the policy returned {type(out).__name__}; PPO needs logits (a tensor, or a "
             "mapping with 'logits')"
         ) from None
-
-
-def _published_version(client: ReplayClient) -> int:
-    """The weight version shard 0 holds now, ``-1`` if none (or if it cannot say)."""
-    version = client.info().get("weights_version")
-    return -1 if version is None else int(version)
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidConfigError(f"{name} ({value!r}) must be an integer >= {low}")
-
-
-def _check_number(name: str, value: object, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise InvalidConfigError(f"{name} ({value!r}) must be a number >= 0")
-    if positive and value == 0:
-        raise InvalidConfigError(f"{name} ({value!r}) must be > 0")
