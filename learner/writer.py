@@ -232,13 +232,8 @@ class Writer:
                 episode_id,
                 first_step,
             )
-            sequence = self._enqueue(msg, size)
-            if ended:
-                self._next_step.pop(episode_id, None)
-                self._current_episode = None
-            else:
-                self._next_step[episode_id] = first_step + length
-                self._current_episode = episode_id
+            (sequence,) = self._enqueue_many([(msg, size)])
+            self._track_episode(episode_id, first_step, length, ended)
             return sequence
 
     def write_segments(self, segments: Sequence[Segment]) -> list[int]:
@@ -261,18 +256,7 @@ class Writer:
         )
         with self._write_lock:
             self._check_spec(packed)
-            messages = []
-            row = 0
-            for i, length in enumerate(packed.lengths.tolist()):
-                steps = {k: v[row : row + length] for k, v in packed.steps.items()}
-                tail = {k: v[i] for k, v in packed.tails.items()}
-                row += length
-                messages.append(
-                    self._encode(
-                        steps, tail, length, int(packed.episode_ids[i]), int(packed.first_steps[i])
-                    )
-                )
-            sequences = self._enqueue_many(messages)
+            sequences = self._enqueue_many(self._encode_packed(packed))
             ends = torch.cumsum(torch.from_numpy(packed.lengths), 0) - 1
             ended = (packed.steps[TERMINATED][ends] | packed.steps[TRUNCATED][ends]).tolist()
             for episode_id, first_step, length, end in zip(
@@ -281,13 +265,17 @@ class Writer:
                 packed.lengths.tolist(),
                 ended,
             ):
-                if end:
-                    self._next_step.pop(episode_id, None)
-                    self._current_episode = None
-                else:
-                    self._next_step[episode_id] = first_step + length
-                    self._current_episode = episode_id
+                self._track_episode(episode_id, first_step, length, end)
             return sequences
+
+    def _track_episode(self, episode_id: int, first_step: int, length: int, ended: bool) -> None:
+        """Remember where an episode stands, for segments written without ids or steps."""
+        if ended:
+            self._next_step.pop(episode_id, None)
+            self._current_episode = None
+        else:
+            self._next_step[episode_id] = first_step + length
+            self._current_episode = episode_id
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every written segment is acknowledged.
@@ -372,16 +360,22 @@ class Writer:
         self._raise_if_unusable()
         with self._write_lock:
             self._check_spec(packed)
-            row = 0
-            for i, length in enumerate(packed.lengths.tolist()):
-                steps = {k: v[row : row + length] for k, v in packed.steps.items()}
-                tail = {k: v[i] for k, v in packed.tails.items()}
-                row += length
-                self._enqueue(
-                    *self._encode(
-                        steps, tail, length, int(packed.episode_ids[i]), int(packed.first_steps[i])
-                    )
+            self._enqueue_many(self._encode_packed(packed))
+
+    def _encode_packed(self, packed: PackedSegments) -> list[tuple[pb.Segment, int]]:
+        """One message per segment of ``packed``, encoded from slices of its columns."""
+        messages = []
+        row = 0
+        for i, length in enumerate(packed.lengths.tolist()):
+            steps = {k: v[row : row + length] for k, v in packed.steps.items()}
+            tail = {k: v[i] for k, v in packed.tails.items()}
+            row += length
+            messages.append(
+                self._encode(
+                    steps, tail, length, int(packed.episode_ids[i]), int(packed.first_steps[i])
                 )
+            )
+        return messages
 
     # -- caller side ---------------------------------------------------------------------
     def _check_spec(self, packed: PackedSegments) -> None:
@@ -420,21 +414,6 @@ class Writer:
                 f"the message limit ({limit} bytes; raise max_message_mb or cut shorter segments)"
             )
         return msg, size
-
-    def _enqueue(self, msg: pb.Segment, size: int) -> int:
-        with self._cv:
-            while True:
-                self._raise_if_unusable_locked()
-                if len(self._unacked) < self._max_in_flight:
-                    break
-                self._cv.wait()
-            sequence = self._next_sequence
-            self._next_sequence += 1
-            msg.sequence = sequence
-            self._unacked[sequence] = msg
-            self._sizes[sequence] = size + _SEQUENCE_BYTES
-            self._cv.notify_all()
-            return sequence
 
     def _enqueue_many(self, messages: Sequence[tuple[pb.Segment, int]]) -> list[int]:
         """Queue messages in order, waking the sender once per batch (not once per segment)."""
