@@ -46,17 +46,13 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -65,6 +61,8 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
+from _common import code_version as measured_code_version
+from _common import log, millpond_serve, settle
 from gymnasium.vector import AutoresetMode
 
 LANES = 8  # P
@@ -84,10 +82,6 @@ ATARI_SYSTEMS = ("gymnasium", "millpond-collect", "millpond-serve", "fleet-1")
 # Targets from the issue.
 TARGET_VS_BARE = 0.7  # millpond actor frames/s, share of bare gymnasium stepping
 TARGET_VS_TORCHRL = 5.0  # millpond actor frames/s vs TorchRL's collector
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- envs ----------------------------------------------------------------------------------------
@@ -128,54 +122,6 @@ def make_vector_env(shape: str, lanes: int = LANES) -> gym.vector.VectorEnv:
 
 
 # -- processes -----------------------------------------------------------------------------------
-class Server:
-    """``millpond serve`` (one shard) as a subprocess; SIGTERM stops it."""
-
-    def __init__(self, root: Path) -> None:
-        self.log_path = root / "serve.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
-        cmd = [sys.executable, "-m", "millpond.cli", "serve", "--dir", str(root / "serve")]
-        cmd += ["--port", "0"]
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True
-        )
-        assert self.proc.stdout is not None
-        self.addresses: list[str] = []
-        for line in self.proc.stdout:
-            if line.startswith("ADDRESSES "):
-                self.addresses = line.split()[1].split(",")
-                break
-        if not self.addresses:
-            code = self.proc.wait()
-            self._log.close()
-            raise RuntimeError(f"millpond serve exited ({code}) before serving:\n{self.tail()}")
-        threading.Thread(target=self._drain, daemon=True).start()
-        log(f"millpond serve: {','.join(self.addresses)} ({time.perf_counter() - t0:.1f} s)")
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for _ in self.proc.stdout:
-            pass
-
-    def tail(self, n: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text().splitlines()[-n:])
-        return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                code = self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                code = self.proc.wait()
-            if code != 0:
-                log(f"millpond serve exited with code {code}:\n{self.tail()}")
-        self._log.close()
-
-
 def capacity_of(shape: str) -> int:
     """Table capacity in slots: a ring the runs overwrite (Atari: ~460 MB of frames)."""
     return 1_000_000 if shape == "cartpole" else 16_384
@@ -333,12 +279,6 @@ def torchrl_systems(
 
 
 # -- measurement -----------------------------------------------------------------------------
-def settle() -> None:
-    """Collect garbage and write dirty pages back, so one measurement's writeback stays its own."""
-    gc.collect()
-    os.sync()
-
-
 def measure(systems: list[System], reps: int, seconds: float, label: str = "") -> None:
     """One untimed warm-up repetition each, then ``reps`` interleaved timed repetitions."""
     for sys_ in systems:
@@ -450,30 +390,6 @@ def run_fleets(
 
 
 # -- report ----------------------------------------------------------------------------------
-def _code_version() -> str:
-    """The git commit of the millpond code measured (and whether it has local edits)."""
-    import millpond
-
-    here = Path(millpond.__file__).resolve().parent.parent
-    paths = ["actors", "learner", "service", "protos", "millpond"]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", *paths],
-            cwd=here,
-            capture_output=True,
-            text=True,
-        ).stdout.splitlines()
-    except OSError:
-        return f"{here} (no git)"
-    if not head:
-        return f"{here} (not a git checkout)"
-    edited = sorted({line[3:] for line in dirty if line[3:].endswith(".py")})
-    return f"commit {head}" + (f" with local edits in {', '.join(edited)}" if edited else "")
-
-
 DESCRIPTIONS = {
     "gymnasium": "bare `make_vec(sync)` stepping, no sink",
     "millpond-collect": "`Collector.collect()` only, no sink",
@@ -644,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     from millpond import ReplayClient, Table, TableConfig
     from millpond.actors import TableSink
 
-    code_version = _code_version()
+    code_version = measured_code_version(["actors", "learner", "service", "protos", "millpond"])
     load_before = os.getloadavg()
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
@@ -654,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     closers: list[Callable[[], None]] = []
     server = client = None
     try:
-        server = Server(root)
+        server = millpond_serve(root)
         client = ReplayClient(server.addresses, timeout_s=300)
         bare: dict[str, System] = {}
         for shape in shapes:

@@ -40,14 +40,12 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import os
 import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -59,6 +57,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import ServerProcess, calibrate, code_version, log, millpond_serve, settle
 from tensordict import TensorDict
 
 SYSTEMS = ("raw-grpc", "millpond", "torchrl-ray")
@@ -104,10 +103,6 @@ class Settings:
     sample_reps: int
     sample_rep_seconds: float
     quick: bool
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -269,70 +264,9 @@ def make_workload(shape: Shape, steps: int, seed: int = 0) -> Workload:
 
 
 # -- processes -------------------------------------------------------------------------------
-class Process:
-    """A server subprocess that prints ``ADDRESSES a,b`` once serving; SIGTERM stops it."""
-
-    def __init__(self, cmd: list[str], log_path: Path, label: str) -> None:
-        self.label = label
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True
-        )
-        assert self.proc.stdout is not None
-        self.addresses: list[str] = []
-        for line in self.proc.stdout:
-            if line.startswith("ADDRESSES "):
-                self.addresses = line.split()[1].split(",")
-                break
-        if not self.addresses:
-            code = self.proc.wait()
-            self._log.close()
-            raise RuntimeError(f"{label} exited ({code}) before serving:\n{self.tail()}")
-        # Keep reading stdout so that a chatty child never blocks on a full pipe.
-        threading.Thread(target=self._drain, daemon=True).start()
-        log(f"{label}: serving {','.join(self.addresses)} ({time.perf_counter() - t0:.1f} s)")
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for _ in self.proc.stdout:
-            pass
-
-    def tail(self, n: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text().splitlines()[-n:])
-        return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                code = self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                code = self.proc.wait()
-            if code != 0:
-                log(f"{self.label}: exited with code {code}:\n{self.tail()}")
-        self._log.close()
-
-    def __enter__(self) -> Process:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def millpond_serve(root: Path, shards: int) -> Process:
-    d = root / f"serve-{shards}"
-    cmd = [sys.executable, "-m", "millpond.cli", "serve", "--dir", str(d), "--port", "0"]
-    cmd += ["--shards", str(shards)]
-    return Process(cmd, root / f"serve-{shards}.log", f"millpond serve --shards {shards}")
-
-
-def raw_serve(root: Path, index: int) -> Process:
+def raw_serve(root: Path, index: int) -> ServerProcess:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--raw-server"]
-    return Process(cmd, root / f"raw-{index}.log", f"raw gRPC server {index}")
+    return ServerProcess(cmd, root / f"raw-{index}.log", f"raw gRPC server {index}")
 
 
 # -- the raw gRPC ceiling ----------------------------------------------------------------------
@@ -446,23 +380,6 @@ class RawClient:
 
 
 # -- measurement -----------------------------------------------------------------------------
-def settle() -> None:
-    """Write dirty pages back so that one measurement's writeback does not slow the next."""
-    gc.collect()
-    os.sync()
-
-
-def calibrate(fn: Callable[[], object], rep_seconds: float, at_least: int = 3) -> int:
-    """Warm ``fn`` up and return how many calls make one repetition of ~``rep_seconds``."""
-    t0 = time.perf_counter()
-    n = 0
-    while n < at_least or time.perf_counter() - t0 < min(0.3, rep_seconds):
-        fn()
-        n += 1
-    per_call = (time.perf_counter() - t0) / n
-    return max(at_least, int(rep_seconds / per_call))
-
-
 def run_parallel(jobs: list[Callable[[], None]]) -> float:
     """Run ``jobs`` in one thread each, started together; returns the wall time."""
     if len(jobs) == 1:
@@ -681,7 +598,7 @@ class MillpondRunner(Runner):
 
     system = "millpond"
 
-    def __init__(self, server: Process, shards: int, writers: list[int]) -> None:
+    def __init__(self, server: ServerProcess, shards: int, writers: list[int]) -> None:
         from millpond import ReplayClient
 
         super().__init__([shards * w for w in writers])
@@ -877,30 +794,6 @@ def run_shape(wl: Workload, runners: list[Runner], s: Settings) -> list[dict]:
 
 
 # -- report ----------------------------------------------------------------------------------
-def _code_version() -> str:
-    """The git commit of the millpond code measured (and whether it has local edits)."""
-    import millpond
-
-    here = Path(millpond.__file__).resolve().parent.parent
-    paths = ["service", "learner", "protos", "millpond"]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", *paths],
-            cwd=here,
-            capture_output=True,
-            text=True,
-        ).stdout.splitlines()
-    except OSError:
-        return f"{here} (no git)"
-    if not head:
-        return f"{here} (not a git checkout)"
-    edited = sorted({line[3:] for line in dirty if line[3:].endswith(".py")})
-    return f"commit {head}" + (f" with local edits in {', '.join(edited)}" if edited else "")
-
-
 def _f(x: float | None, fmt: str = ",.0f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -927,7 +820,7 @@ def render(
         f" Run took {seconds:.0f} s. GLIBC_TUNABLES: {os.environ.get('GLIBC_TUNABLES') or 'unset'}."
     )
     lines.append("")
-    lines.append(f"millpond code: {_code_version()}.")
+    lines.append(f"millpond code: {code_version(['service', 'learner', 'protos', 'millpond'])}.")
     lines.append("")
     for name, wl in workloads.items():
         sizes = [g.wire for g in wl.segments]

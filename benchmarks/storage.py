@@ -35,7 +35,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import calibrate, log, settle
+from _common import code_version as measured_code_version
 from tensordict import TensorDict
 
 from millpond.service.config import TableConfig
@@ -85,10 +86,6 @@ class Settings:
     sample_rep_seconds: float
     check_batches: int  # uniform batches drawn for the correctness check
     quick: bool
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -481,23 +478,6 @@ class TorchRL(System):
 
 
 # -- measurement -----------------------------------------------------------------------------
-def settle() -> None:
-    """Write dirty pages back so that one measurement's writeback does not slow the next."""
-    gc.collect()
-    os.sync()
-
-
-def calibrate(fn: Callable[[], object], rep_seconds: float) -> int:
-    """Warm ``fn`` up and return how many calls make one repetition of ~``rep_seconds``."""
-    t0 = time.perf_counter()
-    n = 0
-    while n < 3 or time.perf_counter() - t0 < min(0.3, rep_seconds):
-        fn()
-        n += 1
-    per_call = (time.perf_counter() - t0) / n
-    return max(3, int(rep_seconds / per_call))
-
-
 def interleaved_rates(
     label: str, fns: dict[str, Callable[[], object]], items: int, s: Settings
 ) -> dict[str, float]:
@@ -674,25 +654,6 @@ def _pct(wrong: int, total: int) -> str:
     return f"{100 * wrong / total:.1f}% ({wrong}/{total})" if total else "n/a"
 
 
-def _code_version() -> str:
-    """The git commit of the millpond code measured (and whether service/ has local edits)."""
-    import millpond.service
-
-    here = Path(millpond.service.__file__).resolve().parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return f"{here} (no git)"
-    if not head:
-        return f"{here} (not a git checkout)"
-    return f"commit {head}" + (" with local edits in service/" if dirty else "") + f" ({here})"
-
-
 def render(
     results: list[dict],
     s: Settings,
@@ -820,7 +781,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    code_version = _code_version()  # now: the modules measured were imported at start
+    code_version = measured_code_version(
+        ["service", "millpond"]
+    )  # now: the modules measured were imported at start
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="millpond-bench-", dir=args.dir))
