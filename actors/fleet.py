@@ -96,6 +96,8 @@ class ActorFleet:
         )
         self.actors = [remote.remote(i, client, config) for i in range(num_actors)]
         self._inflight: dict[Any, int] = {}
+        self._incarnations: dict[int, int] = {}
+        self._died: set[int] = set()  # actors whose death was seen as a failed call
         self._status = FleetStatus()
         self._recent: deque[float] = deque(maxlen=window)
         self._started = time.monotonic()
@@ -121,6 +123,7 @@ class ActorFleet:
                 report = ray.get(ref)
             except ray.exceptions.RayActorError as e:
                 self._status.restarts += 1
+                self._died.add(index)
                 log.warning("env actor %d died (%s); Ray restarts it", index, type(e).__name__)
                 continue
             except ray.exceptions.RayTaskError as e:
@@ -133,6 +136,15 @@ class ActorFleet:
 
     def _account(self, index: int, report: dict[str, Any]) -> None:
         s = self._status
+        # A kill between two calls fails no call: the restart shows only as a new incarnation.
+        incarnation = report.get("incarnation")
+        previous = self._incarnations.get(index, 0)  # a first start is incarnation 0
+        if incarnation is not None and incarnation != previous:
+            self._incarnations[index] = incarnation
+            if index in self._died:
+                self._died.discard(index)
+            else:
+                s.restarts += 1
         s.frames += report.pop("new_frames")
         finished = report.pop("finished_episodes")
         s.episodes += len(finished)

@@ -82,6 +82,10 @@ def test_killed_actor_restarts_with_fresh_ids_and_no_duplicates(ray_cluster, mod
         client, counting_config("restart", seed=1), num_actors=2, num_cpus=0.5, max_restarts=2
     )
     fleet.run(frames=300, timeout_s=120)
+    deadline = time.monotonic() + 120
+    while fleet.status.actors.get(0, {}).get("segments_acked", 0) < 4:  # first life stored data
+        assert time.monotonic() < deadline, "actor 0 never reported"
+        fleet.poll(timeout_s=1.0)
     ray.kill(fleet.actors[0], no_restart=False)  # a crash: Ray restarts it
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
