@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,13 +123,20 @@ class EnvActor:
         )
         self.returns = ReturnTracker(self.collector.num_envs)
         self._busy_s = 0.0
+        self._act_s = 0.0  # stepping the env and the policy
+        self._write_s = 0.0  # cutting, processing and handing segments to the writer
 
     def run(self, num_chunks: int = 1) -> dict[str, Any]:
         """Collect and write ``num_chunks`` chunks; returns what happened (see :meth:`status`)."""
         frames_before = self._chunk_frames()
         start = time.perf_counter()
         for _ in range(num_chunks):
-            batch = self.collector.run_chunk()
+            t0 = time.perf_counter()
+            batch = self.collector.collect()
+            t1 = time.perf_counter()
+            self.collector.write(batch)  # blocks while the writer's window or the table is full
+            self._act_s += t1 - t0
+            self._write_s += time.perf_counter() - t1
             self.returns.update(batch)
         elapsed = time.perf_counter() - start
         self._busy_s += elapsed
@@ -154,6 +162,8 @@ class EnvActor:
             **stats,
             "mean_return": self.returns.mean_return,
             "frames_per_s": stats["frames"] / self._busy_s if self._busy_s else 0.0,
+            "act_s": self._act_s,
+            "write_s": self._write_s,
             "segments_acked": self.writer.acked,
             "segments_pending": self.writer.pending,
         }
@@ -169,7 +179,9 @@ def _incarnation() -> int:
     try:
         import ray
 
-        reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray deprecates an attribute this property reads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
     except Exception:  # not inside a Ray actor
         reconstructed = False
     if not reconstructed:

@@ -25,11 +25,18 @@ def main(argv: list[str] | None = None) -> int:
 
     storage_demo.build_parser(demo)
 
+    launch = sub.add_parser("launch", help="run a training job: replay, env actors, learner")
+    from millpond.deploy import launch as launcher
+
+    launcher.build_parser(launch)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "serve":
             return server.serve(args)
+        if args.command == "launch":
+            return launcher.run(args)
         if args.command == "demo":
             return storage_demo.run(args)
     except MillpondError as e:

@@ -1,0 +1,389 @@
+"""The configuration of ``millpond launch``: YAML files parsed into frozen dataclasses.
+
+A config file has one section per part of the job (``env``, ``replay``, ``actors``,
+``learner``, ``run``, ``ray``), each a mapping of the fields of the dataclass below of
+the same name; every field has a default, so a file names only what it changes. The
+learner's hyperparameters are the fields of :class:`~millpond.learner.PPOConfig` or
+:class:`~millpond.learner.DQNConfig` (``learner.ppo`` / ``learner.dqn``) and the table is a
+:class:`~millpond.TableConfig` mapping (``replay.table``), as in ``millpond serve
+--tables``.
+
+Unknown keys, wrong types and bad values raise :class:`~millpond.errors.InvalidConfigError`
+with one line that names the key, e.g. ``learner.ppo.lr: expected a number, got 'fast'``.
+``--set key=value`` overrides (``--set learner.ppo.lr=1e-3``) are applied to the parsed
+YAML before it is checked, so they get the same errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from millpond.errors import InvalidConfigError
+from millpond.learner.dqn import DQNConfig
+from millpond.learner.ppo import PPOConfig
+from millpond.service.config import TableConfig
+
+__all__ = [
+    "ActorsSection",
+    "EnvSection",
+    "LaunchConfig",
+    "LearnerSection",
+    "RaySection",
+    "ReplaySection",
+    "RunSection",
+    "load_config",
+]
+
+
+@dataclass(frozen=True)
+class EnvSection:
+    """The environment every actor steps.
+
+    Attributes:
+        id: a registered gymnasium id.
+        kwargs: keyword arguments of ``gymnasium.make_vec`` (e.g. ``max_episode_steps``).
+        vectorization_mode: ``"sync"`` or ``"async"`` (one subprocess per lane).
+    """
+
+    id: str = "CartPole-v1"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    vectorization_mode: str = "sync"
+
+    def __post_init__(self) -> None:
+        _choice("env.vectorization_mode", self.vectorization_mode, ("sync", "async"))
+
+
+@dataclass(frozen=True)
+class ReplaySection:
+    """The replay service: shards started as Ray actors, and the table the job uses.
+
+    Attributes:
+        shards: shard servers to start (ignored with ``--replay``, which names running ones).
+        table: a :class:`~millpond.TableConfig` mapping (``name``, ``sampler``, ``capacity``...).
+        num_cpus: CPUs Ray reserves for each shard actor.
+        max_message_mb: largest gRPC message a shard accepts or sends, in MiB.
+    """
+
+    shards: int = 1
+    table: dict[str, Any] = field(
+        default_factory=lambda: {"name": "rollouts", "sampler": "queue", "capacity": 8192}
+    )
+    num_cpus: float = 0.25
+    max_message_mb: int = 256
+
+    def __post_init__(self) -> None:
+        _at_least("replay.shards", self.shards, 1)
+        _at_least("replay.num_cpus", self.num_cpus, 0)
+
+    def table_config(self) -> TableConfig:
+        """The table as a :class:`~millpond.TableConfig` (checked)."""
+        try:
+            return TableConfig.from_json(self.table)
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"replay.table: {e}") from None
+
+
+@dataclass(frozen=True)
+class ActorsSection:
+    """The env actors (Ray actors around :class:`~millpond.actors.Collector`).
+
+    Attributes:
+        num_actors: actors to start.
+        num_envs: env lanes per actor.
+        chunk_len: steps per lane per chunk (a segment is at most this long).
+        num_cpus: CPUs Ray reserves for each actor (fractions share a core).
+        weight_sync_every: env steps between checks for newer policy weights.
+        deterministic: act with the policy's mode (``argmax``) instead of sampling.
+        epsilon_start: epsilon-greedy exploration at frame 0; ``None`` for none.
+        epsilon_end: epsilon after ``epsilon_decay_frames`` frames (per actor).
+        epsilon_decay_frames: frames over which epsilon decays linearly.
+        max_restarts: how often Ray restarts a crashed actor.
+        max_in_flight: unacknowledged segments a writer allows before it blocks.
+    """
+
+    num_actors: int = 2
+    num_envs: int = 8
+    chunk_len: int = 32
+    num_cpus: float = 0.5
+    weight_sync_every: int = 32
+    deterministic: bool = False
+    epsilon_start: float | None = None
+    epsilon_end: float = 0.05
+    epsilon_decay_frames: int = 10_000
+    max_restarts: int = 3
+    max_in_flight: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_actors", "num_envs", "chunk_len", "weight_sync_every", "max_in_flight"):
+            _at_least(f"actors.{name}", getattr(self, name), 1)
+        for name in ("num_cpus", "max_restarts", "epsilon_decay_frames"):
+            _at_least(f"actors.{name}", getattr(self, name), 0)
+        for name in ("epsilon_start", "epsilon_end"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                raise InvalidConfigError(f"actors.{name}: {value!r} must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class LearnerSection:
+    """The learner, run in the launching process.
+
+    Attributes:
+        algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices).
+        hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network).
+        ppo: :class:`~millpond.learner.PPOConfig` fields.
+        dqn: :class:`~millpond.learner.DQNConfig` fields.
+        threads: torch intra-op threads of the learner (small machines: 1).
+        checkpoint_every_s: seconds between learner checkpoints in the run directory.
+    """
+
+    algorithm: str = "ppo"
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    dqn: DQNConfig = field(default_factory=DQNConfig)
+    threads: int = 1
+    checkpoint_every_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _choice("learner.algorithm", self.algorithm, ("ppo", "dqn"))
+        _at_least("learner.threads", self.threads, 1)
+        _at_least("learner.checkpoint_every_s", self.checkpoint_every_s, 1)
+        for i, width in enumerate(self.hidden_sizes):
+            _at_least(f"learner.hidden_sizes[{i}]", width, 1)
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """The run: its budget, where it writes, how it reports.
+
+    Attributes:
+        frames: env steps (all actors together) to collect before stopping.
+        dir: parent of the run directories; each run writes ``DIR/NAME-TIMESTAMP``.
+        status_every_s: seconds between progress lines (and metrics rows).
+        return_window: episodes the reported mean return averages over.
+        stop_at_return: stop early once the mean return reaches it; ``None``: never.
+        seed: base seed of the actors and the learner.
+        timeout_s: wall-clock limit of the run; ``None``: none.
+    """
+
+    frames: int = 200_000
+    dir: str = "runs"
+    status_every_s: float = 2.0
+    return_window: int = 100
+    stop_at_return: float | None = None
+    seed: int = 0
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _at_least("run.frames", self.frames, 1)
+        _at_least("run.return_window", self.return_window, 1)
+        if self.status_every_s <= 0:
+            raise InvalidConfigError(f"run.status_every_s: {self.status_every_s!r} must be > 0")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise InvalidConfigError(f"run.timeout_s: {self.timeout_s!r} must be > 0")
+
+
+@dataclass(frozen=True)
+class RaySection:
+    """Where the job runs.
+
+    Attributes:
+        address: ``None`` starts a local Ray instance; ``"auto"`` or ``"ray://host:port"``
+            joins a cluster.
+        num_cpus: CPUs of the local instance; ``None``: all of this machine's.
+    """
+
+    address: str | None = None
+    num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_cpus is not None:
+            _at_least("ray.num_cpus", self.num_cpus, 1)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A whole ``millpond launch`` job (see the module docstring)."""
+
+    name: str = "run"
+    env: EnvSection = field(default_factory=EnvSection)
+    replay: ReplaySection = field(default_factory=ReplaySection)
+    actors: ActorsSection = field(default_factory=ActorsSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    run: RunSection = field(default_factory=RunSection)
+    ray: RaySection = field(default_factory=RaySection)
+
+    def __post_init__(self) -> None:
+        table = self.replay.table_config()
+        wants = ("queue",) if self.learner.algorithm == "ppo" else ("uniform", "prioritized")
+        if self.learner.algorithm == "dqn" and self.learner.dqn.n_step > 1:
+            wants = ("slices",)
+        if table.sampler not in wants:
+            raise InvalidConfigError(
+                f"replay.table.sampler: {self.learner.algorithm} needs a {' or '.join(wants)} "
+                f"table, got {table.sampler!r}"
+            )
+        if self.learner.dqn.prioritized != (table.sampler == "prioritized") and (
+            self.learner.algorithm == "dqn"
+        ):
+            raise InvalidConfigError(
+                "learner.dqn.prioritized must be true exactly when replay.table.sampler is "
+                f"'prioritized' (it is {self.learner.dqn.prioritized}, the table "
+                f"{table.sampler!r})"
+            )
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> LaunchConfig:
+    """Read a YAML config, apply ``key=value`` overrides, and check it all."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise InvalidConfigError(f"config file {p} not found") from None
+    except OSError as e:
+        raise InvalidConfigError(f"cannot read config file {p}: {e.strerror}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise InvalidConfigError(f"{p} is not valid YAML: {_one_line(e)}") from None
+    doc = {} if doc is None else doc
+    if not isinstance(doc, dict):
+        raise InvalidConfigError(f"{p}: expected a mapping of sections, got {_kind(doc)}")
+    for item in overrides:
+        apply_override(doc, item)
+    return from_mapping(LaunchConfig, doc)
+
+
+def apply_override(doc: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested mapping; the value is read as YAML (``1e-3``, ``[64]``)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise InvalidConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. learner.ppo.lr=1e-3")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node = doc
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise InvalidConfigError(
+                f"--set {item!r}: {'.'.join(parts[: depth + 1])} is not a section"
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+def to_mapping(config: Any) -> Any:
+    """A config as plain YAML-able data (the inverse of :func:`from_mapping`)."""
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_mapping(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, Mapping):
+        return {k: to_mapping(v) for k, v in config.items()}
+    if isinstance(config, list | tuple):
+        return [to_mapping(v) for v in config]
+    return config
+
+
+def from_mapping(cls: type, data: Any, path: str = "") -> Any:
+    """Build the dataclass ``cls`` from ``data``, checking keys and types recursively."""
+    if not isinstance(data, Mapping):
+        raise InvalidConfigError(f"{path or 'config'}: expected a mapping, got {_kind(data)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise InvalidConfigError(f"{where}: unknown key (known: {', '.join(names)})")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            where = f"{path}.{name}" if path else name
+            kwargs[name] = _convert(hints[name], data[name], where)
+    try:
+        return cls(**kwargs)
+    except InvalidConfigError as e:
+        message = str(e)
+        if path and not message.startswith(path):
+            message = f"{path}.{message}" if _names_a_field(message, names) else f"{path}: {e}"
+        raise InvalidConfigError(message) from None
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, path)
+            except InvalidConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if dataclasses.is_dataclass(hint):
+        return from_mapping(hint, {} if value is None else value, path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise InvalidConfigError(f"{path}: expected true or false, got {_kind(value)}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidConfigError(f"{path}: expected an integer, got {_kind(value)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidConfigError(f"{path}: expected a number, got {_kind(value)}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise InvalidConfigError(f"{path}: expected a string, got {_kind(value)}")
+        return value
+    if origin in (list, tuple, Sequence):
+        if not isinstance(value, list | tuple):
+            raise InvalidConfigError(f"{path}: expected a list, got {_kind(value)}")
+        (item,) = typing.get_args(hint)[:1] or (Any,)
+        items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping) or hint is dict:
+        if not isinstance(value, Mapping):
+            raise InvalidConfigError(f"{path}: expected a mapping, got {_kind(value)}")
+        return dict(value)
+    raise InvalidConfigError(f"{path}: unsupported config type {hint!r}")  # pragma: no cover
+
+
+def _names_a_field(message: str, names: Sequence[str]) -> bool:
+    """Whether a dataclass's own error starts with one of its field names."""
+    return any(message.startswith(f"{n} ") or message.startswith(f"{n}:") for n in names)
+
+
+def _kind(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def _choice(path: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise InvalidConfigError(f"{path}: {value!r} is not one of {', '.join(options)}")
+
+
+def _at_least(path: str, value: Any, low: float) -> None:
+    if value < low:
+        raise InvalidConfigError(f"{path}: {value!r} must be >= {low}")

@@ -1,0 +1,125 @@
+"""What a ``millpond launch`` run leaves behind: a metrics CSV, a plot and a summary.
+
+:class:`RunReport` appends one row per status interval to ``metrics.csv`` (flushed each
+time, so a killed run keeps its rows), and at the end draws ``return.png`` (mean return
+against frames, with frames/s and achieved samples-per-insert beneath) and writes
+``summary.json`` plus the human-readable table it prints.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["COLUMNS", "RunReport", "format_summary"]
+
+COLUMNS: tuple[str, ...] = (
+    "time_s",
+    "frames",
+    "frames_per_s",
+    "episodes",
+    "mean_return",
+    "buffer_size",
+    "buffer_fill",
+    "inserts_per_s",
+    "samples_per_s",
+    "samples_per_insert",
+    "policy_lag",
+    "learner_steps",
+    "weights_version",
+    "loss",
+    "actor_restarts",
+)
+
+
+class RunReport:
+    """The files of one run directory (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.csv"
+        self.plot_path = self.dir / "return.png"
+        self.summary_path = self.dir / "summary.json"
+        self.rows: list[dict[str, Any]] = []
+        self._file: TextIO = self.metrics_path.open("w", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="ignore")
+        self._csv.writeheader()
+        self._file.flush()
+
+    def record(self, row: Mapping[str, Any]) -> None:
+        """Append one row (keys of :data:`COLUMNS`; missing ones stay empty)."""
+        clean = {k: _cell(row.get(k)) for k in COLUMNS}
+        self.rows.append(dict(row))
+        self._csv.writerow(clean)
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def plot(self, title: str = "") -> Path | None:
+        """Draw ``return.png``; ``None`` when there is nothing to draw yet."""
+        points = [r for r in self.rows if r.get("mean_return") is not None]
+        if not points:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no screen
+        import matplotlib.pyplot as plt
+
+        frames = [r["frames"] for r in self.rows]
+        fig, (top, middle, bottom) = plt.subplots(
+            3, 1, figsize=(7, 7), sharex=True, height_ratios=(3, 1, 1)
+        )
+        top.plot([r["frames"] for r in points], [r["mean_return"] for r in points], lw=2)
+        top.set_ylabel("mean return")
+        top.grid(alpha=0.3)
+        top.set_title(title)
+        middle.plot(frames, [r.get("frames_per_s") or 0 for r in self.rows], color="tab:green")
+        middle.set_ylabel("frames/s")
+        middle.grid(alpha=0.3)
+        spi = [
+            (r["frames"], r["samples_per_insert"])
+            for r in self.rows
+            if _has(r, "samples_per_insert")
+        ]
+        if spi:
+            bottom.plot(*zip(*spi), color="tab:orange")
+        bottom.set_ylabel("samples/insert")
+        bottom.set_xlabel("frames")
+        bottom.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.plot_path, dpi=100)
+        plt.close(fig)
+        return self.plot_path
+
+    def write_summary(self, summary: Mapping[str, Any]) -> Path:
+        """Write ``summary.json`` (atomically enough: the whole file at once)."""
+        self.summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        return self.summary_path
+
+
+def format_summary(summary: Mapping[str, Any], keys: Sequence[str] | None = None) -> str:
+    """A two-column table of a summary's scalar entries."""
+    items = [(k, v) for k, v in summary.items() if keys is None or k in keys]
+    items = [(k, v) for k, v in items if not isinstance(v, Mapping | list)]
+    width = max((len(k) for k, _ in items), default=0)
+    return "\n".join(f"  {k:<{width}}  {_cell(v)}" for k, v in items)
+
+
+def _has(row: Mapping[str, Any], key: str) -> bool:
+    value = row.get(key)
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value
