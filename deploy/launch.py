@@ -138,6 +138,8 @@ class Launch:
                 configure_logging=True,
             )
             self._started_ray = True
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, _raise_stop)  # ray.init installs its own
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         addresses = self.replay or self._start_shards()
         self.client = ReplayClient(addresses)
@@ -273,7 +275,8 @@ class Launch:
         except DeadlineExceededError:  # not enough new experience yet: wait for the actors
             self._timing["sample_s"] += time.perf_counter() - t0
             return
-        self._timing["learn_s"] += time.perf_counter() - t0
+        self._timing["sample_s"] += metrics["sample_s"]
+        self._timing["learn_s"] += metrics["update_s"]
         self.learner_steps += 1
         if "policy_lag_mean" in metrics:
             self._lags.append(metrics["policy_lag_mean"])
@@ -336,10 +339,14 @@ class Launch:
             self._fleet_thread.join(timeout=30)
         final = None
         if self._fleet is not None:
+            # Short waits: with a rate-limited table, inserts block once the learner stops
+            # sampling, and what is not stored by now is not needed.
             with _logged("stopping the env actors"):
-                final = self._fleet.stop(timeout_s=30)
+                final = self._fleet.stop(timeout_s=5)
         checkpoint = None
         if hasattr(self, "learner"):
+            if hasattr(self.learner, "close"):
+                self.learner.close()
             with _logged("writing the learner checkpoint"):
                 checkpoint = self._save_checkpoint()
         row = None
@@ -403,8 +410,8 @@ class Launch:
             "actor_restarts": final.restarts if final else 0,
             "actors_act_s": round(act_s, 2),
             "actors_write_s": round(write_s, 2),
-            "learner_sample_wait_s": round(self._timing["sample_s"], 2),
-            "learner_step_s": round(self._timing["learn_s"], 2),
+            "learner_sample_s": round(self._timing["sample_s"], 2),
+            "learner_update_s": round(self._timing["learn_s"], 2),
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint else None,
         }

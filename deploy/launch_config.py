@@ -16,6 +16,7 @@ YAML before it is checked, so they get the same errors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 import typing
@@ -346,6 +347,9 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
             raise InvalidConfigError(f"{path}: expected an integer, got {_kind(value)}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidConfigError(f"{path}: expected a number, got {_kind(value)}")
         return float(value)

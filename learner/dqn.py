@@ -41,6 +41,8 @@ schedule; they pick up the weights published every ``publish_every`` steps.
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +80,10 @@ class DQNConfig:
         observation_key: the batch key the Q-network reads.
         sample_timeout_s: how long :meth:`DQNLearner.step` waits for a batch (the rate
             limiter may hold it back); ``None``: the client's timeout.
+        prefetch: sample requests kept in flight while the learner updates
+            (:meth:`ReplayClient.iterate`), hiding the round trip; ``0`` samples each batch
+            when it is needed. Prefetched batches were drawn with the priorities of their
+            time, as with any asynchronous prefetch (Reverb, Acme).
     """
 
     batch_size: int = 128
@@ -93,10 +99,12 @@ class DQNConfig:
     publish_every: int = 10
     observation_key: str = "observation"
     sample_timeout_s: float | None = None
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "n_step", "target_update_every", "publish_every"):
             check_int(name, getattr(self, name), 1)
+        check_int("prefetch", self.prefetch, 0)
         check_number("lr", self.lr, positive=True)
         check_number("gamma", self.gamma)
         if not 0 <= self.gamma <= 1:
@@ -164,6 +172,7 @@ class DQNLearner:
         self.target_network.requires_grad_(False)
         self.optimizer = torch.optim.Adam(q_network.parameters(), lr=config.lr)
         self.updates = 0
+        self._batches: Iterator[TensorDictBase] | None = None
         self.version = published_version(client) if version is None else version
         params = list(q_network.parameters())
         self.device = params[0].device if params else torch.device("cpu")
@@ -179,7 +188,9 @@ class DQNLearner:
         batch records it, ``policy_lag_mean`` / ``policy_lag_max``.
         """
         c = self.config
-        batch = self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
+        started = time.perf_counter()
+        batch = self._next_batch()
+        sampled = time.perf_counter()
         metrics: dict[str, Any] = {}
         if "policy_version" in batch:
             lag = self.version - batch["policy_version"].reshape(-1)
@@ -212,6 +223,8 @@ class DQNLearner:
             updates=self.updates,
             version=self.version,
         )
+        metrics["sample_s"] = sampled - started
+        metrics["update_s"] = time.perf_counter() - sampled
         return metrics
 
     def loss(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -268,6 +281,26 @@ class DQNLearner:
             batch.shape[1],
         )
         return G[:, 0]
+
+    def _next_batch(self) -> TensorDictBase:
+        c = self.config
+        if c.prefetch == 0:
+            return self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
+        if self._batches is None:
+            self._batches = self.client.iterate(
+                self.table, c.batch_size, prefetch=c.prefetch, timeout_s=c.sample_timeout_s
+            )
+        try:
+            return next(self._batches)
+        except BaseException:
+            self.close()  # an iterator that raised is finished; the next step starts anew
+            raise
+
+    def close(self) -> None:
+        """Cancel prefetched sample requests (a no-op without prefetch)."""
+        if self._batches is not None:
+            batches, self._batches = self._batches, None
+            batches.close()
 
     # -- networks ------------------------------------------------------------------------
     def update_target(self) -> None:

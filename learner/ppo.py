@@ -36,6 +36,7 @@ A minimal loop::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,13 +168,17 @@ class PPOLearner:
         steps' ``policy_version``, over the delivered steps), the means over the update's
         minibatches of ``loss_policy`` (the clipped surrogate, to minimise), ``loss_value``,
         ``entropy``, ``approx_kl`` and ``clip_fraction``, and ``version`` (the published
-        one). When every step was dropped nothing is trained or published.
+        one), ``sample_s`` (seconds waiting for the batch) and ``update_s`` (the rest). When
+        every step was dropped nothing is trained or published.
         """
         c = self.config
+        started = time.perf_counter()
         batch = self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
+        sampled = time.perf_counter()
         batch, metrics = self.drop_stale(batch)
+        metrics["sample_s"] = sampled - started
         if batch.shape[0] == 0:
-            metrics.update(version=self.version)
+            metrics.update(version=self.version, update_s=0.0)
             return metrics
         batch = batch.to(self.device)
         advantage, _ = gae_from_batch(
@@ -184,6 +189,7 @@ class PPOLearner:
         batch.set("advantage", advantage)
         metrics.update(self.update(batch))
         metrics["version"] = self.publish()
+        metrics["update_s"] = time.perf_counter() - sampled
         return metrics
 
     def drop_stale(self, batch: TensorDictBase) -> tuple[TensorDictBase, dict[str, Any]]:

@@ -273,14 +273,16 @@ def test_n_step_target_equals_a_hand_computed_one(client, double_dqn):
     torch.testing.assert_close(y, torch.tensor([1.0 + gamma * 2.0, 1.0 + gamma * bootstrap]))
 
 
-def test_the_rate_limiter_paces_the_updates(client):
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_the_rate_limiter_paces_the_updates(client, prefetch):
     """With ``samples_per_insert`` the server holds the learner to the stored experience:
-    once the error buffer is spent, each inserted step buys ``spi`` sampled steps."""
+    once the error buffer is spent, each inserted step buys ``spi`` sampled steps (with
+    prefetched requests too: a request the limiter holds back is not a step)."""
     spi, batch_size = 0.5, 64
     client.create_table(
         TableConfig.uniform("paced", capacity=4096, samples_per_insert=spi, error_buffer=256)
     )
-    config = DQNConfig(batch_size=batch_size, sample_timeout_s=0.3)
+    config = DQNConfig(batch_size=batch_size, sample_timeout_s=0.3, prefetch=prefetch)
     learner = make_learner(client, "paced", config)
     chunk = collect(client)
 

@@ -1,0 +1,161 @@
+"""Training benchmark: frames and wall time to reach a mean return of 475 on CartPole-v1.
+
+Runs ``millpond launch`` (in this process, through :class:`millpond.deploy.launch.Launch`)
+for each shipped config on a local Ray instance with ``ray.num_cpus`` CPUs, stopping when
+the mean return over the last 100 episodes reaches the target or at ``--max-frames``, and
+reports per config and seed:
+
+* frames and wall-clock seconds to the target (``-`` if not reached);
+* end-to-end frames/s (collected frames over the run's wall time);
+* the pipeline's share of time: the actors' time split between acting (env + policy) and
+  inserting (cutting, processing, handing segments to the writer, which blocks when the
+  writer's window or the table's rate limiter is full), and the learner's time split between
+  waiting for samples and learning (loss, backward, optimiser, publishing weights).
+
+Writes ``train.md`` (the table) and ``train.png`` (mean return against frames for every run)
+into ``--out``::
+
+    python benchmarks/train.py                      # both configs, 1 seed, ~5 min on 2 cores
+    python benchmarks/train.py --configs ppo --seeds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _common import code_version, log  # noqa: E402
+
+CONFIGS = {
+    "ppo": ROOT / "deploy" / "configs" / "cartpole-ppo.yaml",
+    "dqn": ROOT / "deploy" / "configs" / "cartpole-dqn.yaml",
+}
+
+
+def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
+    from millpond.deploy.launch import Launch
+    from millpond.deploy.launch_config import load_config
+
+    overrides = [
+        f"run.seed={seed}",
+        f"run.stop_at_return={args.target}",
+        f"run.frames={args.max_frames}",
+        f"ray.num_cpus={args.num_cpus}",
+        "run.status_every_s=2",
+    ]
+    config = load_config(CONFIGS[name], overrides)
+    run_dir = work / f"{name}-{seed}"
+    log(f"{name} seed {seed}: launching (target {args.target}, at most {args.max_frames} frames)")
+    summary = Launch(config, run_dir=run_dir, out=_Prefixed(f"  {name}/{seed} ")).run()
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    reached = next(
+        (r for r in rows if r["mean_return"] and float(r["mean_return"]) >= args.target), None
+    )
+    act, write = summary["actors_act_s"], summary["actors_write_s"]
+    wait, learn = summary["learner_sample_s"], summary["learner_update_s"]
+    return {
+        "config": name,
+        "seed": seed,
+        "frames_to_target": int(reached["frames"]) if reached else None,
+        "seconds_to_target": float(reached["time_s"]) if reached else None,
+        "final_return": summary["mean_return"],
+        "frames": summary["frames"],
+        "wall_s": summary["wall_s"],
+        "frames_per_s": summary["frames_per_s"],
+        "actors_acting": act / (act + write) if act + write else None,
+        "actors_inserting": write / (act + write) if act + write else None,
+        "learner_sampling": wait / (wait + learn) if wait + learn else None,
+        "learner_learning": learn / (wait + learn) if wait + learn else None,
+        "learner_steps": summary["learner_steps"],
+        "curve": [(int(r["frames"]), float(r["mean_return"])) for r in rows if r["mean_return"]],
+    }
+
+
+class _Prefixed(io.TextIOBase):
+    """Progress lines of a run, indented under the benchmark's own."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            print(self.prefix + line, flush=True)
+        return len(text)
+
+
+def table(results: list[dict], target: float) -> str:
+    def fmt(value, spec=".0f"):
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        f"| config | seed | frames to {target:g} | seconds to {target:g} | final return | "
+        "frames/s | actors: acting / inserting | learner: sampling / learning | learner steps |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['config']} | {r['seed']} | {fmt(r['frames_to_target'])} | "
+            f"{fmt(r['seconds_to_target'], '.1f')} | {fmt(r['final_return'], '.1f')} | "
+            f"{fmt(r['frames_per_s'])} | {fmt(r['actors_acting'], '.0%')} / "
+            f"{fmt(r['actors_inserting'], '.0%')} | {fmt(r['learner_sampling'], '.0%')} / "
+            f"{fmt(r['learner_learning'], '.0%')} | {r['learner_steps']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        if r["curve"]:
+            ax.plot(*zip(*r["curve"]), label=f"{r['config']} (seed {r['seed']})", lw=2)
+    ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
+    ax.set_xlabel("frames")
+    ax.set_ylabel("mean return (last 100 episodes)")
+    ax.set_title("millpond launch on CartPole-v1")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["ppo", "dqn"])
+    p.add_argument("--seeds", type=int, default=1, help="seeds per config (0, 1, ...)")
+    p.add_argument("--target", type=float, default=475.0)
+    p.add_argument("--max-frames", type=int, default=400_000)
+    p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    args = p.parse_args()
+    log(f"code {code_version(['service', 'actors', 'learner', 'deploy'])}")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="millpond-train-") as work:
+        for name in args.configs:
+            for seed in range(args.seeds):
+                results.append(run_one(name, seed, args, Path(work)))
+    text = table(results, args.target)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train.md").write_text(text + "\n")
+    (args.out / "train.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, args.target, args.out / "train.png")
+    log(f"wrote {args.out / 'train.md'}, {args.out / 'train.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""`millpond launch` configs: the shipped files load, and every mistake is named in one line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from millpond.deploy.launch_config import LaunchConfig, apply_override, load_config, to_mapping
+from millpond.errors import InvalidConfigError
+from millpond.learner import DQNConfig, PPOConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["cartpole-ppo.yaml", "cartpole-dqn.yaml"])
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / name)
+    assert isinstance(config, LaunchConfig)
+    assert isinstance(config.learner.ppo, PPOConfig) and isinstance(config.learner.dqn, DQNConfig)
+    table = config.replay.table_config()
+    assert table.sampler == ("queue" if config.learner.algorithm == "ppo" else "uniform")
+
+
+def test_ppo_file_values_reach_the_dataclasses():
+    config = load_config(CONFIGS / "cartpole-ppo.yaml")
+    assert config.learner.algorithm == "ppo"
+    assert config.learner.ppo.batch_size == 1024 and config.learner.ppo.lr == pytest.approx(1e-3)
+    assert config.env.id == "CartPole-v1" and config.actors.num_actors == 2
+
+
+def test_defaults_round_trip(tmp_path):
+    config = load_config(write(tmp_path, ""))
+    assert config == LaunchConfig()
+    again = load_config(write(tmp_path, __import__("yaml").safe_dump(to_mapping(config))))
+    assert again == config
+
+
+def test_overrides_apply_before_checking(tmp_path):
+    path = CONFIGS / "cartpole-ppo.yaml"
+    config = load_config(
+        path, ["learner.ppo.lr=3e-4", "run.frames=5000", "learner.hidden_sizes=[32]"]
+    )
+    assert config.learner.ppo.lr == pytest.approx(3e-4)
+    assert config.run.frames == 5000 and config.learner.hidden_sizes == [32]
+    assert load_config(path, ["ray.address=auto"]).ray.address == "auto"
+
+
+@pytest.mark.parametrize(
+    "text, overrides, message",
+    [
+        ("bogus: 1\n", [], "bogus: unknown key"),
+        ("actors: {lanes: 4}\n", [], "actors.lanes: unknown key"),
+        ("learner: {ppo: {learning_rate: 1}}\n", [], "learner.ppo.learning_rate: unknown key"),
+        ("learner: {ppo: {lr: fast}}\n", [], "learner.ppo.lr: expected a number, got 'fast'"),
+        ("actors: {num_envs: 2.5}\n", [], "actors.num_envs: expected an integer"),
+        ("actors: {num_envs: 0}\n", [], "actors.num_envs: 0 must be >= 1"),
+        ("actors: {deterministic: 'yes'}\n", [], "actors.deterministic: expected true or false"),
+        ("learner: {hidden_sizes: 64}\n", [], "learner.hidden_sizes: expected a list"),
+        ("learner: {hidden_sizes: [64, x]}\n", [], "learner.hidden_sizes[1]: expected an integer"),
+        ("learner: {ppo: {gamma: 2}}\n", [], "learner.ppo.gamma"),
+        ("learner: {algorithm: sac}\n", [], "learner.algorithm: 'sac' is not one of ppo, dqn"),
+        ("env: [1, 2]\n", [], "env: expected a mapping"),
+        ("replay: {table: {name: t, capacity: 10, colour: red}}\n", [], "replay.table: unknown"),
+        ("", ["run.frames=lots"], "run.frames: expected an integer, got 'lots'"),
+        ("", ["actors.lanes=4"], "actors.lanes: unknown key"),
+        ("", ["run.frames"], "expected KEY=VALUE"),
+        ("", ["run.frames.x=1"], "run.frames: expected an integer"),
+        ("run: {frames: 5}\n", ["run.frames.x=1"], "run.frames is not a section"),
+    ],
+)
+def test_mistakes_name_the_key(tmp_path, text, overrides, message):
+    with pytest.raises(InvalidConfigError) as info:
+        load_config(write(tmp_path, text), overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_table_must_fit_the_algorithm(tmp_path):
+    ppo_on_uniform = "replay: {table: {name: t, sampler: uniform, capacity: 100}}\n"
+    with pytest.raises(InvalidConfigError, match=r"replay.table.sampler: ppo needs a queue"):
+        load_config(write(tmp_path, ppo_on_uniform))
+    dqn_on_queue = "learner: {algorithm: dqn}\n"  # the default table is a queue
+    with pytest.raises(InvalidConfigError, match=r"dqn needs a uniform or prioritized"):
+        load_config(write(tmp_path, dqn_on_queue))
+    unflagged = "learner: {algorithm: dqn}\nreplay: {table: {name: t, sampler: prioritized, capacity: 100}}\n"
+    with pytest.raises(InvalidConfigError, match=r"learner.dqn.prioritized"):
+        load_config(write(tmp_path, unflagged))
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(InvalidConfigError, match=r"config file .*nope.yaml not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(InvalidConfigError, match=r"is not valid YAML"):
+        load_config(write(tmp_path, "env: {id: [\n"))
+    with pytest.raises(InvalidConfigError, match=r"expected a mapping of sections"):
+        load_config(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_override_values_are_yaml():
+    doc = {}
+    apply_override(doc, "a.b=[1, 2]")
+    apply_override(doc, "a.c=null")
+    apply_override(doc, "d=text with spaces")
+    assert doc == {"a": {"b": [1, 2], "c": None}, "d": "text with spaces"}
+
+
+def test_cli_reports_one_line_and_exit_code_2(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "millpond.cli", "launch", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("millpond: error: config file")
+    bad = write(tmp_path, "learner: {ppo: {lr: fast}}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "millpond.cli", "launch", str(bad), "--set", "run.frames=10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "learner.ppo.lr: expected a number" in result.stderr
