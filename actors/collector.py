@@ -267,20 +267,27 @@ class Collector:
         self.policy.version = int(version)
         return True
 
-    def flush(self) -> int:
-        """Write what the processors hold back, then flush the sink; returns steps written."""
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Write what the processors hold back, then flush the sink; returns steps written.
+
+        ``timeout_s`` bounds the wait for the sink (a writer whose table's rate limiter holds
+        inserts back once no learner samples): :class:`DeadlineExceededError` after it.
+        """
         written = 0
         if self.sink is not None:
             written = self._emit_all(self.processor.flush())
-            self.sink.flush()
+            if timeout_s is None:
+                self.sink.flush()  # sinks of one's own need not take a timeout
+            else:
+                self.sink.flush(timeout_s=timeout_s)
         return written
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Flush (see :meth:`flush`) and close the env if this collector built it."""
         if self._closed:
             return
         try:
-            self.flush()
+            self.flush(timeout_s=timeout_s)
         finally:
             self._closed = True
             if self._owns_env:

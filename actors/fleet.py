@@ -173,7 +173,11 @@ class ActorFleet:
         return self._status
 
     def stop(self, timeout_s: float = 30.0) -> FleetStatus:
-        """Let calls in flight finish, flush and close every actor, then kill them."""
+        """Let calls in flight finish, flush and close every actor, then kill them.
+
+        ``timeout_s`` bounds each of the two waits; segments still unacknowledged after it
+        (e.g. held back by a rate limiter once nothing samples) are dropped.
+        """
         if self._stopped:
             return self._status
         self._stopped = True
@@ -185,7 +189,7 @@ class ActorFleet:
                 index = self._inflight.pop(ref)
                 with contextlib.suppress(ray.exceptions.RayError):  # died while stopping
                     self._account(index, ray.get(ref))
-        closing = [a.close.remote() for a in self.actors]
+        closing = [a.close.remote(timeout_s) for a in self.actors]
         ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)

@@ -10,6 +10,7 @@ what the dead process had not yet sent is lost with it, as with any crash.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 import warnings
@@ -24,7 +25,7 @@ from millpond.actors.episode_ids import INCARNATIONS_PER_ACTOR, episode_id_base
 from millpond.actors.episode_stats import ReturnTracker
 from millpond.actors.policies import EpsilonGreedy
 from millpond.actors.processors import ExperienceProcessor
-from millpond.errors import InvalidConfigError
+from millpond.errors import DeadlineExceededError, InvalidConfigError
 from millpond.learner.client import ReplayClient
 
 
@@ -168,10 +169,19 @@ class EnvActor:
             "segments_pending": self.writer.pending,
         }
 
-    def close(self) -> dict[str, Any]:
-        """Flush processors and the writer, release the env; returns the final status."""
-        self.collector.close()
-        self.writer.close()
+    def close(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Flush processors and the writer, release the env; returns the final status.
+
+        With ``timeout_s``, what is still unacknowledged after it (say, inserts that a
+        rate limiter holds back once the learner stopped) is dropped.
+        """
+        try:
+            self.collector.close(timeout_s=timeout_s)
+        except DeadlineExceededError:
+            pass  # the writer drops what is left just below
+        finally:
+            with contextlib.suppress(DeadlineExceededError):
+                self.writer.close(timeout_s=None if timeout_s is None else 0.0)
         return self.status()
 
 

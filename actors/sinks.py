@@ -29,7 +29,7 @@ class SegmentSink(Protocol):
         first_step: int | None = None,
     ) -> Any: ...
 
-    def flush(self) -> None: ...
+    def flush(self, timeout_s: float | None = None) -> None: ...
 
 
 class TableSink:
@@ -62,7 +62,7 @@ class TableSink:
         self.steps_written += steps.batch_size[0]
         return int(gens[0])
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
         """Nothing to wait for: inserts are synchronous."""
 
     def __repr__(self) -> str:

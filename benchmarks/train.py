@@ -87,7 +87,8 @@ class _Prefixed(io.TextIOBase):
 
     def write(self, text: str) -> int:
         for line in text.splitlines():
-            print(self.prefix + line, flush=True)
+            if line.strip():
+                print(self.prefix + line, flush=True)
         return len(text)
 
 

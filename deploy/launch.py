@@ -245,6 +245,7 @@ class Launch:
         c = self.config
         started = self._started_at = time.monotonic()
         next_status = started + c.run.status_every_s
+        next_checkpoint = started + c.learner.checkpoint_every_s
         self._last = {"t": started, "frames": 0, "inserts": 0, "samples": 0}
         self._base = self._counters()
         while True:
@@ -267,6 +268,9 @@ class Launch:
                 row = self._status_row(now - started)
                 report.record(row)
                 self._say(_progress_line(row, c.run.frames))
+            if now >= next_checkpoint:  # a crash loses at most this much learning
+                next_checkpoint = now + c.learner.checkpoint_every_s
+                self._save_checkpoint()
 
     def _learner_step(self) -> None:
         t0 = time.perf_counter()
@@ -359,7 +363,8 @@ class Launch:
             with _logged("stopping the replay shards"):
                 ray.get([s.stop.remote() for s in self._shards], timeout=60)
         if hasattr(self, "client"):
-            self.client.close()
+            with _logged("closing the client"):
+                self.client.close(timeout_s=10)
         if self._started_ray:
             ray.shutdown()
         summary = self._summary(reason, final, row, checkpoint)

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from collections import deque
@@ -503,20 +504,24 @@ class ReplayClient:
         return state_dict_from_blob(blob), version
 
     # -- lifecycle -----------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Close (flush) every writer made by this client, then the channels.
 
-        Blocks while a writer's shard is down (its segments are kept for it); close
-        writers with a timeout first to bound that.
+        Blocks while a writer's shard is down or its table's rate limiter holds inserts
+        back, for at most ``timeout_s`` seconds in all when given: writers still waiting
+        then drop what is unacknowledged and :class:`DeadlineExceededError` is raised after
+        the channels are closed.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         first: MillpondError | None = None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for writer in list(self._writers):
             try:
-                writer.close()
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                writer.close(timeout_s=left)
             except MillpondError as e:
                 first = first or e
         self._set.close()

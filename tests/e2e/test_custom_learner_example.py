@@ -10,11 +10,8 @@ shard and enough frames, beat a random CartPole policy (mean return about 22).
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,43 +30,6 @@ PROGRESS = re.compile(
 )
 HOLDS = re.compile(r"^table '([^']+)' holds (\d+) steps \(per shard: \[([^\]]*)\]\)$", re.M)
 FINAL = re.compile(r"^mean return (\S+) over the last (\d+) episodes$", re.M)
-
-
-@pytest.fixture
-def start_server(tmp_path) -> Iterator[Callable[[int], str]]:
-    """``start_server(shards)``: start ``millpond serve`` on free ports; returns its address list.
-
-    Stopped with SIGTERM at teardown, which must end it cleanly (exit code 0).
-    """
-    procs: list[tuple[subprocess.Popen, Path]] = []
-
-    def start(shards: int) -> str:
-        out, err = tmp_path / "serve.out", tmp_path / "serve.err"
-        cmd = [sys.executable, "-m", "millpond.cli", "serve", "--dir", str(tmp_path / "replay")]
-        cmd += ["--port", "0", "--shards", str(shards)]
-        with open(out, "w") as o, open(err, "w") as e:
-            proc = subprocess.Popen(cmd, stdout=o, stderr=e, stdin=subprocess.DEVNULL)
-        procs.append((proc, err))
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            for line in out.read_text().splitlines():
-                if line.startswith("ADDRESSES "):
-                    return line.split()[1]
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"millpond serve did not start:\n{err.read_text()[-3000:]}")
-
-    yield start
-    for proc, err in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
-        assert proc.returncode == 0, err.read_text()[-3000:]
 
 
 def run_example(address: str, frames: int) -> str:

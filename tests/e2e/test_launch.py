@@ -113,3 +113,27 @@ def test_sigterm_stops_the_job_cleanly(tmp_path):
     assert summary["stopped_by"] == "interrupted" and summary["frames"] > 0
     assert (run_dir / "checkpoint.pt").exists() and (run_dir / "metrics.csv").exists()
     assert "shutting down cleanly" in out
+
+
+def test_dqn_job_uses_a_running_serve_with_two_shards(tmp_path, start_server):
+    address = start_server(2)
+    run_dir = tmp_path / "run"
+    result = launch(
+        DQN,
+        *SMALL,
+        *("--set", "run.frames=8000", "--set", "replay.table.min_size=500"),
+        *("--replay", address, "--run-dir", run_dir),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "frames" and summary["learner_steps"] > 0
+    assert not (run_dir / "replay").exists(), "no shards of its own with --replay"
+
+    from millpond import ReplayClient
+
+    client = ReplayClient(address)
+    info = client.info("replay")
+    assert info["size"] > 0 and len(info["shards"]) == 2
+    assert info["samples"] <= 12.8 * info["inserts"] + 2 * 4000  # the rate limiter held
+    assert info["weights_version"] == summary["weights_version"]  # the learner published here
+    client.close()
