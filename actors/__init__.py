@@ -15,6 +15,7 @@ from .episode_ids import (
     MAX_ACTORS,
     episode_id_base,
 )
+from .episode_stats import ReturnTracker
 from .lanes import LaneBuffer
 from .policies import (
     ActorPolicy,
@@ -62,6 +63,7 @@ __all__ = [
     "PolicySpec",
     "ProcessorChain",
     "RandomPolicy",
+    "ReturnTracker",
     "SegmentSink",
     "StepFilter",
     "TableSink",

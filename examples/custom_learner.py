@@ -44,8 +44,7 @@ from torchrl.modules import QValueActor
 from torchrl.objectives import DQNLoss, SoftUpdate
 
 from millpond import ReplayClient, TableConfig
-from millpond.actors import Collector, EpsilonGreedy
-from millpond.actors.episode_stats import ReturnTracker
+from millpond.actors import Collector, EpsilonGreedy, ReturnTracker
 from millpond.learner.networks import mlp_q
 
 ENV = "CartPole-v1"

@@ -15,7 +15,9 @@ batch, with the usual extensions as options:
       y_t = sum_{k<m} gamma^k r_{t+k} + gamma^m (1 - terminated) max_a Q_target(s_{t+m}, a)
 
 - **a target network**, copied from the online network every ``target_update_every``
-  steps (a hard update);
+  steps (a hard update), or moved towards it by ``target_tau`` after every step (a soft,
+  Polyak update: ``theta' <- tau theta + (1 - tau) theta'``, as in DDPG and TorchRL's
+  ``SoftUpdate``);
 - **Double DQN** (van Hasselt et al. 2016): the online network chooses
   ``a* = argmax_a Q(s_{t+m}, a)``, the target network evaluates it;
 - **the Huber loss** (or the squared error), weighted by the prioritized table's importance
@@ -68,6 +70,8 @@ class DQNConfig:
         gamma: discount factor.
         n_step: steps summed in the target. ``1`` for uniform and prioritized tables; more
             needs a slices table with ``slice_len >= n_step``.
+        target_tau: ``None`` for hard target updates; else the weight of the online network
+            in a soft update of the target network after every step (e.g. ``0.005``).
         target_update_every: gradient steps between hard copies of the online network into
             the target network.
         double_dqn: choose the bootstrap action with the online network (Double DQN).
@@ -91,6 +95,7 @@ class DQNConfig:
     gamma: float = 0.99
     n_step: int = 1
     target_update_every: int = 500
+    target_tau: float | None = None
     double_dqn: bool = True
     huber: bool = True
     max_grad_norm: float | None = 10.0
@@ -105,6 +110,10 @@ class DQNConfig:
         for name in ("batch_size", "n_step", "target_update_every", "publish_every"):
             check_int(name, getattr(self, name), 1)
         check_int("prefetch", self.prefetch, 0)
+        if self.target_tau is not None:
+            check_number("target_tau", self.target_tau)
+            if not 0 < self.target_tau <= 1:
+                raise InvalidConfigError(f"target_tau ({self.target_tau!r}) must be in (0, 1]")
         check_number("lr", self.lr, positive=True)
         check_number("gamma", self.gamma)
         if not 0 <= self.gamma <= 1:
@@ -210,9 +219,13 @@ class DQNLearner:
             metrics["priorities_applied"] = self.client.update_priorities(
                 self.table, index, priorities
             )
-        metrics["target_updated"] = self.updates % c.target_update_every == 0
-        if metrics["target_updated"]:
-            self.update_target()
+        if c.target_tau is not None:
+            self.update_target(c.target_tau)
+            metrics["target_updated"] = True
+        else:
+            metrics["target_updated"] = self.updates % c.target_update_every == 0
+            if metrics["target_updated"]:
+                self.update_target()
         metrics["published"] = None
         if self.updates % c.publish_every == 0:
             metrics["published"] = self.publish()
@@ -303,9 +316,17 @@ class DQNLearner:
             batches.close()
 
     # -- networks ------------------------------------------------------------------------
-    def update_target(self) -> None:
-        """Copy the online network's weights into the target network."""
-        self.target_network.load_state_dict(self.q_network.state_dict())
+    @torch.no_grad()
+    def update_target(self, tau: float = 1.0) -> None:
+        """Move the target network's weights towards the online network's by ``tau``
+        (``1``: copy them)."""
+        if tau == 1.0:
+            self.target_network.load_state_dict(self.q_network.state_dict())
+            return
+        for target, online in zip(
+            self.target_network.parameters(), self.q_network.parameters(), strict=True
+        ):
+            target.lerp_(online, tau)
 
     def publish(self) -> int:
         """Publish the online network's weights as version :attr:`version` ``+ 1``; returns it.

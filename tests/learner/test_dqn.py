@@ -212,6 +212,23 @@ def test_target_network_is_copied_on_schedule(client):
     assert not any(p.requires_grad for p in learner.target_network.parameters())
 
 
+def test_soft_target_updates_follow_polyak_averaging(client):
+    client.create_table(TABLES["uniform"])
+    fill(client, "uniform", collect(client))
+    tau = 0.1
+    learner = make_learner(client, "uniform", DQNConfig(batch_size=32, lr=1e-2, target_tau=tau))
+    for _ in range(3):
+        before = {k: v.clone() for k, v in learner.target_network.state_dict().items()}
+        assert learner.step()["target_updated"]
+        online = learner.q_network.state_dict()
+        for name, target in learner.target_network.state_dict().items():
+            expected = (1 - tau) * before[name] + tau * online[name]  # after the step's update
+            torch.testing.assert_close(target, expected)
+        assert not torch.equal(target, online[name])  # soft: not a copy
+    with pytest.raises(InvalidConfigError, match="target_tau"):
+        DQNConfig(target_tau=0.0)
+
+
 def hand_n_step_target(learner: DQNLearner, row: TensorDict, n: int, gamma: float) -> float:
     """The n-step target of a slice's first step, summed one reward at a time."""
     double = learner.config.double_dqn
