@@ -39,7 +39,7 @@ import yaml
 
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.deploy.run_report import RunReport, format_summary
-from millpond.errors import DeadlineExceededError, MillpondError
+from millpond.errors import DeadlineExceededError, InvalidConfigError, MillpondError
 
 __all__ = ["Launch", "build_parser", "run"]
 
@@ -100,7 +100,7 @@ class Launch:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(c), sort_keys=False))
         report = RunReport(self.run_dir)
-        reason = "frames"
+        reason = "error"  # until the loop says otherwise
         previous = signal.getsignal(signal.SIGTERM)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _raise_stop)
@@ -127,6 +127,12 @@ class Launch:
         from millpond.learner.client import ReplayClient
 
         c = self.config
+        try:  # before anything starts: a wrong env id is a config error
+            probe = gym.make(c.env.id, **c.env.kwargs)
+        except Exception as e:
+            raise InvalidConfigError(f"env: cannot make {c.env.id!r}: {e}") from None
+        obs_space, act_space = probe.observation_space, probe.action_space
+        probe.close()
         torch.manual_seed(c.run.seed)
         torch.set_num_threads(c.learner.threads)
         if not ray.is_initialized():
@@ -146,9 +152,6 @@ class Launch:
         self.table = self.client.create_table(c.replay.table_config()).name
         self._say(f"replay: {addresses}  table {self.table!r}")
 
-        probe = gym.make(c.env.id, **c.env.kwargs)
-        obs_space, act_space = probe.observation_space, probe.action_space
-        probe.close()
         self.learner = self._make_learner(obs_space, act_space)
         self.learner.publish()  # actors act with the learner's initial weights
 

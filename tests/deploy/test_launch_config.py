@@ -129,3 +129,26 @@ def test_cli_reports_one_line_and_exit_code_2(tmp_path):
     )
     assert result.returncode == 2
     assert "learner.ppo.lr: expected a number" in result.stderr
+
+
+def test_unknown_env_is_a_config_error_before_anything_starts(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "millpond.cli",
+            "launch",
+            str(CONFIGS / "cartpole-ppo.yaml"),
+            "--set",
+            "env.id=NoSuchEnv-v9",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "env: cannot make 'NoSuchEnv-v9'" in result.stderr.strip().splitlines()[-1]
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"stopped_by": "error"' in summary
