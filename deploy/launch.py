@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
-from millpond.deploy.run_report import RunReport, format_summary
+from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.errors import DeadlineExceededError, InvalidConfigError, MillpondError
 
 __all__ = ["Launch", "build_parser", "run"]
@@ -270,7 +270,7 @@ class Launch:
                 next_status = now + c.run.status_every_s
                 row = self._status_row(now - started)
                 report.record(row)
-                self._say(_progress_line(row, c.run.frames))
+                self._say(progress_line(row, c.run.frames))
             if now >= next_checkpoint:  # a crash loses at most this much learning
                 next_checkpoint = now + c.learner.checkpoint_every_s
                 self._save_checkpoint()
@@ -426,21 +426,6 @@ class Launch:
 
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
-
-
-def _progress_line(row: dict[str, Any], budget: int) -> str:
-    def num(key: str, fmt: str = ".0f") -> str:
-        value = row.get(key)
-        return "-" if value is None else format(value, fmt)
-
-    pct = 100 * row["frames"] / budget
-    return (
-        f"[{row['time_s']:7.1f}s] frames {row['frames']:>8} ({pct:5.1f}%)  "
-        f"{num('frames_per_s')} fps  episodes {row['episodes']}  return {num('mean_return', '.1f')}  "
-        f"buffer {num('buffer_fill', '.0%')}  ins/s {num('inserts_per_s')}  "
-        f"smp/s {num('samples_per_s')}  spi {num('samples_per_insert', '.2f')}  "
-        f"lag {num('policy_lag', '.2f')}"
-    )
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["COLUMNS", "RunReport", "format_summary"]
+__all__ = ["COLUMNS", "RunReport", "format_summary", "progress_line"]
 
 COLUMNS: tuple[str, ...] = (
     "time_s",
@@ -110,6 +110,23 @@ def format_summary(summary: Mapping[str, Any], keys: Sequence[str] | None = None
     items = [(k, v) for k, v in items if not isinstance(v, Mapping | list)]
     width = max((len(k) for k, _ in items), default=0)
     return "\n".join(f"  {k:<{width}}  {_cell(v)}" for k, v in items)
+
+
+def progress_line(row: Mapping[str, Any], budget: int) -> str:
+    """One status line of a metrics row (``budget``: the run's frame budget)."""
+
+    def num(key: str, fmt: str = ".0f") -> str:
+        value = row.get(key)
+        return "-" if value is None else format(value, fmt)
+
+    pct = 100 * row["frames"] / budget
+    return (
+        f"[{row['time_s']:7.1f}s] frames {row['frames']:>8} ({pct:5.1f}%)  "
+        f"{num('frames_per_s')} fps  episodes {row['episodes']}  return {num('mean_return', '.1f')}  "
+        f"buffer {num('buffer_fill', '.0%')}  ins/s {num('inserts_per_s')}  "
+        f"smp/s {num('samples_per_s')}  spi {num('samples_per_insert', '.2f')}  "
+        f"lag {num('policy_lag', '.2f')}"
+    )
 
 
 def _has(row: Mapping[str, Any], key: str) -> bool:

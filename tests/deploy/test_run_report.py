@@ -1,0 +1,52 @@
+"""RunReport: rows reach the CSV as they come, the plot and summary are written at the end."""
+
+import csv
+import json
+
+from millpond.deploy.run_report import COLUMNS, RunReport, format_summary, progress_line
+
+
+def row(t, frames, ret):
+    return {
+        "time_s": t,
+        "frames": frames,
+        "frames_per_s": 1000.0,
+        "episodes": frames // 20,
+        "mean_return": ret,
+        "buffer_fill": 0.5,
+        "samples_per_insert": 1.0 if ret is not None else None,
+        "policy_lag": 0.5,
+        "not_a_column": "ignored",
+    }
+
+
+def test_rows_are_flushed_as_they_come_and_drawn_at_the_end(tmp_path):
+    report = RunReport(tmp_path / "run")
+    report.record(row(1.0, 1000, None))
+    report.record(row(2.0, 2000, 25.5))
+    # Readable before close: a killed run keeps its rows.
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert [r["frames"] for r in rows] == ["1000", "2000"]
+    assert rows[0]["mean_return"] == "" and rows[1]["mean_return"] == "25.5"
+    assert list(rows[0]) == list(COLUMNS)
+    path = report.plot("test")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    report.write_summary({"frames": 2000, "mean_return": 25.5})
+    assert json.loads(report.summary_path.read_text())["frames"] == 2000
+    report.close()
+
+
+def test_no_plot_without_a_return(tmp_path):
+    report = RunReport(tmp_path)
+    report.record(row(1.0, 10, None))
+    assert report.plot() is None and not report.plot_path.exists()
+    report.close()
+
+
+def test_progress_line_and_summary_table():
+    line = progress_line(row(12.5, 5000, 30.25), budget=10_000)
+    assert line.startswith("[   12.5s] frames     5000 ( 50.0%)")
+    assert "return 30.2" in line and "buffer 50%" in line and "spi 1.00" in line
+    assert "ins/s -" in line  # missing numbers show as '-'
+    table = format_summary({"frames": 5000, "nested": {"a": 1}, "mean_return": 30.25})
+    assert "frames" in table and "30.25" in table and "nested" not in table
