@@ -100,8 +100,13 @@ class EnvActor:
         self.actor_index = actor_index
         self.incarnation = incarnation
         self.client = client
+        # Actor i writes to shard i % S, so a few actors spread over the shards evenly (and a
+        # restarted actor finds its numbering on the same shard).
         self.writer = client.writer(
-            config.table, writer_id=f"actor-{actor_index}", max_in_flight=config.max_in_flight
+            config.table,
+            writer_id=f"actor-{actor_index}",
+            max_in_flight=config.max_in_flight,
+            shard=actor_index % client.num_shards,
         )
         seed = None if config.seed is None else config.seed + 1000 * actor_index
         self.collector = Collector(

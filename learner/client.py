@@ -251,12 +251,21 @@ class ReplayClient:
                 state.episodes.clear()
 
     # -- insert --------------------------------------------------------------------------
-    def writer(self, table: str, writer_id: str | None = None, max_in_flight: int = 64) -> Writer:
-        """A :class:`Writer` pinned to shard ``writer_hash(writer_id) % num_shards``.
+    def writer(
+        self,
+        table: str,
+        writer_id: str | None = None,
+        max_in_flight: int = 64,
+        shard: int | None = None,
+    ) -> Writer:
+        """A :class:`Writer` pinned to shard ``shard``, by default to shard
+        ``writer_hash(writer_id) % num_shards``.
 
         ``writer_id`` defaults to ``"{hostname}-{pid}-{8 random hex digits}"``. The shard
         stores a ``(writer_id, sequence)`` once and sequences restart at 1 in every writer,
         so give an explicit id only to one writer at a time, and not again after a restart.
+        Pin writers explicitly (e.g. actor ``i`` to shard ``i % num_shards``) to spread a
+        few writers evenly; a restarted writer must keep its shard to keep its numbering.
         """
         _check_table(table)
         if writer_id is None:
@@ -265,7 +274,15 @@ class ReplayClient:
             raise InvalidConfigError(f"writer_id ({writer_id!r}) must be a non-empty string")
         self._check_open()
         shards = self._set.shards
-        shard = shards[writer_hash(writer_id) % len(shards)]
+        if shard is None:
+            shard_index = writer_hash(writer_id) % len(shards)
+        elif isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < len(shards):
+            raise InvalidConfigError(
+                f"shard ({shard!r}) must be an index in [0, {len(shards)}) of {self.addresses}"
+            )
+        else:
+            shard_index = shard
+        pinned = shards[shard_index]
         known = self._set.configs.get(table)
         if known is None or known.spec is None:  # best effort: the writer checks the spec early
             # Ask every live shard: the first insert may have set the spec on another one, and
@@ -273,14 +290,14 @@ class ReplayClient:
             with contextlib.suppress(MillpondError):
                 self._set.refresh(table, [s for s in shards if not s.down])
         writer = Writer(
-            shard,
+            pinned,
             table,
             writer_id,
             max_in_flight,
             metadata=self._set.metadata,
             max_message_bytes=self.max_message_mb * 1024 * 1024,
             table_config=lambda: self._set.configs.get(table),
-            on_stored=lambda: self._set.mark_stale(shard, table),
+            on_stored=lambda: self._set.mark_stale(pinned, table),
         )
         self._writers.add(writer)
         return writer

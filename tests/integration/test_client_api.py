@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from millpond import DeadlineExceededError, InvalidDataError, ReplayClient, TableConfig
+from millpond import (
+    DeadlineExceededError,
+    InvalidConfigError,
+    InvalidDataError,
+    ReplayClient,
+    TableConfig,
+)
 
 
 def live_threads() -> dict[int, str]:
@@ -203,3 +209,20 @@ def test_sample_timeout_on_an_empty_table(server, table_name):
         with pytest.raises(DeadlineExceededError):
             client.sample(table_name, 4, timeout_s=0.3)
         assert time.monotonic() - start < 5
+
+
+def test_writers_pinned_to_chosen_shards(server3, table_name, patterned):
+    client = ReplayClient(server3.address)
+    client.create_table(TableConfig.uniform(table_name, capacity=10_000))
+    assert client.num_shards == 3
+    for shard in range(3):
+        with client.writer(table_name, writer_id=f"{table_name}-same-id", shard=shard) as w:
+            for ep in range(shard + 1):  # shard i gets i + 1 segments
+                w.write_segment(*patterned.segment(100 * shard + ep), episode_id=100 * shard + ep)
+    sizes = [s["size"] for s in client.info(table_name)["shards"]]
+    assert sizes == [patterned.L * (i + 1) for i in range(3)]  # one id, three shards, no clash
+    for bad in (3, -1, True, "0"):
+        with pytest.raises(InvalidConfigError, match="shard"):
+            client.writer(table_name, shard=bad)
+    patterned.check(client.sample(table_name, 24))
+    client.close()
