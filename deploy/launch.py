@@ -186,7 +186,21 @@ class Launch:
                 max_message_mb=c.replay.max_message_mb,
             )
             self._shards.append(remote.remote(server))
-        return ",".join(ray.get([s.address.remote() for s in self._shards]))
+        try:
+            addresses = ray.get(
+                [s.address.remote() for s in self._shards], timeout=c.replay.start_timeout_s
+            )
+        except ray.exceptions.GetTimeoutError:
+            for shard in self._shards:  # unplaced actors would make shutdown wait for them
+                ray.kill(shard)
+            self._shards.clear()
+            needed = c.replay.shards * c.replay.num_cpus
+            raise MillpondError(
+                f"replay shards did not start within replay.start_timeout_s="
+                f"{c.replay.start_timeout_s:g} s: they need {needed:g} CPUs free in the Ray "
+                f"cluster (replay.shards x replay.num_cpus); see `ray status`"
+            ) from None
+        return ",".join(addresses)
 
     def _make_learner(self, obs_space: Any, act_space: Any) -> Any:
         from millpond.learner.dqn import DQNLearner

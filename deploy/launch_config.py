@@ -71,6 +71,8 @@ class ReplaySection:
         table: a :class:`~millpond.TableConfig` mapping (``name``, ``sampler``, ``capacity``...).
         num_cpus: CPUs Ray reserves for each shard actor.
         max_message_mb: largest gRPC message a shard accepts or sends, in MiB.
+        start_timeout_s: how long to wait for the shard actors to be placed and serving
+            (on a cluster without the free CPUs Ray would otherwise wait forever).
     """
 
     shards: int = 1
@@ -79,10 +81,12 @@ class ReplaySection:
     )
     num_cpus: float = 0.25
     max_message_mb: int = 256
+    start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _at_least("replay.shards", self.shards, 1)
         _at_least("replay.num_cpus", self.num_cpus, 0)
+        _at_least("replay.start_timeout_s", self.start_timeout_s, 1)
 
     def table_config(self) -> TableConfig:
         """The table as a :class:`~millpond.TableConfig` (checked)."""

@@ -5,6 +5,19 @@ replay service; shards keep it in memory-mapped files and rebuild ``("next", obs
 sample time, so learners receive TorchRL-style TED TensorDicts.
 """
 
+import os as _os
+
+# A checkout's top-level folders (service/, actors/, learner/, protos/, deploy/) are
+# millpond's subpackages (pyproject's package-dir). When the checkout root itself is on
+# sys.path (Ray's `--working-dir .`, a script run from the root), `import millpond` finds
+# this folder before any installed copy; let its subpackages be found beside it so the
+# checkout imports whole instead of failing with "No module named 'millpond.service'".
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "service")) and _os.path.isfile(
+    _os.path.join(_checkout, "service", "shard.py")
+):
+    __path__.append(_checkout)
+
 from millpond.errors import (
     AuthenticationError,
     ClosedError,

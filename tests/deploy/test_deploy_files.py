@@ -179,16 +179,6 @@ def test_rayjob_entrypoint_is_the_documented_job():
     assert config.learner.algorithm == "ppo"
 
 
-def test_no_submit_uploads_the_repository_root():
-    # Ray puts the working directory on sys.path, where the repository's millpond/ folder
-    # would shadow the installed package.
-    for line in doc_code_lines() + comment_lines(RAY_CLUSTER):
-        if "--working-dir" in line:
-            tokens = shlex.split(line, comments=True)
-            working_dir = tokens[tokens.index("--working-dir") + 1]
-            assert not (ROOT / working_dir / "millpond").exists(), line
-
-
 def test_dockerfile_installs_torch_before_the_project_and_drops_root():
     instructions = dockerfile_instructions()
     runs = [args for word, args in instructions if word == "RUN"]

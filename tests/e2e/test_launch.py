@@ -138,3 +138,19 @@ def test_dqn_job_uses_a_running_serve_with_two_shards(tmp_path, start_server):
     assert info["samples"] <= 12.8 * info["inserts"] + 2 * 4000  # the rate limiter held
     assert info["weights_version"] == summary["weights_version"]  # the learner published here
     client.close()
+
+
+def test_shards_that_cannot_be_placed_fail_with_a_clear_error(tmp_path):
+    # 2 shards x 4 CPUs on a 2-CPU local instance: Ray would wait for them forever.
+    result = launch(
+        PPO,
+        *SMALL,
+        *("--set", "replay.shards=2", "--set", "replay.num_cpus=4"),
+        *("--set", "replay.start_timeout_s=3", "--run-dir", tmp_path / "run"),
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "replay shards did not start within replay.start_timeout_s=3 s" in result.stderr
+    assert "8 CPUs" in result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_by"] == "error"
