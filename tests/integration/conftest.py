@@ -16,6 +16,7 @@ rollouts as the reference every sampled row is compared with, bit for bit.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import signal
 import socket
@@ -365,6 +366,15 @@ class Experience:
     @property
     def num_steps(self) -> int:
         return len(self.index)
+
+    def batches_to_cover(self, batch_size: int, slack: float = 12.0) -> int:
+        """Uniform batches after which a step is still unsampled with probability <= e^-slack.
+
+        Coupon collector: after ``n (ln n + c)`` uniform draws, the chance that any of the
+        ``n`` steps was never drawn is at most ``e^-c``.
+        """
+        n = max(self.num_steps, 1)
+        return math.ceil(n * (math.log(n) + slack) / batch_size)
 
     def records(self) -> list[SegmentRecord]:
         return [r for segs in self.segments for _, r in segs]

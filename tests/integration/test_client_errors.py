@@ -43,7 +43,7 @@ def setup(small_server, table_name, make_experience, envs, write, rng):
     def intact():
         assert client.info(table_name)["size"] == exp.num_steps
         seen = set()
-        for _ in range(20):
+        for _ in range(exp.batches_to_cover(100)):
             seen.update(exp.check(client.sample(table_name, 100)))
             if len(seen) == exp.num_steps:
                 break

@@ -65,7 +65,7 @@ def test_collector_batches_round_trip_exactly_across_three_shards(
         ends = exp.all["next"]
         assert ends["terminated"].any() and ends["truncated"].any() and continued
         seen = set()
-        for _ in range(40):
+        for _ in range(exp.batches_to_cover(256)):
             batch = admin.sample(table_name, 256)
             seen.update(exp.check(batch))
             # millpond counts steps per trajectory across extend calls as the env does.
@@ -97,7 +97,7 @@ def test_extend_one_dimensional_ted_in_two_calls(client, table_name, make_experi
         client.extend(table_name, ted.exclude("next"))
     assert client.info(table_name)["size"] == size
     seen = set()
-    for _ in range(30):
+    for _ in range(exp.batches_to_cover(128)):
         seen.update(exp.check(client.sample(table_name, 128)))
         if len(seen) == exp.num_steps:
             break

@@ -44,11 +44,11 @@ def ctx(make_experience, covering_writer_ids, envs, write, rng):
     }
 
 
-def sample_until_all_seen(client, table, exp, batch_size=256, max_batches=60, **check):
+def sample_until_all_seen(client, table, exp, batch_size=256, **check):
     """Sample until every written step came back once at least; returns the last batch."""
     seen: set = set()
     shards: set = set()
-    for _ in range(max_batches):
+    for _ in range(exp.batches_to_cover(batch_size)):
         batch = client.sample(table, batch_size)
         assert batch.batch_size == torch.Size([batch_size])
         seen.update(exp.check(batch, **check))
