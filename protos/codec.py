@@ -54,11 +54,18 @@ def _fill_tensor(msg: pb.Tensor, key: Key, t: torch.Tensor, compress: bool) -> N
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    flat = t.contiguous().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.element_size() > 0 else flat
-    if not _LITTLE and t.element_size() > 1:
-        raw = torch.from_numpy(flat.numpy().byteswap()).view(torch.uint8)
-    data = raw.numpy().tobytes()
+    if t.is_conj() or t.is_neg():  # lazy views (e.g. ``x.conj()``): materialise the values
+        t = t.resolve_conj().resolve_neg()
+    if _LITTLE and t.dtype is not torch.bfloat16:
+        # numpy writes C order from any strides: half the cost of the general path below
+        # for the small tensors of short segments.
+        data = t.numpy().tobytes()
+    else:
+        flat = t.contiguous().reshape(-1)
+        raw = flat.view(torch.uint8)
+        if not _LITTLE and t.element_size() > 1:
+            raw = torch.from_numpy(flat.numpy().byteswap()).view(torch.uint8)
+        data = raw.numpy().tobytes()
     compression = pb.COMPRESSION_NONE
     if compress and data:
         data = _compressor().compress(data)
