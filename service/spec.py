@@ -35,6 +35,13 @@ RESERVED_KEYS: frozenset[Key] = frozenset(
         ("truncated",),
     }
 )
+
+
+def is_reserved(key: Key) -> bool:
+    """Whether ``key`` is, or nests under, a key that sampling produces itself."""
+    return key[:1] in RESERVED_KEYS
+
+
 #: Episode-end flags, stored as one bool per step; ``("next", "done")`` is derived from them.
 TERMINATED: Key = ("next", "terminated")
 TRUNCATED: Key = ("next", "truncated")
@@ -135,7 +142,7 @@ class TableSpec:
                     f"observation key {format_key(key)} may not live under 'next': "
                     "('next', obs) is rebuilt from the following slot"
                 )
-            if key in RESERVED_KEYS:
+            if is_reserved(key):
                 raise InvalidConfigError(f"key {format_key(key)} is reserved for sampled output")
         if not any(f.role == OBSERVATION for f in self.fields.values()):
             raise InvalidConfigError("a table spec needs at least one observation key")

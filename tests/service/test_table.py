@@ -98,6 +98,10 @@ def test_bad_segments_store_nothing(table):
     with pytest.raises(InvalidDataError, match="reserved"):
         table.insert(bad, tail, episode_id=1)
     bad = steps.clone()
+    bad["index", "slot"] = torch.zeros(5, dtype=torch.int64)  # would hide under the output's
+    with pytest.raises(InvalidDataError, match=r"\('index', 'slot'\) is reserved"):
+        table.insert(bad, tail, episode_id=1)
+    bad = steps.clone()
     del bad["next", "terminated"]
     del bad["next", "truncated"]
     with pytest.raises(InvalidDataError, match="terminated"):
