@@ -41,7 +41,11 @@ use it unless ``autoreset_mode`` says otherwise; envs passed in keep their own m
 **Segments.** :meth:`Collector.write` cuts a batch at episode ends and at the chunk end
 (:func:`~millpond.actors.segmenting.cut_batch`), runs the experience processors and sends
 what they return through the sink's ``write_segment(steps, tail, episode_id=...,
-first_step=...)``: each observation is sent once.
+first_step=...)`` (or ``write_segments`` for several): each observation is sent once. With
+no processors and a sink that has ``write_packed`` (a :class:`millpond.Writer`, a
+:class:`TableSink`), the chunk goes out as columns instead
+(:func:`~millpond.actors.segmenting.pack_batch`): the same segments, without building one
+object per segment.
 
 **Episode ids** are ``episode_id_base + counter``; see :mod:`millpond.actors.episode_ids`
 for a base unique to each actor incarnation. A segment's ``first_step`` is the index of its
@@ -80,7 +84,7 @@ from .episode_ids import EPISODES_PER_INCARNATION
 from .lanes import LaneBuffer
 from .policies import EpsilonGreedy, PolicySpec, WeightSource, make_policy
 from .processors import ExperienceProcessor, PassThrough, ProcessorChain
-from .segmenting import cut_batch
+from .segmenting import cut_batch, pack_batch
 from .sinks import SegmentSink
 
 __all__ = ["Collector"]
@@ -237,6 +241,14 @@ class Collector:
         """Cut ``batch`` into segments, process them and write them; returns the steps written."""
         if self.sink is None:
             raise InvalidConfigError("this Collector has no sink to write to")
+        write_packed = getattr(self.sink, "write_packed", None)
+        if type(self.processor) is PassThrough and write_packed is not None:
+            # Nothing to process: the chunk's rows go out as columns, without segment objects.
+            packed = pack_batch(batch)
+            write_packed(packed)
+            self.steps_written += packed.num_steps
+            self.segments_written += len(packed)
+            return packed.num_steps
         return self._emit_all(
             [out for segment in cut_batch(batch) for out in self.processor.process(segment)]
         )

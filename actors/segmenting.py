@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from millpond.errors import InvalidDataError
-from millpond.service.segments import Segment
+from millpond.service.segments import PackedSegments, Segment, flatten, pack_columns
 from millpond.service.spec import Key, format_key
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "from_ted",
     "join",
     "observation_keys",
+    "pack_batch",
     "to_ted",
 ]
 
@@ -87,30 +88,53 @@ def cut_batch(batch: TensorDictBase) -> list[Segment]:
     its tail ``("next", obs)`` of its last row. ``"collector"`` keys and ``("next", obs)``
     and ``("next", "done")`` are left out of the steps.
     """
-    if batch.batch_dims != 2:
-        raise InvalidDataError(f"expected a batch [P, T], received {list(batch.batch_size)}")
-    lanes, time_len = batch.batch_size
-    n = lanes * time_len
-    flat = batch.reshape(n)
-    ended = flat["next", "terminated"].reshape(n) | flat["next", "truncated"].reshape(n)
-    traj = flat[_TRAJ_IDS].reshape(lanes, time_len)
-    cut = ended.reshape(lanes, time_len).clone()
-    cut[:, -1] = True
-    cut[:, :-1] |= traj[:, :-1] != traj[:, 1:]
-    ends = torch.nonzero(cut.reshape(n)).reshape(-1)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1] + 1])
-    lengths = (ends - starts + 1).tolist()
-    obs_keys = observation_keys(flat)
-    steps = flat.exclude(*[("next", *k) for k in obs_keys], ("next", "done"), "collector")
-    tails = flat.select(*[("next", *k) for k in obs_keys])[ends]["next"]
-    episode_ids = traj.reshape(n)[starts].tolist()
-    first_steps = flat[_STEP_COUNT].reshape(n)[starts].tolist()
+    cut = _Cut(batch)
     return [
         Segment(piece, tail, ep, first)
         for piece, tail, ep, first in zip(
-            steps.split(lengths, 0), tails.unbind(0), episode_ids, first_steps, strict=True
+            cut.steps.split(cut.lengths.tolist(), 0),
+            cut.tails.unbind(0),
+            cut.episode_ids.tolist(),
+            cut.first_steps.tolist(),
+            strict=True,
         )
     ]
+
+
+def pack_batch(batch: TensorDictBase) -> PackedSegments:
+    """The segments :func:`cut_batch` cuts, as columns: the batch's rows are already in order.
+
+    Lane-major, a lane's segments are consecutive rows of the flattened batch, so the
+    columns are the batch's own tensors (no per-segment objects, no concatenation).
+    """
+    cut = _Cut(batch)
+    return pack_columns(
+        flatten(cut.steps), flatten(cut.tails), cut.lengths, cut.episode_ids, cut.first_steps
+    )
+
+
+class _Cut:
+    """Where a batch ``[P, T]`` is cut into segments, and its rows without ``("next", obs)``."""
+
+    def __init__(self, batch: TensorDictBase) -> None:
+        if batch.batch_dims != 2:
+            raise InvalidDataError(f"expected a batch [P, T], received {list(batch.batch_size)}")
+        lanes, time_len = batch.batch_size
+        n = lanes * time_len
+        flat = batch.reshape(n)
+        ended = flat["next", "terminated"].reshape(n) | flat["next", "truncated"].reshape(n)
+        traj = flat[_TRAJ_IDS].reshape(lanes, time_len)
+        cut = ended.reshape(lanes, time_len).clone()
+        cut[:, -1] = True
+        cut[:, :-1] |= traj[:, :-1] != traj[:, 1:]
+        ends = torch.nonzero(cut.reshape(n)).reshape(-1)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1] + 1])
+        obs_keys = observation_keys(flat)
+        self.lengths = (ends - starts + 1).numpy()
+        self.steps = flat.exclude(*[("next", *k) for k in obs_keys], ("next", "done"), "collector")
+        self.tails = flat.select(*[("next", *k) for k in obs_keys])[ends]["next"]
+        self.episode_ids = traj.reshape(n)[starts].numpy()
+        self.first_steps = flat[_STEP_COUNT].reshape(n)[starts].numpy()
 
 
 def to_ted(segment: Segment) -> TensorDict:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 from tensordict import TensorDictBase
 
 from millpond.errors import InvalidDataError
+from millpond.service.segments import PackedSegments
 from millpond.service.table import Table
 
 __all__ = ["SegmentSink", "TableSink"]
@@ -61,6 +63,13 @@ class TableSink:
         self.segments_written += 1
         self.steps_written += steps.batch_size[0]
         return int(gens[0])
+
+    def write_packed(self, packed: PackedSegments) -> np.ndarray:
+        """Store segments laid out as columns; returns their generations."""
+        gens = self.table.insert_packed(packed, timeout=self.timeout)
+        self.segments_written += len(packed)
+        self.steps_written += packed.num_steps
+        return gens
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Nothing to wait for: inserts are synchronous."""

@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 
@@ -251,9 +252,23 @@ class Writer:
             _optional_index("episode_id", s.episode_id)
             _optional_index("first_step", s.first_step)
         self._raise_if_unusable()
-        packed = pack(
-            [Segment(s.steps, s.tail, int(s.episode_id), int(s.first_step)) for s in segments]
+        return self.write_packed(
+            pack([Segment(s.steps, s.tail, int(s.episode_id), int(s.first_step)) for s in segments])
         )
+
+    def write_packed(self, packed: PackedSegments) -> list[int]:
+        """Queue segments already laid out as columns; returns their sequence numbers.
+
+        What :meth:`write_segments` does after packing, for producers whose steps are in one
+        block already (see :func:`millpond.actors.segmenting.pack_batch` and
+        :func:`millpond.service.segments.pack_columns`). On a validation error nothing is
+        queued.
+        """
+        if len(packed) == 0:
+            return []
+        if np.any(packed.episode_ids < 0) or np.any(packed.first_steps < 0):
+            raise InvalidDataError("episode ids and first steps must be >= 0")
+        self._raise_if_unusable()
         with self._write_lock:
             self._check_spec(packed)
             sequences = self._enqueue_many(self._encode_packed(packed))

@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDictBase
 
 from millpond.errors import InvalidDataError
-from millpond.service.spec import DONE, RESERVED_KEYS, TERMINATED, TRUNCATED, Key, format_key
+from millpond.service.spec import DONE, TERMINATED, TRUNCATED, Key, format_key, is_reserved
 
 
 @dataclass
@@ -214,19 +214,7 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
             obs_keys = list(tail)
         elif set(tail) != set(obs_keys):
             raise InvalidDataError(f"segment {i}: tail keys differ from segment 0's")
-        for key in steps:
-            if key in RESERVED_KEYS:
-                raise InvalidDataError(f"key {format_key(key)} is reserved for sampled output")
-            if key[0] == "next" and key[1:] in tail:
-                raise InvalidDataError(
-                    f"steps carry {format_key(key)}: send each observation once, the tail "
-                    "holds the one after the last step"
-                )
-        missing = [format_key(k) for k in tail if k not in steps]
-        if missing:
-            raise InvalidDataError(
-                f"segment {i}: steps lack observation key(s) {', '.join(missing)}"
-            )
+        _check_keys(steps, tail, f"segment {i}")
         for key in _FLAG_KEYS:
             t = steps.get(key)
             if t is not None:
@@ -266,6 +254,66 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
         np.array([int(s.first_step) for s in segments], dtype=np.int64),
         seq,
     )
+
+
+def pack_columns(
+    steps: Mapping[Key, torch.Tensor],
+    tails: Mapping[Key, torch.Tensor],
+    lengths: np.ndarray,
+    episode_ids: np.ndarray,
+    first_steps: np.ndarray,
+) -> PackedSegments:
+    """Segments already laid out as columns, checked as :func:`pack` checks segments.
+
+    ``steps`` holds every segment's rows one segment after another (``lengths`` of them),
+    ``tails`` one row per segment. For a producer that has its steps in one block already
+    (a collector's chunk): no per-segment objects and no concatenation.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        raise InvalidDataError("no segments to insert")
+    if np.any(lengths < 1):
+        raise InvalidDataError(f"segments need at least one step, lengths {lengths.tolist()}")
+    n = int(lengths.sum())
+    if not tails:
+        raise InvalidDataError("the tails have no observation keys")
+    _check_keys(steps, tails, "segments")
+    for key, t in steps.items():
+        if t.dim() == 0 or t.shape[0] != n:
+            raise InvalidDataError(
+                f"key {format_key(key)}: expected {n} rows (the lengths' sum), "
+                f"received shape {list(t.shape)}"
+            )
+    for key, t in tails.items():
+        if t.dim() == 0 or t.shape[0] != len(lengths):
+            raise InvalidDataError(
+                f"tail key {format_key(key)}: expected one row per segment ({len(lengths)}), "
+                f"received shape {list(t.shape)}"
+            )
+    return PackedSegments(
+        normalize_steps(dict(steps), n, lengths),
+        dict(tails),
+        lengths,
+        np.asarray(episode_ids, dtype=np.int64),
+        np.asarray(first_steps, dtype=np.int64),
+    )
+
+
+def _check_keys(
+    steps: Mapping[Key, torch.Tensor], tail: Mapping[Key, torch.Tensor], where: str
+) -> None:
+    """Step keys are not reserved, carry no ``("next", obs)``, and hold every tail key."""
+    for key in steps:
+        if is_reserved(key):
+            raise InvalidDataError(f"key {format_key(key)} is reserved for sampled output")
+        if key[0] == "next" and key[1:] in tail:
+            raise InvalidDataError(
+                f"steps carry {format_key(key)}: send each observation once, the tail "
+                "holds the one after the last step"
+            )
+    missing = [format_key(k) for k in tail if k not in steps]
+    if missing:
+        raise InvalidDataError(f"{where}: steps lack observation key(s) {', '.join(missing)}")
 
 
 def _length(td: TensorDictBase | Mapping, steps: dict[Key, torch.Tensor], i: int) -> int:

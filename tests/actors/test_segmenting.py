@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from millpond.actors import Collector, cut_batch, ends_episode, from_ted, join, to_ted
+from millpond.actors.segmenting import pack_batch
 from millpond.errors import InvalidDataError
-from millpond.service.segments import pack
+from millpond.service.segments import pack, pack_columns
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +85,38 @@ def test_cut_batch_agrees_with_compact_ted(batch):
     assert packed.first_steps.tolist() == [s.first_step for s in segments]
     tails = torch.stack([s.tail["observation"] for s in segments])
     assert torch.equal(packed.tails[("observation",)], tails)
+
+
+def test_pack_batch_equals_packing_the_cut_segments(batch):
+    """The collector's column path sends exactly what packing its segments would."""
+    direct, via_segments = pack_batch(batch), pack(cut_batch(batch))
+    assert direct.lengths.tolist() == via_segments.lengths.tolist()
+    assert direct.episode_ids.tolist() == via_segments.episode_ids.tolist()
+    assert direct.first_steps.tolist() == via_segments.first_steps.tolist()
+    for mine, theirs in ((direct.steps, via_segments.steps), (direct.tails, via_segments.tails)):
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert mine[key].dtype == theirs[key].dtype, key
+            assert torch.equal(mine[key], theirs[key]), key
+
+
+def test_pack_columns_rejects_what_pack_rejects(batch):
+    packed = pack_batch(batch)
+    steps, tails = dict(packed.steps), dict(packed.tails)
+    args = (packed.lengths, packed.episode_ids, packed.first_steps)
+    with pytest.raises(InvalidDataError, match=r"steps carry \('next', 'observation'\)"):
+        pack_columns({**steps, ("next", "observation"): steps[("observation",)]}, tails, *args)
+    with pytest.raises(InvalidDataError, match="reserved"):
+        pack_columns({**steps, ("weight",): steps[("action",)]}, tails, *args)
+    with pytest.raises(InvalidDataError, match="lack observation key"):
+        pack_columns({k: v for k, v in steps.items() if k != ("observation",)}, tails, *args)
+    with pytest.raises(InvalidDataError, match=r"'action': expected 90 rows"):
+        pack_columns({**steps, ("action",): steps[("action",)][1:]}, tails, *args)
+    with pytest.raises(InvalidDataError, match="one row per segment"):
+        pack_columns(steps, {k: v[1:] for k, v in tails.items()}, *args)
+    bad = steps[("next", "terminated")].clone()
+    bad[0] = True  # an episode end inside a segment
+    lengths = packed.lengths.copy()
+    assert lengths[0] > 1
+    with pytest.raises(InvalidDataError, match="must be a segment's last step"):
+        pack_columns({**steps, ("next", "terminated"): bad}, tails, *args)
