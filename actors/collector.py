@@ -197,6 +197,9 @@ class Collector:
         self._step_counts = np.zeros(self.num_envs, dtype=np.int64)
         self._resetting = np.zeros(self.num_envs, dtype=bool)
         self._buffer = LaneBuffer(self.num_envs, chunk_len)  # real steps, by lane
+        self._all_lanes = np.ones(self.num_envs, dtype=bool)  # read-only: SAME_STEP's mask
+        self._no_observations = TensorDict(batch_size=[self.num_envs])
+        self._version_column = torch.full((self.num_envs,), -1, dtype=torch.int64)
         self._warned_surplus = False
         self._closed = False
         self.episodes = 0  # episodes started (ids handed out)
@@ -348,9 +351,12 @@ class Collector:
         lanes = self.num_envs
         if self.env_steps % self.weight_sync_every == 0:
             self.sync_weights()
-        obs_td = TensorDict(batch_size=[lanes])
-        for key, value in self._obs.items():
-            obs_td.set(key, value)
+        if self.policy.reads_observations:
+            obs_td = TensorDict(batch_size=[lanes])
+            for key, value in self._obs.items():
+                obs_td.set(key, value)
+        else:
+            obs_td = self._no_observations
         out = self.policy(obs_td, self.frames)
         action = out["action"]
         next_raw, reward, terminated, truncated, info = self.env.step(action.numpy())
@@ -360,15 +366,18 @@ class Collector:
         next_obs = observation_leaves(next_raw, lanes)
         true_next = next_obs
         if self.autoreset_mode == AutoresetMode.SAME_STEP:
-            valid = np.ones(lanes, dtype=bool)
+            valid = self._all_lanes
             if ended.any():
                 final = info.get("final_obs")
                 if final is None:
                     raise MillpondError("a SAME_STEP vector env ended an episode without final_obs")
-                true_next = {k: v.clone() for k, v in next_obs.items()}
-                for lane in np.flatnonzero(ended).tolist():
-                    for key, value in observation_leaves(final[lane]).items():
-                        true_next[key][lane] = value
+                lanes_ended = np.flatnonzero(ended)
+                finals = [observation_leaves(final[lane]) for lane in lanes_ended.tolist()]
+                index = torch.from_numpy(lanes_ended)
+                true_next = {
+                    key: value.index_put((index,), torch.stack([f[key] for f in finals]))
+                    for key, value in next_obs.items()
+                }
         else:
             valid = ~self._resetting
             if bool((ended & self._resetting).any()):
@@ -381,7 +390,9 @@ class Collector:
                     f"the policy's output {name!r} clashes with an observation key"
                 )
             record[(name,)] = value
-        record[("policy_version",)] = torch.full((lanes,), self.policy.version, dtype=torch.int64)
+        if int(self._version_column[0]) != self.policy.version:
+            self._version_column = torch.full((lanes,), self.policy.version, dtype=torch.int64)
+        record[("policy_version",)] = self._version_column  # stacked (copied) per chunk
         for key, value in true_next.items():
             record[("next", *key)] = value
         flags = {
@@ -395,7 +406,7 @@ class Collector:
         record[("collector", "traj_ids")] = torch.from_numpy(self._episode_ids.copy())
         record[("collector", "step_count")] = torch.from_numpy(self._step_counts.copy())
         # Episode bookkeeping for the lanes that made a real step.
-        self._step_counts[valid] += 1
+        self._step_counts += valid
         new = valid & ended
         if new.any():
             self._episode_ids[new] = self._new_episode_ids(int(new.sum()))

@@ -134,6 +134,9 @@ class ActorPolicy:
     """
 
     version: int = -1
+    #: ``False`` for policies that ignore the observations (the loop then hands them an
+    #: empty TensorDict instead of building one each step).
+    reads_observations: bool = True
 
     def __call__(self, observation: TensorDictBase, frames: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -144,6 +147,8 @@ class ActorPolicy:
 
 class RandomPolicy(ActorPolicy):
     """Samples each lane's action from the env's single action space (seeded)."""
+
+    reads_observations = False
 
     def __init__(self, action_space: gym.Space, num_envs: int, seed: int | None = None) -> None:
         self.action_space = gym.vector.utils.batch_space(action_space, num_envs)
