@@ -39,7 +39,13 @@ import yaml
 
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
-from millpond.errors import DeadlineExceededError, InvalidConfigError, MillpondError
+from millpond.errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    InvalidConfigError,
+    MillpondError,
+    PermissionDeniedError,
+)
 
 __all__ = ["Launch", "build_parser", "run"]
 
@@ -133,6 +139,12 @@ class Launch:
             raise InvalidConfigError(f"env: cannot make {c.env.id!r}: {e}") from None
         obs_space, act_space = probe.observation_space, probe.action_space
         probe.close()
+        c.replay.tokens()  # an unreadable token file is a config error, also before anything
+        if c.replay.tls is not None and self.replay is None:
+            raise InvalidConfigError(
+                "replay.tls: applies to a service named with --replay; the shards this job "
+                "starts serve plaintext"
+            )
         torch.manual_seed(c.run.seed)
         torch.set_num_threads(c.learner.threads)
         if not ray.is_initialized():
@@ -148,15 +160,27 @@ class Launch:
                 signal.signal(signal.SIGTERM, _raise_stop)  # ray.init installs its own
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         addresses = self.replay or self._start_shards()
-        self.client = ReplayClient(addresses)
-        self.table = self.client.create_table(c.replay.table_config()).name
+        admin_token, writer_token = c.replay.tokens()
+        self.client = ReplayClient(addresses, token=admin_token, tls=c.replay.tls)
+        actor_client = self.client
+        if writer_token != admin_token:  # the actors get the least privilege the file offers
+            actor_client = ReplayClient(addresses, token=writer_token, tls=c.replay.tls)
+        try:
+            self.table = self.client.create_table(c.replay.table_config()).name
+        except (AuthenticationError, PermissionDeniedError) as e:
+            hint = (
+                "give replay.token_file an 'admin' token the service accepts"
+                if c.replay.token_file is None or isinstance(e, AuthenticationError)
+                else "the token file's first 'admin' token lacks the admin role there"
+            )
+            raise type(e)(f"replay service {addresses}: {e} ({hint})") from None
         self._say(f"replay: {addresses}  table {self.table!r}")
 
         self.learner = self._make_learner(obs_space, act_space)
         self.learner.publish()  # actors act with the learner's initial weights
 
         self._fleet = ActorFleet(
-            self.client,
+            actor_client,
             self._actor_config(),
             num_actors=c.actors.num_actors,
             num_cpus=c.actors.num_cpus,
@@ -177,6 +201,7 @@ class Launch:
 
         c = self.config
         host = "127.0.0.1" if c.ray.address is None else "0.0.0.0"
+        token_file = c.replay.token_file
         remote = ray.remote(ReplayShardActor).options(num_cpus=c.replay.num_cpus)
         for i in range(c.replay.shards):
             server = ServerConfig(
@@ -184,6 +209,7 @@ class Launch:
                 host=host,
                 port=0,
                 max_message_mb=c.replay.max_message_mb,
+                token_file=None if token_file is None else str(Path(token_file).resolve()),
             )
             self._shards.append(remote.remote(server))
         try:

@@ -30,6 +30,7 @@ import yaml
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
 from millpond.learner.ppo import PPOConfig
+from millpond.service.auth import load_tokens
 from millpond.service.config import TableConfig
 
 __all__ = [
@@ -73,6 +74,14 @@ class ReplaySection:
         max_message_mb: largest gRPC message a shard accepts or sends, in MiB.
         start_timeout_s: how long to wait for the shard actors to be placed and serving
             (on a cluster without the free CPUs Ray would otherwise wait forever).
+        token_file: a file of ``ROLE TOKEN`` lines, as ``millpond serve --token-file``
+            reads. The launching process (table, learner, checkpoints) uses its ``admin``
+            token, the env actors its ``writer`` token (else the admin one). Shards the job
+            starts require these tokens too (then the file must be readable at the same
+            path on every node that hosts a shard).
+        tls: for a ``--replay`` service that serves TLS: ``true`` (the system's root
+            certificates) or a PEM root certificate file. Shards the job starts serve
+            plaintext.
     """
 
     shards: int = 1
@@ -82,11 +91,37 @@ class ReplaySection:
     num_cpus: float = 0.25
     max_message_mb: int = 256
     start_timeout_s: float = 300.0
+    token_file: str | None = None
+    tls: bool | str | None = None
 
     def __post_init__(self) -> None:
         _at_least("replay.shards", self.shards, 1)
         _at_least("replay.num_cpus", self.num_cpus, 0)
         _at_least("replay.start_timeout_s", self.start_timeout_s, 1)
+        if self.tls is False:
+            object.__setattr__(self, "tls", None)  # plaintext, as with no setting
+        if self.tls is not None and self.tls is not True and not Path(self.tls).is_file():
+            raise InvalidConfigError(
+                f"replay.tls: {self.tls!r} is not a file (true, or a PEM root certificate)"
+            )
+
+    def tokens(self) -> tuple[str | None, str | None]:
+        """``(admin token, writer token)`` from :attr:`token_file`; ``(None, None)`` without."""
+        if self.token_file is None:
+            return None, None
+        try:
+            tokens = load_tokens(self.token_file)
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"replay.token_file: {e}") from None
+        by_role: dict[str, str] = {}
+        for role, token in tokens:
+            by_role.setdefault(role, token)
+        if "admin" not in by_role:
+            raise InvalidConfigError(
+                f"replay.token_file: {self.token_file} has no 'admin' token (the launching "
+                "process creates the table and checkpoints the shards)"
+            )
+        return by_role["admin"], by_role.get("writer", by_role["admin"])
 
     def table_config(self) -> TableConfig:
         """The table as a :class:`~millpond.TableConfig` (checked)."""

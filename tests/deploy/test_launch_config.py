@@ -152,3 +152,42 @@ def test_unknown_env_is_a_config_error_before_anything_starts(tmp_path):
     assert "env: cannot make 'NoSuchEnv-v9'" in result.stderr.strip().splitlines()[-1]
     summary = (tmp_path / "run" / "summary.json").read_text()
     assert '"stopped_by": "error"' in summary
+
+
+def test_token_file_gives_the_driver_admin_and_the_actors_writer(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(
+        "# roles\nlearner learner-token-1\nwriter writer-token-1\nadmin admin-token-1\n"
+    )
+    config = load_config(write(tmp_path, f"replay: {{token_file: {tokens}}}\n"))
+    assert config.replay.tokens() == ("admin-token-1", "writer-token-1")
+    tokens.write_text("admin admin-token-1\n")  # no writer token: the actors share the admin one
+    assert config.replay.tokens() == ("admin-token-1", "admin-token-1")
+    assert load_config(write(tmp_path, "")).replay.tokens() == (None, None)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "replay.token_file: cannot read token file"),
+        ("writer writer-token-1\n", "replay.token_file: .* has no 'admin' token"),
+        ("root admin-token-1\n", "replay.token_file: .*expected 'ROLE TOKEN'"),
+    ],
+)
+def test_token_file_mistakes_name_the_key(tmp_path, content, message):
+    tokens = tmp_path / "tokens"
+    if content is not None:
+        tokens.write_text(content)
+    config = load_config(write(tmp_path, ""), [f"replay.token_file={tokens}"])
+    with pytest.raises(InvalidConfigError, match=message):
+        config.replay.tokens()
+
+
+def test_tls_is_true_false_or_a_certificate_file(tmp_path):
+    cert = tmp_path / "ca.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    assert load_config(write(tmp_path, ""), ["replay.tls=true"]).replay.tls is True
+    assert load_config(write(tmp_path, ""), ["replay.tls=false"]).replay.tls is None
+    assert load_config(write(tmp_path, ""), [f"replay.tls={cert}"]).replay.tls == str(cert)
+    with pytest.raises(InvalidConfigError, match="replay.tls: .*is not a file"):
+        load_config(write(tmp_path, ""), [f"replay.tls={tmp_path / 'missing.pem'}"])

@@ -13,17 +13,18 @@ import pytest
 
 
 @pytest.fixture
-def start_server(tmp_path) -> Iterator[Callable[[int], str]]:
-    """``start_server(shards)``: start ``millpond serve`` on free ports; returns its address list.
+def start_server(tmp_path) -> Iterator[Callable[..., str]]:
+    """``start_server(shards, *args)``: start ``millpond serve`` on free ports (with extra
+    command-line ``args``); returns its address list.
 
     Stopped with SIGTERM at teardown, which must end it cleanly (exit code 0).
     """
     procs: list[tuple[subprocess.Popen, Path]] = []
 
-    def start(shards: int) -> str:
+    def start(shards: int, *args: str) -> str:
         out, err = tmp_path / "serve.out", tmp_path / "serve.err"
         cmd = [sys.executable, "-m", "millpond.cli", "serve", "--dir", str(tmp_path / "replay")]
-        cmd += ["--port", "0", "--shards", str(shards)]
+        cmd += ["--port", "0", "--shards", str(shards), *args]
         with open(out, "w") as o, open(err, "w") as e:
             proc = subprocess.Popen(cmd, stdout=o, stderr=e, stdin=subprocess.DEVNULL)
         procs.append((proc, err))

@@ -154,3 +154,69 @@ def test_shards_that_cannot_be_placed_fail_with_a_clear_error(tmp_path):
     assert "8 CPUs" in result.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_by"] == "error"
+
+
+def test_a_token_protected_serve_takes_the_token_file(tmp_path, start_server):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admin admin-token-1\nwriter writer-token-1\nlearner learner-token-1\n")
+    address = start_server(1, "--token-file", str(tokens))
+    job = [PPO, *SMALL, "--set", "run.frames=4000", "--replay", address]
+
+    denied = launch(*job, "--run-dir", tmp_path / "denied", timeout=120)
+    assert denied.returncode == 2, denied.stdout[-3000:] + denied.stderr[-3000:]
+    assert "give replay.token_file an 'admin' token" in denied.stderr.splitlines()[-1]
+
+    run_dir = tmp_path / "run"
+    result = launch(*job, "--set", f"replay.token_file={tokens}", "--run-dir", run_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "frames" and summary["learner_steps"] > 0
+
+    from millpond import ReplayClient
+
+    client = ReplayClient(address, token="admin-token-1")
+    info = client.info("rollouts")
+    assert info["inserts"] >= 4000 and info["weights_version"] == summary["weights_version"]
+    client.close()
+
+
+def test_shards_the_job_starts_require_the_token_file_too(tmp_path):
+    from millpond import AuthenticationError, ReplayClient
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admin admin-token-1\nwriter writer-token-1\n")
+    proc = subprocess.Popen(
+        [
+            *millpond_command(),
+            *("launch", str(PPO), *SMALL, "--set", "run.frames=100000000"),
+            *("--set", "run.stop_at_return=null", "--set", f"replay.token_file={tokens}"),
+            *("--run-dir", str(tmp_path / "run")),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        lines, address = [], None
+        while time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("replay: "):
+                address = line.split()[1]
+            if address and line.startswith("[") and int(line.split("frames")[1].split()[0]) > 0:
+                break  # the actors insert with the writer token, the learner samples
+        else:
+            pytest.fail("no progress line:\n" + "".join(lines))
+        with pytest.raises(AuthenticationError):
+            ReplayClient(address).info("rollouts")
+        admin = ReplayClient(address, token="admin-token-1")
+        assert admin.info("rollouts")["inserts"] > 0
+        admin.close()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
