@@ -189,7 +189,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             if size > self.max_message_bytes:
                 size = response.ByteSize()
             if size > self.max_message_bytes or not context.is_active():
-                table.requeue(batch)  # a queue batch nobody can receive is not lost
+                table.give_back(batch)  # nobody receives it: not counted, a queue's not lost
                 if size > self.max_message_bytes:
                     raise ResourceExhaustedError(
                         f"a batch of {len(batch)} steps takes {size} bytes, more than the "

@@ -449,18 +449,23 @@ class Table:
             for k, v in r.items():
                 d[k][t_idx] = v
 
-    def requeue(self, batch: TensorDictBase) -> int:
-        """Give back a queue batch that could not be delivered; returns the steps requeued.
+    def give_back(self, batch: TensorDictBase) -> int:
+        """Undo a sample that could not be delivered; returns the steps given back.
 
-        Segments of the batch that writers have overwritten since (they became evictable
-        when delivered) are gone and are not requeued.
+        The rate limiter stops counting them, so a learner whose call was cancelled while
+        the limiter held it is not charged for steps it never saw. A queue table also queues
+        the segments again, first; those writers have overwritten since (they became
+        evictable when delivered) are gone and are not given back.
         """
-        if not isinstance(self.sampler, QueueSampler):
-            return 0
         slots = batch["index", "slot"].reshape(-1).numpy()
         gens = batch["index", "generation"].reshape(-1).numpy()
         if len(slots) == 0:
             return 0
+        if not isinstance(self.sampler, QueueSampler):
+            with self._cond:
+                self._counters[_C_SAMPLES] -= len(slots)
+                self._cond.notify_all()
+            return len(slots)
         first = np.flatnonzero(np.r_[True, gens[1:] != gens[:-1]])
         lengths = np.diff(np.r_[first, len(gens)])
         with self._cond:

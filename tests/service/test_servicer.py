@@ -1,5 +1,7 @@
 """The gRPC edge with raw stubs: every kind of bad request gets its status; data stays intact."""
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -119,6 +121,30 @@ def test_rate_limiter_timeout_is_deadline_exceeded(tmp_path):
     request = pb.SampleRequest(table="t", batch_size=4, num_batches=1, timeout_ms=100)
     code, details = code_of(lambda: next(stub.Sample(request)))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "min_size 50" in details
+    running.stop(grace=1)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "queue"])
+def test_a_sample_cancelled_while_it_waits_is_not_counted(tmp_path, kind):
+    """A learner that gives up on a waiting request (a prefetching iterator closed, its
+    deadline reached) is not charged for the steps the data arriving afterwards frees."""
+    running, port = create_server(ServerConfig(dir=str(tmp_path / "s")))
+    stub = pb_grpc.ReplayStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    cfg = getattr(TableConfig, kind)("t", 100, min_size=8)
+    stub.CreateTable(pb.CreateTableRequest(config=config_to_proto(cfg)))
+    request = pb.SampleRequest(table="t", batch_size=8, num_batches=1, timeout_ms=30_000)
+    waiting = stub.Sample(request)  # the call starts here and waits on the empty table
+    time.sleep(0.2)
+    waiting.cancel()
+    insert(stub, make_segment(1, n=8))  # frees the waiting request, if it were still there
+    time.sleep(1.0)  # longer than the shard takes to notice a cancelled call
+    info = stub.Info(pb.InfoRequest(table="t")).tables[0]
+    assert (info.samples, info.size) == (0, 8)
+    taken = codec.decode_sample(next(stub.Sample(request)))
+    assert len(taken) == 8 and set(taken["observation"][:, 0].tolist()) <= {
+        100.0 + 3 * i for i in range(8)
+    }
+    assert stub.Info(pb.InfoRequest(table="t")).tables[0].samples == 8
     running.stop(grace=1)
 
 

@@ -353,7 +353,7 @@ def test_requeued_queue_batch_is_delivered_again_first(tmp_path):
         t.insert(*segment(n=5, ep=ep), episode_id=ep)
     taken = t.sample(10)
     assert taken["episode_id"].unique().tolist() == [0, 1]
-    assert t.requeue(taken) == 10
+    assert t.give_back(taken) == 10
     again = t.sample(15)
     assert again["episode_id"].tolist() == [0] * 5 + [1] * 5 + [2] * 5
     assert torch.equal(again[:10]["observation"], taken["observation"])
