@@ -89,6 +89,7 @@ class Launch:
         self._lags: deque[float] = deque(maxlen=50)
         self._losses: deque[float] = deque(maxlen=50)
         self.learner_steps = 0
+        self.stale_steps = 0  # sampled, then dropped as acted by too old a policy (PPO)
         self._started_at = time.monotonic()
         self._last: dict[str, float] = {
             "t": self._started_at,
@@ -325,6 +326,7 @@ class Launch:
         self._timing["sample_s"] += metrics["sample_s"]
         self._timing["learn_s"] += metrics["update_s"]
         self.learner_steps += 1
+        self.stale_steps += metrics.get("dropped", 0)
         if "policy_lag_mean" in metrics:
             self._lags.append(metrics["policy_lag_mean"])
         loss = metrics.get("loss", metrics.get("loss_policy"))
@@ -363,6 +365,7 @@ class Launch:
             "samples_per_s": (samples - self._last["samples"]) / dt,
             "samples_per_insert": samples / inserts if inserts else None,
             "policy_lag": sum(self._lags) / len(self._lags) if self._lags else None,
+            "stale_steps": self.stale_steps,
             "learner_steps": self.learner_steps,
             "weights_version": self.learner.version,
             "loss": sum(self._losses) / len(self._losses) if self._losses else None,
@@ -453,6 +456,7 @@ class Launch:
             "wall_s": elapsed,
             "frames_per_s": (final.frames / elapsed) if final and elapsed else None,
             "learner_steps": self.learner_steps,
+            "stale_steps": self.stale_steps,
             "weights_version": getattr(getattr(self, "learner", None), "version", None),
             "samples_per_insert": row.get("samples_per_insert") if row else None,
             "actor_restarts": final.restarts if final else 0,

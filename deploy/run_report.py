@@ -29,6 +29,7 @@ COLUMNS: tuple[str, ...] = (
     "samples_per_s",
     "samples_per_insert",
     "policy_lag",
+    "stale_steps",
     "learner_steps",
     "weights_version",
     "loss",

@@ -35,6 +35,33 @@ def launch(*args, timeout=300):
     )
 
 
+def start_endless_job(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """A small PPO job with no frame budget or return target: it runs until stopped."""
+    return subprocess.Popen(
+        [
+            *millpond_command(),
+            *("launch", str(PPO), *SMALL, "--set", "run.frames=100000000"),
+            *("--set", "run.stop_at_return=null", *overrides, "--run-dir", str(run_dir)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def wait_until_experience_flows(proc: subprocess.Popen, timeout_s: float = 180) -> list[str]:
+    """Read the job's output up to its first progress line that counts frames; the lines."""
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.startswith("[") and int(line.split("frames")[1].split()[0]) > 0:
+            return lines
+    pytest.fail("no progress line:\n" + "".join(lines))
+
+
 def random_policy_return(episodes=200, seed=0) -> float:
     """CartPole-v1's mean return under uniformly random actions (about 22)."""
     env = gym.make("CartPole-v1")
@@ -60,7 +87,11 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
     assert progress and all("fps" in line and "return" in line for line in progress)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == "frames" and summary["frames"] >= 40000
-    assert summary["learner_steps"] > 0 and summary["weights_version"] >= summary["learner_steps"]
+    # Each iteration publishes, except one whose steps were all too old to train on (the
+    # actors may fill the queue faster than the first iterations run on a busy machine).
+    assert summary["learner_steps"] > 0 and summary["stale_steps"] >= 0
+    trained = summary["weights_version"] - 1  # version 1: the weights the actors start with
+    assert summary["learner_steps"] - summary["stale_steps"] <= trained <= summary["learner_steps"]
     assert summary["mean_return"] > 2 * random_policy_return(), summary
 
     rows = (run_dir / "metrics.csv").read_text().splitlines()
@@ -82,27 +113,9 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
 
 def test_sigterm_stops_the_job_cleanly(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            *millpond_command(),
-            *("launch", str(PPO), *SMALL, "--set", "run.frames=100000000"),
-            *("--set", "run.stop_at_return=null", "--run-dir", str(run_dir)),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = start_endless_job(run_dir)
     try:
-        deadline = time.monotonic() + 180
-        lines = []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("[") and int(line.split("frames")[1].split()[0]) > 0:
-                break  # everything runs and experience flows
-        else:
-            pytest.fail("no progress line:\n" + "".join(lines))
+        wait_until_experience_flows(proc)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -185,30 +198,10 @@ def test_shards_the_job_starts_require_the_token_file_too(tmp_path):
 
     tokens = tmp_path / "tokens"
     tokens.write_text("admin admin-token-1\nwriter writer-token-1\n")
-    proc = subprocess.Popen(
-        [
-            *millpond_command(),
-            *("launch", str(PPO), *SMALL, "--set", "run.frames=100000000"),
-            *("--set", "run.stop_at_return=null", "--set", f"replay.token_file={tokens}"),
-            *("--run-dir", str(tmp_path / "run")),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = start_endless_job(tmp_path / "run", "--set", f"replay.token_file={tokens}")
     try:
-        deadline = time.monotonic() + 180
-        lines, address = [], None
-        while time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("replay: "):
-                address = line.split()[1]
-            if address and line.startswith("[") and int(line.split("frames")[1].split()[0]) > 0:
-                break  # the actors insert with the writer token, the learner samples
-        else:
-            pytest.fail("no progress line:\n" + "".join(lines))
+        lines = wait_until_experience_flows(proc)  # actors insert with the writer token
+        address = next(line.split()[1] for line in lines if line.startswith("replay: "))
         with pytest.raises(AuthenticationError):
             ReplayClient(address).info("rollouts")
         admin = ReplayClient(address, token="admin-token-1")
