@@ -1,8 +1,10 @@
 """The pinned writer: segments streamed to one shard, acknowledged asynchronously.
 
 A :class:`Writer` validates each segment in the caller's thread (the same checks as the
-server, so bad data raises at once), gives it the next sequence number and queues it.
-A background thread owns the bidirectional ``Insert`` stream: it sends queued segments
+server, so bad data raises at once), gives it the next sequence number and queues it;
+segments written together as columns (:meth:`Writer.write_packed`, a collector's chunk)
+travel as one ``PackedSegments`` message with one tensor per key, not one per segment.
+A background thread owns the bidirectional ``Insert`` stream: it sends queued messages
 (several per request when many wait), reads the acknowledgements, and drops acknowledged
 segments from its buffer. When the shard goes away it reconnects with exponential backoff
 and re-sends every unacknowledged segment in sequence order; the shard stores a
@@ -57,7 +59,31 @@ REQUEST_BYTES = 1024 * 1024 - _MESSAGE_OVERHEAD
 #: longer travel one per request (each request costs the shard and the client far more than
 #: a small segment's bytes), while two requests in flight keep the shard busy.
 REQUESTS_IN_FLIGHT = 2
-_SEQUENCE_BYTES = 11  # the sequence field, set after a segment's size is taken
+_SEQUENCE_BYTES = 11  # a sequence number's bytes, set after a message's size is taken
+
+
+class _Queued:
+    """Consecutive segments queued as one message: a ``pb.Segment`` or ``pb.PackedSegments``."""
+
+    __slots__ = ("count", "first", "msg", "size")
+
+    def __init__(self, msg: pb.Segment | pb.PackedSegments, count: int, size: int) -> None:
+        self.msg = msg
+        self.first = 0
+        self.count = count
+        self.size = size + count * _SEQUENCE_BYTES
+
+    @property
+    def last(self) -> int:
+        return self.first + self.count - 1
+
+    def number(self, first: int) -> None:
+        """Give the segments the sequences ``first, first + 1, ...``."""
+        self.first = first
+        if isinstance(self.msg, pb.Segment):
+            self.msg.sequence = first
+        else:
+            self.msg.sequences[:] = range(first, first + self.count)
 
 
 class Writer:
@@ -112,8 +138,9 @@ class Writer:
         self._on_stored = on_stored
 
         self._cv = threading.Condition(threading.Lock())
-        self._unacked: dict[int, pb.Segment] = {}  # sequence -> segment, in sequence order
-        self._sizes: dict[int, int] = {}
+        # Queued messages by their last sequence, in sequence order, and their segments.
+        self._unacked: dict[int, _Queued] = {}
+        self._pending = 0
         self._next_sequence = 1
         # Sequences are renumbered once, on the first connection, to follow what the shard
         # already stored from this writer id (an actor restarted under the same id).
@@ -174,7 +201,7 @@ class Writer:
     def pending(self) -> int:
         """Segments written but not acknowledged yet."""
         with self._cv:
-            return len(self._unacked)
+            return self._pending
 
     @property
     def sequence(self) -> int:
@@ -226,14 +253,14 @@ class Writer:
                     self._episode_counter += 1
             if first_step is None:
                 first_step = self._next_step.get(episode_id, 0)
-            msg, size = self._encode(
+            queued = self._encode(
                 packed.steps,
                 {k: v[0] for k, v in packed.tails.items()},
                 length,
                 episode_id,
                 first_step,
             )
-            (sequence,) = self._enqueue_many([(msg, size)])
+            (sequence,) = self._enqueue_many([queued])
             self._track_episode(episode_id, first_step, length, ended)
             return sequence
 
@@ -261,7 +288,8 @@ class Writer:
 
         What :meth:`write_segments` does after packing, for producers whose steps are in one
         block already (see :func:`millpond.actors.segmenting.pack_batch` and
-        :func:`millpond.service.segments.pack_columns`). On a validation error nothing is
+        :func:`millpond.service.segments.pack_columns`). The segments travel as columns, in
+        as few messages as the request size allows. On a validation error nothing is
         queued.
         """
         if len(packed) == 0:
@@ -303,13 +331,13 @@ class Writer:
             while self._unacked and self._error is None:
                 if not self._thread.is_alive():
                     raise ClosedError(
-                        f"writer {self._writer_id!r} is closed with {len(self._unacked)} "
+                        f"writer {self._writer_id!r} is closed with {self._pending} "
                         "segments unacknowledged"
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise DeadlineExceededError(
-                        f"flush: {len(self._unacked)} segments of writer {self._writer_id!r} "
+                        f"flush: {self._pending} segments of writer {self._writer_id!r} "
                         f"still unacknowledged by shard {self._shard.address} after {timeout_s} s"
                     )
                 self._cv.wait(remaining)
@@ -332,7 +360,7 @@ class Writer:
             self._thread.join()
             with self._cv:
                 self._closed = True
-                lost = len(self._unacked)
+                lost = self._pending
             raise DeadlineExceededError(
                 f"close: writer {self._writer_id!r} gave up after {timeout_s} s with {lost} "
                 f"segments unacknowledged by shard {self._shard.address}"
@@ -342,7 +370,7 @@ class Writer:
             self._raise_error_locked()
             if self._unacked:  # the thread stopped without an error: aborted
                 raise ClosedError(
-                    f"writer {self._writer_id!r} closed with {len(self._unacked)} segments "
+                    f"writer {self._writer_id!r} closed with {self._pending} segments "
                     "unacknowledged"
                 )
 
@@ -377,20 +405,33 @@ class Writer:
             self._check_spec(packed)
             self._enqueue_many(self._encode_packed(packed))
 
-    def _encode_packed(self, packed: PackedSegments) -> list[tuple[pb.Segment, int]]:
-        """One message per segment of ``packed``, encoded from slices of its columns."""
-        messages = []
-        row = 0
-        for i, length in enumerate(packed.lengths.tolist()):
-            steps = {k: v[row : row + length] for k, v in packed.steps.items()}
-            tail = {k: v[i] for k, v in packed.tails.items()}
-            row += length
-            messages.append(
-                self._encode(
-                    steps, tail, length, int(packed.episode_ids[i]), int(packed.first_steps[i])
-                )
-            )
+    def _encode_packed(self, packed: PackedSegments) -> list[_Queued]:
+        """``packed`` as ``PackedSegments`` messages of consecutive segments, each within
+        the request size (so a shard that takes each segment alone takes them batched)."""
+        limit = min(REQUEST_BYTES, self._max_message_bytes - _MESSAGE_OVERHEAD)
+        row_bytes = sum(v[0].numel() * v.element_size() for v in packed.steps.values())
+        tail_bytes = sum(v[0].numel() * v.element_size() for v in packed.tails.values())
+        sizes = (packed.lengths * row_bytes + tail_bytes).tolist()
+        messages, i, n = [], 0, len(packed)
+        while i < n:
+            j, size = i + 1, sizes[i]
+            while j < n and size + sizes[j] <= limit:
+                size += sizes[j]
+                j += 1
+            messages.append(self._encode_group(packed.group(i, j) if (i, j) != (0, n) else packed))
+            i = j
         return messages
+
+    def _encode_group(self, packed: PackedSegments) -> _Queued:
+        compress = self._compressed_keys(packed.tails)
+        msg = pb.PackedSegments(
+            episode_ids=packed.episode_ids.tolist(),
+            first_steps=packed.first_steps.tolist(),
+            lengths=packed.lengths.tolist(),
+        )
+        to_tensor_map(packed.steps, [packed.num_steps], compress_keys=compress, out=msg.steps)
+        to_tensor_map(packed.tails, [len(packed)], compress_keys=compress, out=msg.tails)
+        return _Queued(msg, len(packed), self._checked_size(msg, packed.num_steps))
 
     # -- caller side ---------------------------------------------------------------------
     def _check_spec(self, packed: PackedSegments) -> None:
@@ -412,41 +453,47 @@ class Writer:
         length: int,
         episode_id: int,
         first_step: int,
-    ) -> tuple[pb.Segment, int]:
-        """The segment's message (its sequence not set yet) and its size in bytes."""
-        config = self._table_config()
-        compress = set(tail) if config is not None and config.compression == "zstd" else set()
+    ) -> _Queued:
+        """The segment's message (its sequence not set yet)."""
+        compress = self._compressed_keys(tail)
         # Filled in place: a TensorMap passed to the constructor would be deep-copied (upb
         # copies nested messages at ~1 GB/s, as slow as encoding them).
         msg = pb.Segment(episode_id=episode_id, first_step=first_step)
         to_tensor_map(steps, batch_size=[length], compress_keys=compress, out=msg.steps)
         to_tensor_map(tail, batch_size=[], compress_keys=compress, out=msg.tail)
-        size = msg.ByteSize()  # upb serializes to measure: do it once per segment
+        return _Queued(msg, 1, self._checked_size(msg, length))
+
+    def _compressed_keys(self, observations: Mapping[Key, Any]) -> set[Key]:
+        config = self._table_config()
+        return set(observations) if config is not None and config.compression == "zstd" else set()
+
+    def _checked_size(self, msg: pb.Segment | pb.PackedSegments, steps: int) -> int:
+        size = msg.ByteSize()  # upb serializes to measure: do it once per message
         limit = self._max_message_bytes - _MESSAGE_OVERHEAD
         if size > limit:
             raise ResourceExhaustedError(
-                f"a segment of {length} steps takes {size} bytes on the wire, more than "
+                f"a segment of {steps} steps takes {size} bytes on the wire, more than "
                 f"the message limit ({limit} bytes; raise max_message_mb or cut shorter segments)"
             )
-        return msg, size
+        return size
 
-    def _enqueue_many(self, messages: Sequence[tuple[pb.Segment, int]]) -> list[int]:
-        """Queue messages in order, waking the sender once per batch (not once per segment)."""
+    def _enqueue_many(self, messages: Sequence[_Queued]) -> list[int]:
+        """Queue messages in order, waking the sender once per batch (not once per message);
+        returns the sequences of their segments."""
         sequences: list[int] = []
         with self._cv:
-            for msg, size in messages:
+            for queued in messages:
                 while True:
                     self._raise_if_unusable_locked()
-                    if len(self._unacked) < self._max_in_flight:
+                    if self._pending < self._max_in_flight:
                         break
                     self._cv.notify_all()  # let the sender take what is queued so far
                     self._cv.wait()
-                sequence = self._next_sequence
-                self._next_sequence += 1
-                msg.sequence = sequence
-                self._unacked[sequence] = msg
-                self._sizes[sequence] = size + _SEQUENCE_BYTES
-                sequences.append(sequence)
+                queued.number(self._next_sequence)
+                self._next_sequence += queued.count
+                self._unacked[queued.last] = queued
+                self._pending += queued.count
+                sequences.extend(range(queued.first, queued.last + 1))
             self._cv.notify_all()
         return sequences
 
@@ -538,10 +585,9 @@ class Writer:
     def _learn_numbering(self, stored_through: int) -> None:
         with self._cv:
             if stored_through:
-                self._unacked = {q + stored_through: m for q, m in self._unacked.items()}
-                self._sizes = {q + stored_through: n for q, n in self._sizes.items()}
-                for q, m in self._unacked.items():
-                    m.sequence = q
+                for queued in self._unacked.values():
+                    queued.number(queued.first + stored_through)
+                self._unacked = {q.last: q for q in self._unacked.values()}
                 self._next_sequence += stored_through
             self._numbering_known = True
             self._cv.notify_all()
@@ -567,38 +613,46 @@ class Writer:
                 while True:
                     if self._stream_id != stream_id or self._aborted:
                         return
-                    batch: list[pb.Segment] = []
+                    batch: list[_Queued] = []
                     size = 0
                     limit = min(REQUEST_BYTES, self._max_message_bytes - _MESSAGE_OVERHEAD)
                     if self._requests_in_flight < REQUESTS_IN_FLIGHT:
-                        for sequence, msg in self._unacked.items():
-                            if sequence <= sent_up_to:
+                        for last, queued in self._unacked.items():
+                            if last <= sent_up_to:
                                 continue
-                            n = self._sizes[sequence]
-                            if batch and size + n > limit:
+                            if batch and (
+                                size + queued.size > limit
+                                # a request carries its single segments before its packed ones
+                                or (
+                                    isinstance(queued.msg, pb.Segment)
+                                    and isinstance(batch[-1].msg, pb.PackedSegments)
+                                )
+                            ):
                                 break
-                            batch.append(msg)
-                            size += n
+                            batch.append(queued)
+                            size += queued.size
                     if batch:
                         break
                     if self._closing and next(reversed(self._unacked), 0) <= sent_up_to:
                         return  # half-close: the server acknowledges the rest and ends
                     self._cv.wait()
-                sent_up_to = batch[-1].sequence
+                sent_up_to = batch[-1].last
                 self._max_sent = max(self._max_sent, sent_up_to)
                 self._requests_in_flight += 1
             request = pb.InsertRequest(writer_id=self._writer_id, table=self._table, timeout_ms=0)
-            for msg in batch:  # CopyFrom: a plain memcpy; segments=batch deep-copies slowly
-                request.segments.add().CopyFrom(msg)
+            for queued in batch:  # CopyFrom: a plain memcpy; segments=batch deep-copies slowly
+                out = request.segments if isinstance(queued.msg, pb.Segment) else request.packed
+                out.add().CopyFrom(queued.msg)
             yield request
 
     def _on_ack(self, sequences: Sequence[int]) -> None:
         with self._cv:
             self._requests_in_flight = max(0, self._requests_in_flight - 1)  # one answer each
-            for sequence in sequences:
-                if self._unacked.pop(sequence, None) is not None:
-                    del self._sizes[sequence]
-                    self._acked += 1
+            for sequence in sequences:  # a request holds whole messages: each one's last is here
+                queued = self._unacked.pop(sequence, None)
+                if queued is not None:
+                    self._pending -= queued.count
+                    self._acked += queued.count
             self._cv.notify_all()
 
     def _fail(self, error: MillpondError, cause: BaseException) -> None:

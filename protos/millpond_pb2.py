@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0emillpond.proto\x12\x0bmillpond.v1\"p\n\x06Tensor\x12\x0b\n\x03key\x18\x01 \x03(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12-\n\x0b\x63ompression\x18\x05 \x01(\x0e\x32\x18.millpond.v1.Compression\"E\n\tTensorMap\x12\x12\n\nbatch_size\x18\x01 \x03(\x03\x12$\n\x07tensors\x18\x02 \x03(\x0b\x32\x13.millpond.v1.Tensor\"D\n\tFieldSpec\x12\x0b\n\x03key\x18\x01 \x03(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04role\x18\x04 \x01(\t\"\xbb\x02\n\x0bTableConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x03\x12\x0f\n\x07sampler\x18\x03 \x01(\t\x12\x10\n\x08min_size\x18\x04 \x01(\x03\x12\x1f\n\x12samples_per_insert\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0c\x65rror_buffer\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05\x61lpha\x18\x07 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x08 \x01(\x01\x12\x11\n\tslice_len\x18\t \x01(\x03\x12\x13\n\x0b\x63ompression\x18\n \x01(\t\x12$\n\x04spec\x18\x0b \x03(\x0b\x32\x16.millpond.v1.FieldSpec\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x02\x88\x01\x01\x42\x15\n\x13_samples_per_insertB\x0f\n\r_error_bufferB\x07\n\x05_seed\"P\n\x12\x43reateTableRequest\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.millpond.v1.TableConfig\x12\x10\n\x08\x65xist_ok\x18\x02 \x01(\x08\"?\n\x13\x43reateTableResponse\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.millpond.v1.TableConfig\"\x90\x01\n\x07Segment\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x12\n\nepisode_id\x18\x02 \x01(\x03\x12\x12\n\nfirst_step\x18\x03 \x01(\x03\x12%\n\x05steps\x18\x04 \x01(\x0b\x32\x16.millpond.v1.TensorMap\x12$\n\x04tail\x18\x05 \x01(\x0b\x32\x16.millpond.v1.TensorMap\"m\n\rInsertRequest\x12\x11\n\twriter_id\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t\x12&\n\x08segments\x18\x03 \x03(\x0b\x32\x14.millpond.v1.Segment\x12\x12\n\ntimeout_ms\x18\x04 \x01(\x03\";\n\x0eInsertResponse\x12\x11\n\tsequences\x18\x01 \x03(\x04\x12\x16\n\x0estored_through\x18\x02 \x01(\x04\"[\n\rSampleRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\x12\x13\n\x0bnum_batches\x18\x03 \x01(\x03\x12\x12\n\ntimeout_ms\x18\x04 \x01(\x03\"\x8b\x01\n\x0eSampleResponse\x12%\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x16.millpond.v1.TensorMap\x12\x11\n\tnext_rows\x18\x02 \x03(\x03\x12\x31\n\x11next_observations\x18\x03 \x01(\x0b\x32\x16.millpond.v1.TensorMap\x12\x0c\n\x04mass\x18\x04 \x01(\x01\"`\n\x17UpdatePrioritiesRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x03\x12\x13\n\x0bgenerations\x18\x03 \x03(\x03\x12\x12\n\npriorities\x18\x04 \x03(\x01\"+\n\x18UpdatePrioritiesResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x03\"\x1c\n\x0bInfoRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\xba\x02\n\tTableInfo\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.millpond.v1.TableConfig\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0c\n\x04mass\x18\x03 \x01(\x01\x12\x0f\n\x07inserts\x18\x04 \x01(\x03\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x19\n\x11rate_limiter_diff\x18\x06 \x01(\x01\x12\"\n\x15rate_limiter_min_diff\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x15rate_limiter_max_diff\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rbytes_on_disk\x18\t \x01(\x03\x12\x17\n\x0fnext_generation\x18\n \x01(\x03\x42\x18\n\x16_rate_limiter_min_diffB\x18\n\x16_rate_limiter_max_diff\"O\n\x0cInfoResponse\x12&\n\x06tables\x18\x01 \x03(\x0b\x32\x16.millpond.v1.TableInfo\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\"\x13\n\x11\x43heckpointRequest\"\"\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x1d\n\x0cResetRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\x0f\n\rResetResponse\"K\n\x15PublishWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\ntotal_size\x18\x02 \x01(\x03\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\")\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"<\n\x11GetWeightsRequest\x12\x13\n\x0bmin_version\x18\x01 \x01(\x03\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x03\"H\n\x12GetWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\ntotal_size\x18\x02 \x01(\x03\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x01\x32\xc1\x05\n\x06Replay\x12P\n\x0b\x43reateTable\x12\x1f.millpond.v1.CreateTableRequest\x1a .millpond.v1.CreateTableResponse\x12\x45\n\x06Insert\x12\x1a.millpond.v1.InsertRequest\x1a\x1b.millpond.v1.InsertResponse(\x01\x30\x01\x12\x43\n\x06Sample\x12\x1a.millpond.v1.SampleRequest\x1a\x1b.millpond.v1.SampleResponse0\x01\x12_\n\x10UpdatePriorities\x12$.millpond.v1.UpdatePrioritiesRequest\x1a%.millpond.v1.UpdatePrioritiesResponse\x12;\n\x04Info\x12\x18.millpond.v1.InfoRequest\x1a\x19.millpond.v1.InfoResponse\x12M\n\nCheckpoint\x12\x1e.millpond.v1.CheckpointRequest\x1a\x1f.millpond.v1.CheckpointResponse\x12>\n\x05Reset\x12\x19.millpond.v1.ResetRequest\x1a\x1a.millpond.v1.ResetResponse\x12[\n\x0ePublishWeights\x12\".millpond.v1.PublishWeightsRequest\x1a#.millpond.v1.PublishWeightsResponse(\x01\x12O\n\nGetWeights\x12\x1e.millpond.v1.GetWeightsRequest\x1a\x1f.millpond.v1.GetWeightsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0emillpond.proto\x12\x0bmillpond.v1\"p\n\x06Tensor\x12\x0b\n\x03key\x18\x01 \x03(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12-\n\x0b\x63ompression\x18\x05 \x01(\x0e\x32\x18.millpond.v1.Compression\"E\n\tTensorMap\x12\x12\n\nbatch_size\x18\x01 \x03(\x03\x12$\n\x07tensors\x18\x02 \x03(\x0b\x32\x13.millpond.v1.Tensor\"D\n\tFieldSpec\x12\x0b\n\x03key\x18\x01 \x03(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04role\x18\x04 \x01(\t\"\xbb\x02\n\x0bTableConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x03\x12\x0f\n\x07sampler\x18\x03 \x01(\t\x12\x10\n\x08min_size\x18\x04 \x01(\x03\x12\x1f\n\x12samples_per_insert\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0c\x65rror_buffer\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05\x61lpha\x18\x07 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x08 \x01(\x01\x12\x11\n\tslice_len\x18\t \x01(\x03\x12\x13\n\x0b\x63ompression\x18\n \x01(\t\x12$\n\x04spec\x18\x0b \x03(\x0b\x32\x16.millpond.v1.FieldSpec\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x02\x88\x01\x01\x42\x15\n\x13_samples_per_insertB\x0f\n\r_error_bufferB\x07\n\x05_seed\"P\n\x12\x43reateTableRequest\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.millpond.v1.TableConfig\x12\x10\n\x08\x65xist_ok\x18\x02 \x01(\x08\"?\n\x13\x43reateTableResponse\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.millpond.v1.TableConfig\"\x90\x01\n\x07Segment\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x12\n\nepisode_id\x18\x02 \x01(\x03\x12\x12\n\nfirst_step\x18\x03 \x01(\x03\x12%\n\x05steps\x18\x04 \x01(\x0b\x32\x16.millpond.v1.TensorMap\x12$\n\x04tail\x18\x05 \x01(\x0b\x32\x16.millpond.v1.TensorMap\"\xac\x01\n\x0ePackedSegments\x12\x11\n\tsequences\x18\x01 \x03(\x04\x12\x13\n\x0b\x65pisode_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_steps\x18\x03 \x03(\x03\x12\x0f\n\x07lengths\x18\x04 \x03(\x03\x12%\n\x05steps\x18\x05 \x01(\x0b\x32\x16.millpond.v1.TensorMap\x12%\n\x05tails\x18\x06 \x01(\x0b\x32\x16.millpond.v1.TensorMap\"\x9a\x01\n\rInsertRequest\x12\x11\n\twriter_id\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t\x12&\n\x08segments\x18\x03 \x03(\x0b\x32\x14.millpond.v1.Segment\x12\x12\n\ntimeout_ms\x18\x04 \x01(\x03\x12+\n\x06packed\x18\x05 \x03(\x0b\x32\x1b.millpond.v1.PackedSegments\";\n\x0eInsertResponse\x12\x11\n\tsequences\x18\x01 \x03(\x04\x12\x16\n\x0estored_through\x18\x02 \x01(\x04\"[\n\rSampleRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\x12\x13\n\x0bnum_batches\x18\x03 \x01(\x03\x12\x12\n\ntimeout_ms\x18\x04 \x01(\x03\"\x8b\x01\n\x0eSampleResponse\x12%\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x16.millpond.v1.TensorMap\x12\x11\n\tnext_rows\x18\x02 \x03(\x03\x12\x31\n\x11next_observations\x18\x03 \x01(\x0b\x32\x16.millpond.v1.TensorMap\x12\x0c\n\x04mass\x18\x04 \x01(\x01\"`\n\x17UpdatePrioritiesRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x03\x12\x13\n\x0bgenerations\x18\x03 \x03(\x03\x12\x12\n\npriorities\x18\x04 \x03(\x01\"+\n\x18UpdatePrioritiesResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x03\"\x1c\n\x0bInfoRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\xba\x02\n\tTableInfo\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.millpond.v1.TableConfig\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0c\n\x04mass\x18\x03 \x01(\x01\x12\x0f\n\x07inserts\x18\x04 \x01(\x03\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x19\n\x11rate_limiter_diff\x18\x06 \x01(\x01\x12\"\n\x15rate_limiter_min_diff\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x15rate_limiter_max_diff\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rbytes_on_disk\x18\t \x01(\x03\x12\x17\n\x0fnext_generation\x18\n \x01(\x03\x42\x18\n\x16_rate_limiter_min_diffB\x18\n\x16_rate_limiter_max_diff\"O\n\x0cInfoResponse\x12&\n\x06tables\x18\x01 \x03(\x0b\x32\x16.millpond.v1.TableInfo\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\"\x13\n\x11\x43heckpointRequest\"\"\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x1d\n\x0cResetRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\x0f\n\rResetResponse\"K\n\x15PublishWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\ntotal_size\x18\x02 \x01(\x03\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\")\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"<\n\x11GetWeightsRequest\x12\x13\n\x0bmin_version\x18\x01 \x01(\x03\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x03\"H\n\x12GetWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\ntotal_size\x18\x02 \x01(\x03\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x01\x32\xc1\x05\n\x06Replay\x12P\n\x0b\x43reateTable\x12\x1f.millpond.v1.CreateTableRequest\x1a .millpond.v1.CreateTableResponse\x12\x45\n\x06Insert\x12\x1a.millpond.v1.InsertRequest\x1a\x1b.millpond.v1.InsertResponse(\x01\x30\x01\x12\x43\n\x06Sample\x12\x1a.millpond.v1.SampleRequest\x1a\x1b.millpond.v1.SampleResponse0\x01\x12_\n\x10UpdatePriorities\x12$.millpond.v1.UpdatePrioritiesRequest\x1a%.millpond.v1.UpdatePrioritiesResponse\x12;\n\x04Info\x12\x18.millpond.v1.InfoRequest\x1a\x19.millpond.v1.InfoResponse\x12M\n\nCheckpoint\x12\x1e.millpond.v1.CheckpointRequest\x1a\x1f.millpond.v1.CheckpointResponse\x12>\n\x05Reset\x12\x19.millpond.v1.ResetRequest\x1a\x1a.millpond.v1.ResetResponse\x12[\n\x0ePublishWeights\x12\".millpond.v1.PublishWeightsRequest\x1a#.millpond.v1.PublishWeightsResponse(\x01\x12O\n\nGetWeights\x12\x1e.millpond.v1.GetWeightsRequest\x1a\x1f.millpond.v1.GetWeightsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'millpond_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPRESSION']._serialized_start=2237
-  _globals['_COMPRESSION']._serialized_end=2294
+  _globals['_COMPRESSION']._serialized_start=2458
+  _globals['_COMPRESSION']._serialized_end=2515
   _globals['_TENSOR']._serialized_start=31
   _globals['_TENSOR']._serialized_end=143
   _globals['_TENSORMAP']._serialized_start=145
@@ -47,40 +47,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATETABLERESPONSE']._serialized_end=749
   _globals['_SEGMENT']._serialized_start=752
   _globals['_SEGMENT']._serialized_end=896
-  _globals['_INSERTREQUEST']._serialized_start=898
-  _globals['_INSERTREQUEST']._serialized_end=1007
-  _globals['_INSERTRESPONSE']._serialized_start=1009
-  _globals['_INSERTRESPONSE']._serialized_end=1068
-  _globals['_SAMPLEREQUEST']._serialized_start=1070
-  _globals['_SAMPLEREQUEST']._serialized_end=1161
-  _globals['_SAMPLERESPONSE']._serialized_start=1164
-  _globals['_SAMPLERESPONSE']._serialized_end=1303
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1305
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1401
-  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_start=1403
-  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_end=1446
-  _globals['_INFOREQUEST']._serialized_start=1448
-  _globals['_INFOREQUEST']._serialized_end=1476
-  _globals['_TABLEINFO']._serialized_start=1479
-  _globals['_TABLEINFO']._serialized_end=1793
-  _globals['_INFORESPONSE']._serialized_start=1795
-  _globals['_INFORESPONSE']._serialized_end=1874
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1876
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1895
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=1897
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=1931
-  _globals['_RESETREQUEST']._serialized_start=1933
-  _globals['_RESETREQUEST']._serialized_end=1962
-  _globals['_RESETRESPONSE']._serialized_start=1964
-  _globals['_RESETRESPONSE']._serialized_end=1979
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1981
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=2056
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=2058
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=2099
-  _globals['_GETWEIGHTSREQUEST']._serialized_start=2101
-  _globals['_GETWEIGHTSREQUEST']._serialized_end=2161
-  _globals['_GETWEIGHTSRESPONSE']._serialized_start=2163
-  _globals['_GETWEIGHTSRESPONSE']._serialized_end=2235
-  _globals['_REPLAY']._serialized_start=2297
-  _globals['_REPLAY']._serialized_end=3002
+  _globals['_PACKEDSEGMENTS']._serialized_start=899
+  _globals['_PACKEDSEGMENTS']._serialized_end=1071
+  _globals['_INSERTREQUEST']._serialized_start=1074
+  _globals['_INSERTREQUEST']._serialized_end=1228
+  _globals['_INSERTRESPONSE']._serialized_start=1230
+  _globals['_INSERTRESPONSE']._serialized_end=1289
+  _globals['_SAMPLEREQUEST']._serialized_start=1291
+  _globals['_SAMPLEREQUEST']._serialized_end=1382
+  _globals['_SAMPLERESPONSE']._serialized_start=1385
+  _globals['_SAMPLERESPONSE']._serialized_end=1524
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1526
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1622
+  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_start=1624
+  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_end=1667
+  _globals['_INFOREQUEST']._serialized_start=1669
+  _globals['_INFOREQUEST']._serialized_end=1697
+  _globals['_TABLEINFO']._serialized_start=1700
+  _globals['_TABLEINFO']._serialized_end=2014
+  _globals['_INFORESPONSE']._serialized_start=2016
+  _globals['_INFORESPONSE']._serialized_end=2095
+  _globals['_CHECKPOINTREQUEST']._serialized_start=2097
+  _globals['_CHECKPOINTREQUEST']._serialized_end=2116
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=2118
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=2152
+  _globals['_RESETREQUEST']._serialized_start=2154
+  _globals['_RESETREQUEST']._serialized_end=2183
+  _globals['_RESETRESPONSE']._serialized_start=2185
+  _globals['_RESETRESPONSE']._serialized_end=2200
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=2202
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=2277
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=2279
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=2320
+  _globals['_GETWEIGHTSREQUEST']._serialized_start=2322
+  _globals['_GETWEIGHTSREQUEST']._serialized_end=2382
+  _globals['_GETWEIGHTSRESPONSE']._serialized_start=2384
+  _globals['_GETWEIGHTSRESPONSE']._serialized_end=2456
+  _globals['_REPLAY']._serialized_start=2518
+  _globals['_REPLAY']._serialized_end=3223
 # @@protoc_insertion_point(module_scope)

@@ -104,17 +104,35 @@ class Segment(_message.Message):
     tail: TensorMap
     def __init__(self, sequence: _Optional[int] = ..., episode_id: _Optional[int] = ..., first_step: _Optional[int] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tail: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
 
+class PackedSegments(_message.Message):
+    __slots__ = ("sequences", "episode_ids", "first_steps", "lengths", "steps", "tails")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TAILS_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedScalarFieldContainer[int]
+    episode_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_steps: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    steps: TensorMap
+    tails: TensorMap
+    def __init__(self, sequences: _Optional[_Iterable[int]] = ..., episode_ids: _Optional[_Iterable[int]] = ..., first_steps: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tails: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
+
 class InsertRequest(_message.Message):
-    __slots__ = ("writer_id", "table", "segments", "timeout_ms")
+    __slots__ = ("writer_id", "table", "segments", "timeout_ms", "packed")
     WRITER_ID_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     writer_id: str
     table: str
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     timeout_ms: int
-    def __init__(self, writer_id: _Optional[str] = ..., table: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    packed: _containers.RepeatedCompositeFieldContainer[PackedSegments]
+    def __init__(self, writer_id: _Optional[str] = ..., table: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[_Iterable[_Union[PackedSegments, _Mapping]]] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("sequences", "stored_through")

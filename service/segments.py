@@ -71,11 +71,23 @@ class PackedSegments:
             None if self.sequences is None else self.sequences[keep],
         )
 
+    def group(self, i: int, j: int) -> PackedSegments:
+        """Segments ``i`` to ``j - 1``, as views of the columns (nothing copied)."""
+        start = int(self.lengths[:i].sum())
+        stop = start + int(self.lengths[i:j].sum())
+        return PackedSegments(
+            {k: v[start:stop] for k, v in self.steps.items()},
+            {k: v[i:j] for k, v in self.tails.items()},
+            self.lengths[i:j],
+            self.episode_ids[i:j],
+            self.first_steps[i:j],
+            None if self.sequences is None else self.sequences[i:j],
+        )
+
     def split(self, max_slots: int) -> list[PackedSegments]:
         """Consecutive groups of segments, each needing at most ``max_slots`` slots."""
         groups: list[PackedSegments] = []
         i, n = 0, len(self)
-        row = 0
         while i < n:
             j, slots = i, 0
             while j < n and slots + self.lengths[j] + 1 <= max_slots:
@@ -86,18 +98,7 @@ class PackedSegments:
                     f"a segment of {int(self.lengths[i])} steps needs {int(self.lengths[i]) + 1} "
                     f"slots, more than the table's capacity ({max_slots})"
                 )
-            steps_n = int(self.lengths[i:j].sum())
-            groups.append(
-                PackedSegments(
-                    {k: v[row : row + steps_n] for k, v in self.steps.items()},
-                    {k: v[i:j] for k, v in self.tails.items()},
-                    self.lengths[i:j],
-                    self.episode_ids[i:j],
-                    self.first_steps[i:j],
-                    None if self.sequences is None else self.sequences[i:j],
-                )
-            )
-            row += steps_n
+            groups.append(self.group(i, j))
             i = j
         return groups
 
@@ -241,9 +242,7 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
     if any(q is not None for q in sequences):
         if any(q is None for q in sequences):
             raise InvalidDataError("either every segment of an insert has a sequence or none")
-        seq = np.array(sequences, dtype=np.int64)
-        if seq[0] < 1 or np.any(np.diff(seq) <= 0):
-            raise InvalidDataError(f"sequences must be >= 1 and increasing, received {sequences}")
+        seq = _check_sequences(np.array(sequences, dtype=np.int64))
     else:
         seq = None
     return PackedSegments(
@@ -256,12 +255,45 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
     )
 
 
+def _check_sequences(seq: np.ndarray) -> np.ndarray:
+    if len(seq) and (seq[0] < 1 or np.any(np.diff(seq) <= 0)):
+        raise InvalidDataError(f"sequences must be >= 1 and increasing, received {seq.tolist()}")
+    return seq
+
+
+def concat(groups: Sequence[PackedSegments]) -> PackedSegments:
+    """Packed groups of segments as one, in order (the group itself when there is one)."""
+    if not groups:
+        raise InvalidDataError("no segments to insert")
+    if len(groups) == 1:
+        return groups[0]
+    first = groups[0]
+    for i, g in enumerate(groups[1:], 1):
+        if g.steps.keys() != first.steps.keys() or g.tails.keys() != first.tails.keys():
+            raise InvalidDataError(f"segment group {i}: keys differ from group 0's")
+    numbered = {g.sequences is not None for g in groups}
+    if len(numbered) > 1:
+        raise InvalidDataError("either every segment of an insert has a sequence or none")
+    sequences = None
+    if numbered == {True}:
+        sequences = _check_sequences(np.concatenate([g.sequences for g in groups]))
+    return PackedSegments(
+        {k: _cat([g.steps[k] for g in groups], k) for k in first.steps},
+        {k: _cat([g.tails[k] for g in groups], k) for k in first.tails},
+        np.concatenate([g.lengths for g in groups]),
+        np.concatenate([g.episode_ids for g in groups]),
+        np.concatenate([g.first_steps for g in groups]),
+        sequences,
+    )
+
+
 def pack_columns(
     steps: Mapping[Key, torch.Tensor],
     tails: Mapping[Key, torch.Tensor],
-    lengths: np.ndarray,
-    episode_ids: np.ndarray,
-    first_steps: np.ndarray,
+    lengths: np.ndarray | Sequence[int],
+    episode_ids: np.ndarray | Sequence[int],
+    first_steps: np.ndarray | Sequence[int],
+    sequences: np.ndarray | Sequence[int] | None = None,
 ) -> PackedSegments:
     """Segments already laid out as columns, checked as :func:`pack` checks segments.
 
@@ -274,6 +306,14 @@ def pack_columns(
         raise InvalidDataError("no segments to insert")
     if np.any(lengths < 1):
         raise InvalidDataError(f"segments need at least one step, lengths {lengths.tolist()}")
+    per_segment = {"episode_ids": episode_ids, "first_steps": first_steps}
+    if sequences is not None:
+        per_segment["sequences"] = sequences
+    for name, values in per_segment.items():
+        if len(values) != len(lengths):
+            raise InvalidDataError(
+                f"{len(lengths)} segments (lengths) but {len(values)} {name}; one each"
+            )
     n = int(lengths.sum())
     if not tails:
         raise InvalidDataError("the tails have no observation keys")
@@ -296,6 +336,7 @@ def pack_columns(
         lengths,
         np.asarray(episode_ids, dtype=np.int64),
         np.asarray(first_steps, dtype=np.int64),
+        None if sequences is None else _check_sequences(np.asarray(sequences, dtype=np.int64)),
     )
 
 
@@ -326,6 +367,9 @@ def _length(td: TensorDictBase | Mapping, steps: dict[Key, torch.Tensor], i: int
 
 
 def _cat(tensors: list[torch.Tensor], key: Key) -> torch.Tensor:
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    if len(dtypes) > 1:  # torch.cat would promote them silently
+        raise InvalidDataError(f"key {format_key(key)}: segments disagree on dtype ({dtypes})")
     try:
         return torch.cat(tensors)
     except (RuntimeError, TypeError) as e:

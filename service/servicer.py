@@ -26,7 +26,7 @@ from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_from_proto, config_to_proto, info_to_proto
-from millpond.service.segments import Segment
+from millpond.service.segments import PackedSegments, Segment, concat, pack, pack_columns
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
 
@@ -121,23 +121,31 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             if not table_name:
                 raise InvalidDataError("the first insert message must name the table")
             table = self.shard.table(table_name)
-            segments = [self._segment(s) for s in request.segments]
-            if segments:
-                self._insert(table, segments, _timeout(request.timeout_ms), writer_id, context)
+            groups = [self._packed(p) for p in request.packed]
+            if request.segments:
+                groups.insert(0, pack([self._segment(s) for s in request.segments]))
+            if groups:
+                packed = concat(groups)
+                self._insert(table, packed, _timeout(request.timeout_ms), writer_id, context)
+            sequences = [s.sequence for s in request.segments]
+            for p in request.packed:
+                sequences.extend(p.sequences)
             yield pb.InsertResponse(
-                sequences=[s.sequence for s in request.segments],
+                sequences=sequences,
                 stored_through=table.writer_sequence(writer_id) if writer_id else 0,
             )
 
     @staticmethod
-    def _insert(table, segments, timeout: float | None, writer_id: str | None, context) -> None:
+    def _insert(
+        table, packed: PackedSegments, timeout: float | None, writer_id: str | None, context
+    ) -> None:
         """Insert, waiting in short slices so that a cancelled call frees its thread.
 
         Retrying a slice is safe: with a writer id, segments already stored are skipped.
         Without one, the insert waits in one piece.
         """
         if not writer_id:
-            table.insert_many(segments, timeout)
+            table.insert_packed(packed, timeout)
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -145,11 +153,37 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 raise grpc.RpcError("the call was cancelled")
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             try:
-                table.insert_many(segments, max(0.0, wait), writer_id or None)
+                table.insert_packed(packed, max(0.0, wait), writer_id)
                 return
             except RateLimiterTimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
+
+    @staticmethod
+    def _packed(msg: pb.PackedSegments) -> PackedSegments:
+        steps, batch = codec.from_tensor_map_flat(msg.steps)
+        tails, tail_batch = codec.from_tensor_map_flat(msg.tails)
+        n, rows = len(msg.lengths), sum(msg.lengths)
+        if batch != [rows]:
+            raise InvalidDataError(
+                f"packed segments: steps must have batch size [{rows}] (the lengths' sum), "
+                f"received {batch}"
+            )
+        if tail_batch != [n]:
+            raise InvalidDataError(
+                f"packed segments: tails must have batch size [{n}] (one per segment), "
+                f"received {tail_batch}"
+            )
+        if any(q >= 2**63 for q in msg.sequences):
+            raise InvalidDataError("packed segments: a sequence is out of range (>= 2**63)")
+        return pack_columns(
+            steps,
+            tails,
+            msg.lengths,
+            msg.episode_ids,
+            msg.first_steps,
+            msg.sequences if len(msg.sequences) else None,
+        )
 
     @staticmethod
     def _segment(msg: pb.Segment) -> Segment:

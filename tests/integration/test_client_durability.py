@@ -13,11 +13,26 @@ import pytest
 import torch
 
 from millpond import DeadlineExceededError, ReplayClient, TableConfig
+from millpond.service.segments import Segment
 from millpond.service.table import writer_hash
 
 
+def write_episodes(writer, patterned, episodes: range, how: str) -> None:
+    """Write one segment per episode: each alone (``single``), ten at a time as columns
+    (``packed``: one PackedSegments message each), or alternating (``mixed``)."""
+    eps = list(episodes)
+    for i in range(0, len(eps), 10):
+        group = eps[i : i + 10]
+        if how == "single" or (how == "mixed" and i % 20 == 0):
+            for ep in group:
+                writer.write_segment(*patterned.segment(ep), episode_id=ep, first_step=0)
+        else:
+            writer.write_segments([Segment(*patterned.segment(ep), ep, 0) for ep in group])
+
+
+@pytest.mark.parametrize("how", ["single", "packed", "mixed"])
 def test_sigkilled_shard_loses_and_duplicates_nothing_acknowledged(
-    server_process, patterned, caplog
+    server_process, patterned, caplog, how
 ):
     server = server_process()  # its own port, so it comes back on the same one
     client = ReplayClient(server.address, timeout_s=30)
@@ -30,9 +45,9 @@ def test_sigkilled_shard_loses_and_duplicates_nothing_acknowledged(
 
     def write() -> None:
         try:
-            for ep in range(n_segments):
-                w.write_segment(*patterned.segment(ep), episode_id=ep, first_step=0)
-                written.append(ep)
+            for start in range(0, n_segments, 20):
+                write_episodes(w, patterned, range(start, start + 20), how)
+                written.extend(range(start, start + 20))
         except BaseException as e:  # reported by the test
             errors.append(e)
 
@@ -128,8 +143,9 @@ def test_one_of_three_shards_dies_sampling_goes_on_and_it_comes_back(
     client.close()
 
 
+@pytest.mark.parametrize("how", ["single", "packed"])
 @pytest.mark.parametrize("abandon", [False, True], ids=["closed", "crashed"])
-def test_restarted_writer_with_the_same_id_is_stored(server, table_name, patterned, abandon):
+def test_restarted_writer_with_the_same_id_is_stored(server, table_name, patterned, abandon, how):
     """An actor restarted under its old writer id: the writer learns the shard's sequence at
     connect, so its new segments are not mistaken for re-sends of the old ones."""
     writer_id = f"actor-{table_name}"
@@ -151,8 +167,7 @@ def test_restarted_writer_with_the_same_id_is_stored(server, table_name, pattern
 
     second = ReplayClient(server.address)  # the restarted actor
     with second.writer(table_name, writer_id=writer_id) as w:
-        for ep in range(100, 140):
-            w.write_segment(*patterned.segment(ep), episode_id=ep, first_step=0)
+        write_episodes(w, patterned, range(100, 140), how)  # renumbered when it connects
         w.flush(timeout_s=30)
         assert w.sequence > 40  # numbered after what the shard holds from this id
     stored = second.info(table_name)["size"]

@@ -23,6 +23,7 @@ from millpond import (
     TableExistsError,
     TableNotFoundError,
 )
+from millpond.service.segments import Segment
 
 
 @pytest.fixture(scope="module")
@@ -150,19 +151,25 @@ def test_message_too_large(setup):
     intact()
 
 
+@pytest.mark.parametrize("how", ["single", "columns"])
 @pytest.mark.parametrize("client_mb", [1, 256])
-def test_many_small_segments_fit_a_small_message_limit(setup, client_mb):
+def test_many_small_segments_fit_a_small_message_limit(setup, client_mb, how):
     """Segments that pass one by one are batched into requests that pass too, whether the
-    client knows the server's limit (1 MiB) or not."""
+    client knows the server's limit (1 MiB) or not; written as columns in one call, they
+    are cut into several packed messages."""
     client, table, segments, _ = setup
     before = client.info(table)["size"]
     steps, tail = big_segment(segments, 400)  # ~90 KB each; 40 of them ~3.6 MB in all
+    first_id = 2 * 10**6 + 100 * client_mb + (50 if how == "columns" else 0)
     with (
         ReplayClient(client.addresses, max_message_mb=client_mb) as other,
-        other.writer(table, writer_id=f"many-small-{client_mb}") as w,
+        other.writer(table, writer_id=f"many-small-{client_mb}-{how}") as w,
     ):
-        for i in range(40):
-            w.write_segment(steps, tail, 2 * 10**6 + 100 * client_mb + i, 0)
+        if how == "single":
+            for i in range(40):
+                w.write_segment(steps, tail, first_id + i, 0)
+        else:
+            w.write_segments([Segment(steps, tail, first_id + i, 0) for i in range(40)])
         w.flush(timeout_s=30)
     assert client.info(table)["size"] == before + 40 * 400
 

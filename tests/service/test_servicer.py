@@ -53,9 +53,32 @@ def server(tmp_path):
     running.stop(grace=1)
 
 
-def insert(stub, *segments, table="t", writer="w", metadata=None):
-    requests = [pb.InsertRequest(writer_id=writer, table=table, segments=list(segments))]
-    return list(stub.Insert(iter(requests), metadata=metadata))
+def make_packed(seqs, n=4, dtype=torch.float32):
+    """The segments ``make_segment(q, n)`` for each ``q`` of ``seqs``, as one packed message."""
+    obs = [torch.arange((n + 1) * 3, dtype=dtype).reshape(n + 1, 3) + 100 * q for q in seqs]
+    k = len(seqs)
+    steps = {
+        ("observation",): torch.cat([o[:-1] for o in obs]),
+        ("action",): torch.zeros(k * n, dtype=torch.int64),
+        ("next", "reward"): torch.ones(k * n, 1),
+        ("next", "terminated"): torch.zeros(k * n, 1, dtype=torch.bool),
+        ("next", "truncated"): torch.zeros(k * n, 1, dtype=torch.bool),
+    }
+    return pb.PackedSegments(
+        sequences=list(seqs),
+        episode_ids=list(seqs),
+        first_steps=[0] * k,
+        lengths=[n] * k,
+        steps=codec.to_tensor_map(steps, batch_size=[k * n]),
+        tails=codec.to_tensor_map({("observation",): torch.stack([o[-1] for o in obs])}, [k]),
+    )
+
+
+def insert(stub, *segments, packed=(), table="t", writer="w", metadata=None):
+    request = pb.InsertRequest(
+        writer_id=writer, table=table, segments=list(segments), packed=list(packed)
+    )
+    return list(stub.Insert(iter([request]), metadata=metadata))
 
 
 def size(stub):
@@ -78,6 +101,61 @@ def test_round_trip_and_idempotent_resend(server):
     batch = codec.decode_sample(response)
     assert torch.equal(batch["next", "observation"], batch["observation"] + 3)
     assert response.mass == 12
+
+
+def test_packed_segments_round_trip_and_idempotent_resend(server):
+    stub, _ = server
+    acks = insert(stub, packed=[make_packed([1, 2, 3])])
+    assert [list(a.sequences) for a in acks] == [[1, 2, 3]]
+    insert(stub, packed=[make_packed([2, 3, 4])])  # 2 and 3 again: only 4 is new
+    assert size(stub) == 16
+    # Single segments and packed ones in one request, stored in sequence order.
+    acks = insert(stub, make_segment(5), packed=[make_packed([6, 7]), make_packed([8])])
+    assert list(acks[0].sequences) == [5, 6, 7, 8] and acks[0].stored_through == 8
+    assert size(stub) == 32
+    request = pb.SampleRequest(table="t", batch_size=256, num_batches=1)
+    batch = codec.decode_sample(next(stub.Sample(request)))
+    assert torch.equal(batch["next", "observation"], batch["observation"] + 3)
+    assert set(batch["episode_id"].tolist()) == set(range(1, 9))
+
+
+def test_bad_packed_segments_get_invalid_argument_and_store_nothing(server):
+    stub, _ = server
+    insert(stub, packed=[make_packed([1, 2])])
+
+    def edited(edit, seqs=(3, 4, 5)):
+        msg = make_packed(list(seqs))
+        edit(msg)
+        return msg
+
+    def ends_inside(msg):
+        steps = codec.from_tensor_map(msg.steps)
+        steps["next", "terminated"][1] = True  # step 1 of a 4-step segment
+        msg.steps.CopyFrom(codec.to_tensor_map(steps))
+
+    cases = {
+        "the lengths' sum": lambda m: m.lengths.__setitem__(2, 5),
+        "one per segment": lambda m: m.tails.CopyFrom(
+            codec.to_tensor_map({("observation",): torch.zeros(2, 3)}, [2])
+        ),
+        "episode_ids": lambda m: m.episode_ids.pop(),
+        "sequences": lambda m: m.sequences.pop(),
+        "at least one step": lambda m: (m.lengths.__setitem__(0, 0), m.lengths.__setitem__(1, 8)),
+        "increasing": lambda m: m.sequences.__setitem__(1, 3),
+        "out of range": lambda m: m.sequences.__setitem__(2, 2**64 - 1),
+        "episode end": ends_inside,
+    }
+    for words, edit in cases.items():
+        code, details = code_of(lambda e=edit: insert(stub, packed=[edited(e)]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details, (words, details)
+    # The same keys with another dtype, beside good segments in one request: none stored.
+    code, details = code_of(
+        lambda: insert(stub, make_segment(3), packed=[make_packed([4], dtype=torch.float64)])
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in details
+    assert size(stub) == 8
+    assert list(insert(stub, packed=[make_packed([3])])[0].sequences) == [3]
+    assert size(stub) == 12
 
 
 def test_bad_requests_get_statuses_and_store_nothing(server):
