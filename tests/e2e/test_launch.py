@@ -90,7 +90,7 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
     # Each iteration publishes, except one whose steps were all too old to train on (the
     # actors may fill the queue faster than the first iterations run on a busy machine).
     assert summary["learner_steps"] > 0 and summary["stale_steps"] >= 0
-    trained = summary["weights_version"] - 1  # version 1: the weights the actors start with
+    trained = summary["weights_version"]  # version 0: the weights the actors start with
     assert summary["learner_steps"] - summary["stale_steps"] <= trained <= summary["learner_steps"]
     assert summary["mean_return"] > 2 * random_policy_return(), summary
 
