@@ -103,6 +103,7 @@ class Settings:
     sample_reps: int
     sample_rep_seconds: float
     quick: bool
+    write: str = "segments"  # millpond writers: "segments" (one call each) or "chunks"
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -117,6 +118,7 @@ class Seg:
     first_step: int
     length: int
     wire: int  # bytes of this segment in a serialized InsertRequest
+    chunk: int = 0  # the chunk it was cut from
 
 
 @dataclasses.dataclass
@@ -231,6 +233,7 @@ def make_workload(shape: Shape, steps: int, seed: int = 0) -> Workload:
                         int(step_idx[p, a]),
                         b - a,
                         wire(steps_td, tail_td, b - a),
+                        c,
                     )
                 )
                 a = b
@@ -598,10 +601,13 @@ class MillpondRunner(Runner):
 
     system = "millpond"
 
-    def __init__(self, server: ServerProcess, shards: int, writers: list[int]) -> None:
+    def __init__(
+        self, server: ServerProcess, shards: int, writers: list[int], write: str = "segments"
+    ) -> None:
         from millpond import ReplayClient
 
         super().__init__([shards * w for w in writers])
+        self.write = write
         self.server = server
         self.shards = shards
         self.label = f"millpond, {shards} shard(s)"
@@ -633,9 +639,20 @@ class MillpondRunner(Runner):
         self.passes += 1
 
         def job(writer, mine: set[int]) -> None:
-            for g in wl.segments:
-                if g.lane in mine:
-                    writer.write_segment(g.steps, g.tail, off + g.episode, g.first_step)
+            if self.write == "chunks":  # as an env actor does: a chunk's segments in one call
+                from millpond.service.segments import Segment
+
+                chunks: dict[int, list[Segment]] = {}
+                for g in wl.segments:
+                    if g.lane in mine:
+                        seg = Segment(g.steps, g.tail, off + g.episode, g.first_step)
+                        chunks.setdefault(g.chunk, []).append(seg)
+                for group in chunks.values():
+                    writer.write_segments(group)
+            else:
+                for g in wl.segments:
+                    if g.lane in mine:
+                        writer.write_segment(g.steps, g.tail, off + g.episode, g.first_step)
             writer.flush(300)
 
         lanes = lanes_of(wl.shape.lanes, streams)
@@ -820,7 +837,10 @@ def render(
         f" Run took {seconds:.0f} s. GLIBC_TUNABLES: {os.environ.get('GLIBC_TUNABLES') or 'unset'}."
     )
     lines.append("")
-    lines.append(f"millpond code: {code_version(['service', 'learner', 'protos', 'millpond'])}.")
+    lines.append(
+        f"millpond code: {code_version(['service', 'learner', 'protos', 'millpond'])}. "
+        f"millpond writers: {s.write} (`--write`)."
+    )
     lines.append("")
     for name, wl in workloads.items():
         sizes = [g.wire for g in wl.segments]
@@ -1018,7 +1038,7 @@ def run_all(
             if raw_client is not None:
                 runners += [RawRunner(raw_client, n, s.writers) for n in s.shards]
             for shards, server in mp_servers.items():
-                runners.append(MillpondRunner(server, shards, s.writers))
+                runners.append(MillpondRunner(server, shards, s.writers, s.write))
                 stack.callback(runners[-1].close)
             if "torchrl-ray" in systems:
                 runners.append(TorchRLRunner(root, s.writers))
@@ -1050,6 +1070,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="torch intra-op threads in this (client) process (default 1)",
     )
+    ap.add_argument(
+        "--write",
+        choices=("segments", "chunks"),
+        default="segments",
+        help="millpond writers call write_segment per segment (default) or write_segments "
+        "per chunk, as env actors do (one packed message per chunk)",
+    )
     ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.raw_server:
@@ -1066,6 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
         sample_reps=args.reps or (2 if quick else 5),
         sample_rep_seconds=0.2 if quick else 0.5,
         quick=quick,
+        write=args.write,
     )
     warnings.filterwarnings("ignore", category=UserWarning, module="torchrl")
     import torchrl  # noqa: F401  (configures its logger on import; quieten it afterwards)
