@@ -1,10 +1,10 @@
 """The pinned writer: segments streamed to one shard, acknowledged asynchronously.
 
 A :class:`Writer` validates each segment in the caller's thread (the same checks as the
-server, so bad data raises at once), gives it the next sequence number and queues it;
-segments written together as columns (:meth:`Writer.write_packed`, a collector's chunk)
-travel as one ``PackedSegments`` message with one tensor per key, not one per segment.
-A background thread owns the bidirectional ``Insert`` stream: it sends queued messages
+server, so bad data raises at once), gives it the next sequence number and queues it.
+Segments travel as ``PackedSegments`` messages: those written together (a collector's
+chunk, :meth:`Writer.write_packed`) as one message with one tensor per key, not one per
+segment. A background thread owns the bidirectional ``Insert`` stream: it sends queued messages
 (several per request when many wait), reads the acknowledgements, and drops acknowledged
 segments from its buffer. When the shard goes away it reconnects with exponential backoff
 and re-sends every unacknowledged segment in sequence order; the shard stores a
@@ -41,7 +41,7 @@ from millpond.protos import millpond_pb2 as pb
 from millpond.protos.codec import to_tensor_map
 from millpond.service.config import TableConfig
 from millpond.service.segments import PackedSegments, Segment, pack
-from millpond.service.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, Key, TableSpec
+from millpond.service.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, TableSpec
 from millpond.service.table import writer_hash
 
 logger = logging.getLogger("millpond.client")
@@ -63,11 +63,11 @@ _SEQUENCE_BYTES = 11  # a sequence number's bytes, set after a message's size is
 
 
 class _Queued:
-    """Consecutive segments queued as one message: a ``pb.Segment`` or ``pb.PackedSegments``."""
+    """Consecutive segments queued as one ``pb.PackedSegments`` message."""
 
     __slots__ = ("count", "first", "msg", "size")
 
-    def __init__(self, msg: pb.Segment | pb.PackedSegments, count: int, size: int) -> None:
+    def __init__(self, msg: pb.PackedSegments, count: int, size: int) -> None:
         self.msg = msg
         self.first = 0
         self.count = count
@@ -80,10 +80,7 @@ class _Queued:
     def number(self, first: int) -> None:
         """Give the segments the sequences ``first, first + 1, ...``."""
         self.first = first
-        if isinstance(self.msg, pb.Segment):
-            self.msg.sequence = first
-        else:
-            self.msg.sequences[:] = range(first, first + self.count)
+        self.msg.sequences[:] = range(first, first + self.count)
 
 
 class Writer:
@@ -253,14 +250,8 @@ class Writer:
                     self._episode_counter += 1
             if first_step is None:
                 first_step = self._next_step.get(episode_id, 0)
-            queued = self._encode(
-                packed.steps,
-                {k: v[0] for k, v in packed.tails.items()},
-                length,
-                episode_id,
-                first_step,
-            )
-            (sequence,) = self._enqueue_many([queued])
+            packed.episode_ids[0], packed.first_steps[0] = episode_id, first_step
+            (sequence,) = self._enqueue_many(self._encode_packed(packed))
             self._track_episode(episode_id, first_step, length, ended)
             return sequence
 
@@ -418,12 +409,17 @@ class Writer:
             while j < n and size + sizes[j] <= limit:
                 size += sizes[j]
                 j += 1
-            messages.append(self._encode_group(packed.group(i, j) if (i, j) != (0, n) else packed))
+            messages.append(self._encode_group(packed.group(i, j)))
             i = j
         return messages
 
     def _encode_group(self, packed: PackedSegments) -> _Queued:
-        compress = self._compressed_keys(packed.tails)
+        config = self._table_config()
+        compress = (
+            set(packed.tails) if config is not None and config.compression == "zstd" else set()
+        )
+        # Filled in place: a TensorMap passed to the constructor would be deep-copied (upb
+        # copies nested messages at ~1 GB/s, as slow as encoding them).
         msg = pb.PackedSegments(
             episode_ids=packed.episode_ids.tolist(),
             first_steps=packed.first_steps.tolist(),
@@ -431,7 +427,15 @@ class Writer:
         )
         to_tensor_map(packed.steps, [packed.num_steps], compress_keys=compress, out=msg.steps)
         to_tensor_map(packed.tails, [len(packed)], compress_keys=compress, out=msg.tails)
-        return _Queued(msg, len(packed), self._checked_size(msg, packed.num_steps))
+        size = msg.ByteSize()  # upb serializes to measure: do it once per message
+        limit = self._max_message_bytes - _MESSAGE_OVERHEAD
+        if size > limit:
+            raise ResourceExhaustedError(
+                f"a segment of {packed.num_steps} steps takes {size} bytes on the wire, more "
+                f"than the message limit ({limit} bytes; raise max_message_mb or cut shorter "
+                "segments)"
+            )
+        return _Queued(msg, len(packed), size)
 
     # -- caller side ---------------------------------------------------------------------
     def _check_spec(self, packed: PackedSegments) -> None:
@@ -445,37 +449,6 @@ class Writer:
         spec.check(packed.tails, (OBSERVATION,), "tail")
         spec.check(packed.steps, (OBSERVATION, STEP), "steps")
         self._spec = spec
-
-    def _encode(
-        self,
-        steps: Mapping[Key, torch.Tensor],
-        tail: Mapping[Key, torch.Tensor],
-        length: int,
-        episode_id: int,
-        first_step: int,
-    ) -> _Queued:
-        """The segment's message (its sequence not set yet)."""
-        compress = self._compressed_keys(tail)
-        # Filled in place: a TensorMap passed to the constructor would be deep-copied (upb
-        # copies nested messages at ~1 GB/s, as slow as encoding them).
-        msg = pb.Segment(episode_id=episode_id, first_step=first_step)
-        to_tensor_map(steps, batch_size=[length], compress_keys=compress, out=msg.steps)
-        to_tensor_map(tail, batch_size=[], compress_keys=compress, out=msg.tail)
-        return _Queued(msg, 1, self._checked_size(msg, length))
-
-    def _compressed_keys(self, observations: Mapping[Key, Any]) -> set[Key]:
-        config = self._table_config()
-        return set(observations) if config is not None and config.compression == "zstd" else set()
-
-    def _checked_size(self, msg: pb.Segment | pb.PackedSegments, steps: int) -> int:
-        size = msg.ByteSize()  # upb serializes to measure: do it once per message
-        limit = self._max_message_bytes - _MESSAGE_OVERHEAD
-        if size > limit:
-            raise ResourceExhaustedError(
-                f"a segment of {steps} steps takes {size} bytes on the wire, more than "
-                f"the message limit ({limit} bytes; raise max_message_mb or cut shorter segments)"
-            )
-        return size
 
     def _enqueue_many(self, messages: Sequence[_Queued]) -> list[int]:
         """Queue messages in order, waking the sender once per batch (not once per message);
@@ -620,14 +593,7 @@ class Writer:
                         for last, queued in self._unacked.items():
                             if last <= sent_up_to:
                                 continue
-                            if batch and (
-                                size + queued.size > limit
-                                # a request carries its single segments before its packed ones
-                                or (
-                                    isinstance(queued.msg, pb.Segment)
-                                    and isinstance(batch[-1].msg, pb.PackedSegments)
-                                )
-                            ):
+                            if batch and size + queued.size > limit:
                                 break
                             batch.append(queued)
                             size += queued.size
@@ -640,9 +606,8 @@ class Writer:
                 self._max_sent = max(self._max_sent, sent_up_to)
                 self._requests_in_flight += 1
             request = pb.InsertRequest(writer_id=self._writer_id, table=self._table, timeout_ms=0)
-            for queued in batch:  # CopyFrom: a plain memcpy; segments=batch deep-copies slowly
-                out = request.segments if isinstance(queued.msg, pb.Segment) else request.packed
-                out.add().CopyFrom(queued.msg)
+            for queued in batch:  # CopyFrom: a plain memcpy; packed=batch deep-copies slowly
+                request.packed.add().CopyFrom(queued.msg)
             yield request
 
     def _on_ack(self, sequences: Sequence[int]) -> None:
