@@ -1,11 +1,16 @@
-"""millpond.actors — the env side: the collection loop, segmenting, experience processors.
+"""millpond.actors — the env side: the collection loop, experience processors, Ray actors.
 
 :class:`Collector` steps a gymnasium vector env with a policy (:mod:`.policies`) in chunks
-of ``[P, T]`` real steps, cuts them into segments (:mod:`.segmenting`), passes them through
-experience processors (:mod:`.processors`) and writes what they return to a sink (a
-:class:`millpond.Writer`, or a :class:`TableSink`). The loop imports no Ray; the Ray actor
-wraps it.
+of ``[P, T]`` real steps, cuts them into segments (:mod:`millpond.segmenting`, re-exported
+here), passes them through experience processors (:mod:`.processors`) and writes what they
+return to a sink (a :class:`millpond.Writer`, or an in-process
+:class:`millpond.service.TableSink`). The loop imports no Ray; the Ray actor
+(:mod:`.ray_actor`) and the fleet (:mod:`.fleet`) wrap it and reach shards only through a
+:class:`millpond.ReplayClient`.
 """
+
+from millpond.segmenting import cut_batch, ends_episode, from_ted, join, to_ted
+from millpond.ted import observation_keys
 
 from .collector import Collector
 from .episode_ids import (
@@ -37,8 +42,7 @@ from .processors import (
     ProcessorChain,
     StepFilter,
 )
-from .segmenting import cut_batch, ends_episode, from_ted, join, observation_keys, to_ted
-from .sinks import SegmentSink, TableSink
+from .sink import SegmentSink
 
 __all__ = [
     "EPISODES_PER_INCARNATION",
@@ -66,7 +70,6 @@ __all__ = [
     "ReturnTracker",
     "SegmentSink",
     "StepFilter",
-    "TableSink",
     "WeightSource",
     "cut_batch",
     "ends_episode",

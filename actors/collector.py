@@ -39,12 +39,12 @@ Because SAME_STEP wastes no env step and needs no buffer, envs the loop builds f
 use it unless ``autoreset_mode`` says otherwise; envs passed in keep their own mode.
 
 **Segments.** :meth:`Collector.write` cuts a batch at episode ends and at the chunk end
-(:func:`~millpond.actors.segmenting.cut_batch`), runs the experience processors and sends
+(:func:`~millpond.segmenting.cut_batch`), runs the experience processors and sends
 what they return through the sink's ``write_segment(steps, tail, episode_id=...,
 first_step=...)`` (or ``write_segments`` for several): each observation is sent once. With
 no processors and a sink that has ``write_packed`` (a :class:`millpond.Writer`, a
-:class:`TableSink`), the chunk goes out as columns instead
-(:func:`~millpond.actors.segmenting.pack_batch`): the same segments, without building one
+:class:`~millpond.service.TableSink`), the chunk goes out as columns instead
+(:func:`~millpond.segmenting.pack_batch`): the same segments, without building one
 object per segment.
 
 **Episode ids** are ``episode_id_base + counter``; see :mod:`millpond.actors.episode_ids`
@@ -70,8 +70,9 @@ from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
 from millpond.errors import InvalidConfigError, MillpondError
-from millpond.service.segments import Segment
-from millpond.service.spec import Key
+from millpond.segmenting import cut_batch, pack_batch
+from millpond.segments import Segment
+from millpond.spec import Key
 
 from .envs import (
     EnvSpec,
@@ -84,8 +85,7 @@ from .episode_ids import EPISODES_PER_INCARNATION
 from .lanes import LaneBuffer
 from .policies import EpsilonGreedy, PolicySpec, WeightSource, make_policy
 from .processors import ExperienceProcessor, PassThrough, ProcessorChain
-from .segmenting import cut_batch, pack_batch
-from .sinks import SegmentSink
+from .sink import SegmentSink
 
 __all__ = ["Collector"]
 
@@ -99,7 +99,7 @@ class Collector:
         env: a gymnasium env id (built with ``gymnasium.make_vec``), a ``VectorEnv``, or a
             callable returning one.
         sink: where segments go (a :class:`millpond.Writer`, a
-            :class:`~millpond.actors.TableSink`, ...); ``None`` to only :meth:`collect`.
+            :class:`~millpond.service.TableSink`, ...); ``None`` to only :meth:`collect`.
         num_envs: ``P``, the number of lanes (required with an env id; checked otherwise).
         chunk_len: ``T``, the real steps each lane contributes to a chunk.
         vectorization_mode: ``"sync"`` or ``"async"`` (env ids only).

@@ -17,7 +17,7 @@ import torch
 from gymnasium.vector import AutoresetMode
 
 from millpond.errors import InvalidConfigError, MillpondError
-from millpond.service.spec import Key
+from millpond.spec import Key
 
 __all__ = [
     "EnvSpec",

@@ -17,7 +17,7 @@ The loop numbers episodes ``episode_id_base + counter``, the counter running fro
 - bit 61 marks relabelled copies (:data:`HINDSIGHT_EPISODE_OFFSET`, added by
   :class:`~millpond.actors.HindsightRelabeler`);
 - ids stay below 2**62, where the random ids of anonymous TED inserts start
-  (:data:`millpond.service.ted.FRESH_EPISODE_ID_BASE`).
+  (:data:`millpond.ted.FRESH_EPISODE_ID_BASE`).
 
 ``("collector", "traj_ids")`` of the loop's batches are these episode ids.
 """

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from millpond.service.spec import Key
+from millpond.spec import Key
 
 __all__ = ["LaneBuffer"]
 

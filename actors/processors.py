@@ -21,7 +21,7 @@ return, so a table's rate limiter counts experience *after* processing, and a le
 updates follow the experience that really reached the buffer (steps dropped here never
 unblock a samples-per-insert limited learner).
 
-Predicates and annotations see TED rows (:func:`~millpond.actors.segmenting.to_ted`):
+Predicates and annotations see TED rows (:func:`~millpond.segmenting.to_ted`):
 root observations, ``action`` and per-step keys, and under ``"next"`` the true next
 observations, ``reward``, ``terminated``, ``truncated`` and ``done``. All segments a
 processor returns for one table must have the same keys.
@@ -37,11 +37,11 @@ import torch
 from tensordict import TensorDictBase
 
 from millpond.errors import InvalidConfigError, InvalidDataError
-from millpond.service.segments import Segment
-from millpond.service.spec import Key
+from millpond.segmenting import ends_episode, from_ted, join, to_ted
+from millpond.segments import Segment
+from millpond.spec import Key
 
 from .episode_ids import HINDSIGHT_EPISODE_OFFSET
-from .segmenting import ends_episode, from_ted, join, to_ted
 
 __all__ = [
     "HINDSIGHT_EPISODE_OFFSET",

@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     from millpond import ReplayClient, Table, TableConfig
-    from millpond.actors import TableSink
+    from millpond.service import TableSink
 
     code_version = measured_code_version(["actors", "learner", "service", "protos", "millpond"])
     load_before = os.getloadavg()

@@ -139,7 +139,7 @@ def make_workload(shape: Shape, steps: int, seed: int = 0) -> Workload:
     """P lanes of episodes (random lengths) in chunks of T steps, cut into segments."""
     from millpond.protos import millpond_pb2 as pb
     from millpond.protos.codec import to_tensor_map
-    from millpond.service.segments import Segment, pack
+    from millpond.segments import Segment, pack
 
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -585,7 +585,7 @@ class RawRunner(Runner):
 # -- millpond --------------------------------------------------------------------------------
 def pinned_writer_ids(prefix: str, shards: int, count: int) -> list[str]:
     """``count`` writer ids, the k-th pinned to shard ``k % shards``."""
-    from millpond.service.table import writer_hash
+    from millpond.routing import writer_hash
 
     ids = []
     for k in range(count):
@@ -640,7 +640,7 @@ class MillpondRunner(Runner):
 
         def job(writer, mine: set[int]) -> None:
             if self.write == "chunks":  # as an env actor does: a chunk's segments in one call
-                from millpond.service.segments import Segment
+                from millpond.segments import Segment
 
                 chunks: dict[int, list[Segment]] = {}
                 for g in wl.segments:

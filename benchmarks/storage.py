@@ -48,8 +48,8 @@ from _common import calibrate, log, settle
 from _common import code_version as measured_code_version
 from tensordict import TensorDict
 
-from millpond.service.config import TableConfig
-from millpond.service.segments import PackedSegments, Segment
+from millpond.config import TableConfig
+from millpond.segments import PackedSegments, Segment
 from millpond.service.table import Table
 
 SYSTEMS = ("millpond", "torchrl-ted", "torchrl-compact")

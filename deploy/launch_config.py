@@ -27,11 +27,11 @@ from typing import Any
 
 import yaml
 
+from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
 from millpond.learner.ppo import PPOConfig
 from millpond.service.auth import load_tokens
-from millpond.service.config import TableConfig
 
 __all__ = [
     "ActorsSection",

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from millpond.service.config import TableConfig
+from millpond.config import TableConfig
+from millpond.service.export import export_ted
 from millpond.service.table import Table
-from millpond.service.ted import export_ted
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

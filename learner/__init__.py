@@ -5,11 +5,11 @@ samples (:meth:`~ReplayClient.sample`, :meth:`~ReplayClient.iterate`), updates p
 and exchanges policy weights with a set of replay shards.
 """
 
+from millpond.config import TableConfig
 from millpond.learner.client import ReplayClient
 from millpond.learner.dqn import DQNConfig, DQNLearner
 from millpond.learner.ppo import PPOConfig, PPOLearner
 from millpond.learner.writer import Writer
-from millpond.service.config import TableConfig
 
 __all__ = [
     "DQNConfig",

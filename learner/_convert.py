@@ -13,7 +13,7 @@ import torch
 from millpond.errors import InvalidDataError
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.codec import from_tensor_map_flat, to_tensor_map
-from millpond.service.spec import check_key
+from millpond.spec import check_key
 
 #: Bytes per PublishWeights chunk: well under the smallest message limit (1 MiB) of a server
 #: or a client, as the servicer's GetWeights chunks are.

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from millpond.config import TableConfig
 from millpond.errors import (
     InvalidConfigError,
     MillpondError,
@@ -36,7 +37,6 @@ from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.codec import decode_sample
 from millpond.protos.tables import info_from_proto
-from millpond.service.config import TableConfig
 
 logger = logging.getLogger("millpond.client")
 

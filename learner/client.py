@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError, TableNotFoundError
 from millpond.learner._convert import state_dict_from_blob, state_dict_to_blob, weight_chunks
 from millpond.learner._errors import ShardUnavailableError, from_rpc_error
@@ -38,8 +39,8 @@ from millpond.learner._sharding import CallSet, ShardSet, channel_options
 from millpond.learner.writer import Writer
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto, info_from_proto
-from millpond.service.config import TableConfig
-from millpond.service.table import writer_hash
+from millpond.routing import shard_of
+from millpond.ted import compact_ted
 
 logger = logging.getLogger("millpond.client")
 
@@ -275,7 +276,7 @@ class ReplayClient:
         self._check_open()
         shards = self._set.shards
         if shard is None:
-            shard_index = writer_hash(writer_id) % len(shards)
+            shard_index = shard_of(writer_id, len(shards))
         elif isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < len(shards):
             raise InvalidConfigError(
                 f"shard ({shard!r}) must be an index in [0, {len(shards)}) of {self.addresses}"
@@ -306,14 +307,12 @@ class ReplayClient:
         """Insert TED data (batch ``[T]`` or ``[P, T]``, e.g. a TorchRL collector's output).
 
         The data is compacted here (each observation sent once; see
-        :func:`millpond.service.ted.compact_ted`) and sent through this client's writer for
+        :func:`millpond.ted.compact_ted`) and sent through this client's writer for
         ``table``, so one call goes to one shard. Trajectories that continue in the next
         call (same ``("collector", "traj_ids")``) keep counting their steps. Returns the
         number of steps once the shard has stored them all (waiting up to ``timeout_s``,
         default the client's; on timeout they are still sent).
         """
-        from millpond.service.ted import compact_ted
-
         _check_table(table)
         self._check_open()
         with self._lock:

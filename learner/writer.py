@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from millpond.config import TableConfig
 from millpond.errors import (
     ClosedError,
     DeadlineExceededError,
@@ -39,10 +40,9 @@ from millpond.learner._errors import from_rpc_error, is_retryable
 from millpond.learner._sharding import ShardHandle
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.codec import to_tensor_map
-from millpond.service.config import TableConfig
-from millpond.service.segments import PackedSegments, Segment, pack
-from millpond.service.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, TableSpec
-from millpond.service.table import writer_hash
+from millpond.routing import writer_hash
+from millpond.segments import PackedSegments, Segment, pack
+from millpond.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, TableSpec
 
 logger = logging.getLogger("millpond.client")
 
@@ -278,8 +278,8 @@ class Writer:
         """Queue segments already laid out as columns; returns their sequence numbers.
 
         What :meth:`write_segments` does after packing, for producers whose steps are in one
-        block already (see :func:`millpond.actors.segmenting.pack_batch` and
-        :func:`millpond.service.segments.pack_columns`). The segments travel as columns, in
+        block already (see :func:`millpond.segmenting.pack_batch` and
+        :func:`millpond.segments.pack_columns`). The segments travel as columns, in
         as few messages as the request size allows. On a validation error nothing is
         queued.
         """

@@ -3,6 +3,12 @@
 Ray actors stream compact experience (each observation sent and stored once) to a sharded
 replay service; shards keep it in memory-mapped files and rebuild ``("next", obs)`` at
 sample time, so learners receive TorchRL-style TED TensorDicts.
+
+This package is the ground floor: the vocabulary every side shares, in modules that import
+nothing else of millpond (:mod:`.errors`, :mod:`.spec`, :mod:`.config`, :mod:`.segments`,
+:mod:`.ted`, :mod:`.segmenting`, :mod:`.sample_format`, :mod:`.routing`). The
+subpackages stand on it (``docs/architecture.md``); this ``__init__`` re-exports the public
+names, and :mod:`.cli` and :mod:`.testing` sit on top of everything.
 """
 
 import os as _os
@@ -18,6 +24,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "service")) and _os.path.isfile
 ):
     __path__.append(_checkout)
 
+from millpond.config import TableConfig
 from millpond.errors import (
     AuthenticationError,
     ClosedError,
@@ -33,13 +40,14 @@ from millpond.errors import (
     TableExistsError,
     TableNotFoundError,
 )
+
+# The public face: the client and the in-process shard, from the floors above.
 from millpond.learner.client import ReplayClient
 from millpond.learner.writer import Writer
-from millpond.service.config import TableConfig
-from millpond.service.segments import Segment
+from millpond.segments import Segment
 from millpond.service.shard import Shard
-from millpond.service.spec import FieldSpec, TableSpec
 from millpond.service.table import Table
+from millpond.spec import FieldSpec, TableSpec
 
 __version__ = "0.1.0"
 

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from millpond.segments import Segment
 from millpond.service import storage as _storage
-from millpond.service.segments import Segment
+from millpond.ted import observation_keys
 
 __all__ = [
     "FLAG_KEYS",
@@ -230,16 +231,6 @@ def rollout(
         else:
             obs, t = next_obs, t + 1
     return torch.stack([TensorDict(r, batch_size=[]) for r in rows])
-
-
-def observation_keys(ted: TensorDictBase) -> list[tuple[str, ...]]:
-    """The observation keys of a TED TensorDict: those under ``"next"`` that are not flags."""
-    keys = []
-    for k in ted["next"].keys(include_nested=True, leaves_only=True):
-        k = (k,) if isinstance(k, str) else tuple(k)
-        if k[0] not in FLAG_KEYS:
-            keys.append(k)
-    return keys
 
 
 def reference_index(ted: TensorDictBase) -> dict[tuple[int, int], int]:

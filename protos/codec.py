@@ -17,7 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from millpond.errors import InvalidDataError
 from millpond.protos import millpond_pb2 as pb
-from millpond.service.spec import Key, dtype_name, format_key, parse_dtype
+from millpond.spec import Key, dtype_name, format_key, parse_dtype
 
 _LITTLE = sys.byteorder == "little"
 _zstd_c = None

@@ -1,13 +1,13 @@
-"""Table configs and table info between :mod:`millpond.service.config` and the protos."""
+"""Table configs and table info between :mod:`millpond.config` and the protos."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
 from millpond.protos import millpond_pb2 as pb
-from millpond.service.config import TableConfig
-from millpond.service.spec import FieldSpec, TableSpec, check_key, dtype_name, parse_dtype
+from millpond.spec import FieldSpec, TableSpec, check_key, dtype_name, parse_dtype
 
 
 def config_to_proto(config: TableConfig) -> pb.TableConfig:

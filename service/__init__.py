@@ -1,10 +1,13 @@
-"""millpond.service: the replay shard — storage, samplers, rate limiter, tables."""
+"""millpond.service: the replay shard — storage, samplers, rate limiter, tables, gRPC server.
 
-from millpond.service.config import TableConfig
+It stands on the ground floor (:mod:`millpond.spec`, :mod:`millpond.config`,
+:mod:`millpond.segments`, ...) and the wire (:mod:`millpond.protos`), and never imports the
+client (:mod:`millpond.learner`) or the env side (:mod:`millpond.actors`).
+"""
+
 from millpond.service.rate_limiter import RateLimiter
-from millpond.service.segments import Segment
 from millpond.service.shard import Shard
-from millpond.service.spec import FieldSpec, TableSpec
+from millpond.service.sink import TableSink
 from millpond.service.table import Table
 
-__all__ = ["FieldSpec", "RateLimiter", "Segment", "Shard", "Table", "TableConfig", "TableSpec"]
+__all__ = ["RateLimiter", "Shard", "Table", "TableSink"]

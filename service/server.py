@@ -23,10 +23,10 @@ import grpc
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.service.auth import TokenAuthInterceptor, load_tokens
-from millpond.service.config import TableConfig
 from millpond.service.servicer import ReplayServicer
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore

@@ -26,7 +26,7 @@ from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_from_proto, config_to_proto, info_to_proto
-from millpond.service.segments import PackedSegments, Segment, concat, pack, pack_columns
+from millpond.segments import PackedSegments, Segment, concat, pack, pack_columns
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
 

@@ -14,8 +14,8 @@ import os
 import threading
 from pathlib import Path
 
+from millpond.config import TableConfig
 from millpond.errors import TableExistsError, TableNotFoundError
-from millpond.service.config import TableConfig
 from millpond.service.storage import _atomic_write_json
 from millpond.service.table import Table
 

@@ -27,7 +27,7 @@ import torch
 from tensordict import MemoryMappedTensor
 
 from millpond.errors import StorageCorruptedError
-from millpond.service.spec import OBSERVATION, Key, TableSpec
+from millpond.spec import OBSERVATION, Key, TableSpec
 
 SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
 _GEN, _EPISODE, _STEP, _SEG_START, _SEG_LEN, _KIND, _WRITER, _SEQUENCE = range(8)

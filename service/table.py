@@ -8,7 +8,6 @@ generations, so a row overwritten meanwhile is drawn again rather than returned 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,15 +21,17 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from millpond.config import TableConfig
 from millpond.errors import (
     ClosedError,
     InvalidDataError,
     RateLimiterTimeoutError,
     StorageCorruptedError,
 )
-from millpond.service.config import TableConfig
+from millpond.routing import writer_hash
+from millpond.sample_format import assemble_ted
+from millpond.segments import PackedSegments, Segment, pack
 from millpond.service.rate_limiter import RateLimiter
-from millpond.service.sample_format import assemble_ted
 from millpond.service.samplers import (
     PrioritizedSampler,
     QueueSampler,
@@ -38,10 +39,10 @@ from millpond.service.samplers import (
     Selection,
     UniformSampler,
 )
-from millpond.service.segments import PackedSegments, Segment, pack
 from millpond.service.slice_sampler import SliceSampler
-from millpond.service.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, Key, TableSpec
 from millpond.service.storage import SLOT_STEP, SegmentBatch, SegmentStorage, _atomic_write_json
+from millpond.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, Key, TableSpec
+from millpond.ted import compact_ted
 
 _FORMAT = 1
 # counters.bin: rate-limiter inserts, samples, next generation, queue cursor
@@ -276,7 +277,6 @@ class Table:
         wherever ``("next", obs)[t]`` differs from ``obs[t + 1]``, each observation then
         stored once. Returns the generations of the stored segments.
         """
-        from millpond.service.ted import compact_ted  # ted imports this module
 
         with self._extend_lock:  # one extend at a time keeps step counts consistent
             state = dict(self._extend_state)
@@ -608,12 +608,6 @@ class Table:
             f"inserts {r.inserts}, samples {r.samples}, samples_per_insert "
             f"{r.samples_per_insert}, diff {r.diff:g} in [{r.min_diff:g}, {r.max_diff:g}]"
         )
-
-
-def writer_hash(writer_id: str) -> int:
-    """A stable, positive 63-bit hash of a writer id (the same in every process)."""
-    digest = hashlib.blake2b(writer_id.encode(), digest_size=8).digest()
-    return (int.from_bytes(digest, "little") & (2**63 - 1)) or 1
 
 
 def _as_int64(x: np.ndarray | torch.Tensor) -> np.ndarray:

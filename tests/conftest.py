@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from millpond.service.config import TableConfig
+from millpond.config import TableConfig
 from millpond.service.table import Table
 
 

@@ -23,12 +23,12 @@ from tensordict import TensorDictBase
 from millpond.actors import (
     EPISODES_PER_INCARNATION,
     Collector,
-    TableSink,
     episode_id_base,
 )
+from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
-from millpond.service.config import TableConfig
-from millpond.service.ted import export_ted
+from millpond.service import TableSink
+from millpond.service.export import export_ted
 from millpond.testing import CountingDictEnv, observation_keys, rollout, state_of
 
 FLAGS = ("terminated", "truncated", "done")

@@ -25,13 +25,13 @@ from millpond.actors import (
     PassThrough,
     ProcessorChain,
     StepFilter,
-    TableSink,
     cut_batch,
     to_ted,
 )
+from millpond.config import TableConfig
 from millpond.errors import InvalidDataError, RateLimiterTimeoutError
-from millpond.service.config import TableConfig
-from millpond.service.segments import Segment
+from millpond.segments import Segment
+from millpond.service import TableSink
 from millpond.testing import CountingDictEnv
 
 

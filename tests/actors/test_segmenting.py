@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from millpond.actors import Collector, cut_batch, ends_episode, from_ted, join, to_ted
-from millpond.actors.segmenting import pack_batch
 from millpond.errors import InvalidDataError
-from millpond.service.segments import pack, pack_columns
+from millpond.segmenting import pack_batch
+from millpond.segments import pack, pack_columns
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_from_ted_rejects_bad_cuts(batch):
 
 def test_cut_batch_agrees_with_compact_ted(batch):
     """The loop's cutter and the service's TED importer cut a batch the same way."""
-    from millpond.service.ted import compact_ted
+    from millpond.ted import compact_ted
 
     segments = cut_batch(batch)
     # One segment per episode in a chunk; compact_ted learns where episodes that started in

@@ -33,7 +33,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from millpond import ReplayClient
-from millpond.service.table import writer_hash
+from millpond.routing import writer_hash
 from millpond.testing import (
     CountingDictEnv,
     SegmentRecord,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from millpond import DeadlineExceededError, ReplayClient, TableConfig
-from millpond.service.segments import Segment
-from millpond.service.table import writer_hash
+from millpond.routing import writer_hash
+from millpond.segments import Segment
 
 
 def write_episodes(writer, patterned, episodes: range, how: str) -> None:

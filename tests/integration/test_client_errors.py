@@ -23,7 +23,7 @@ from millpond import (
     TableExistsError,
     TableNotFoundError,
 )
-from millpond.service.segments import Segment
+from millpond.segments import Segment
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from millpond import DeadlineExceededError, TableConfig
-from millpond.service.table import writer_hash
+from millpond.routing import writer_hash
 
 ENV_NAMES = ["cartpole", "dict"]
 

@@ -6,7 +6,7 @@ import torch
 from millpond import InvalidDataError
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.codec import from_tensor_map, proto_to_tensor, tensor_to_proto, to_tensor_map
-from millpond.service.spec import _DTYPES
+from millpond.spec import _DTYPES
 
 
 def sample_of(dtype: torch.dtype, shape=(5, 3)) -> torch.Tensor:

@@ -19,9 +19,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from millpond.config import TableConfig
 from millpond.errors import RateLimiterTimeoutError
-from millpond.service.config import TableConfig
-from millpond.service.segments import Segment
+from millpond.segments import Segment
 from millpond.service.table import Table
 from millpond.testing import stored_segments
 

@@ -34,8 +34,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from millpond.service.config import TableConfig
-from millpond.service.segments import Segment
+from millpond.config import TableConfig
+from millpond.segments import Segment
 from millpond.service.storage import SegmentStorage
 from millpond.service.table import Table
 from millpond.testing import pattern, stored_segments, stored_steps
@@ -222,8 +222,8 @@ def _zygote_source() -> str:
         import numpy as np
         import torch
         from tensordict import TensorDict
-        from millpond.service.config import TableConfig
-        from millpond.service.segments import Segment
+        from millpond.config import TableConfig
+        from millpond.segments import Segment
         from millpond.service.storage import SegmentStorage
         from millpond.service.table import Table
         from millpond.testing import pattern, stored_segments

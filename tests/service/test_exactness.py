@@ -20,8 +20,8 @@ import pytest
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from millpond.config import TableConfig
 from millpond.errors import RateLimiterTimeoutError
-from millpond.service.config import TableConfig
 from millpond.service.table import Table
 from millpond.testing import (
     CountingDictEnv,

@@ -15,8 +15,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from millpond.service.config import TableConfig
-from millpond.service.segments import Segment
+from millpond.config import TableConfig
+from millpond.segments import Segment
 from millpond.service.table import Table
 from millpond.testing import stored_segments
 

@@ -17,7 +17,7 @@ from millpond.errors import (
     TableExistsError,
     TableNotFoundError,
 )
-from millpond.service.spec import FieldSpec, TableSpec
+from millpond.spec import FieldSpec, TableSpec
 
 
 def segment(n=5, ep=0, obs_dim=3, end="terminated", obs_dtype=torch.float32, first=0):

@@ -10,13 +10,8 @@ from tensordict import TensorDict
 
 from millpond import Table, TableConfig
 from millpond.errors import InvalidDataError
-from millpond.service.ted import (
-    FRESH_EPISODE_ID_BASE,
-    compact_ted,
-    export_hdf5,
-    export_ted,
-    load_hdf5,
-)
+from millpond.service.export import export_hdf5, export_ted, load_hdf5
+from millpond.ted import FRESH_EPISODE_ID_BASE, compact_ted
 from millpond.testing import rollout, stored_segments
 
 ROW_KEYS = [

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from millpond.service.spec import TERMINATED, TRUNCATED, Key
+from millpond.spec import TERMINATED, TRUNCATED, Key
 
 
 def assemble_ted(

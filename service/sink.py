@@ -1,37 +1,20 @@
-"""Where the collection loop writes segments: anything with ``write_segment`` and ``flush``.
+"""An in-process sink for the collection loop: segments go straight into a :class:`Table`.
 
-A :class:`millpond.Writer` (``ReplayClient.writer(table)``) is the sink of a deployed
-actor; :class:`TableSink` writes into an in-process :class:`millpond.Table`, for tests,
-notebooks and single-process jobs.
+It has the interface of :class:`millpond.Writer` that :class:`millpond.actors.Collector`
+uses (``write_segment``, ``write_packed``, ``flush``), for tests, notebooks and
+single-process jobs that need no server.
 """
 
 from __future__ import annotations
-
-from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from tensordict import TensorDictBase
 
 from millpond.errors import InvalidDataError
-from millpond.service.segments import PackedSegments
+from millpond.segments import PackedSegments
 from millpond.service.table import Table
 
-__all__ = ["SegmentSink", "TableSink"]
-
-
-@runtime_checkable
-class SegmentSink(Protocol):
-    """The interface of :class:`millpond.Writer` that the loop uses."""
-
-    def write_segment(
-        self,
-        steps: TensorDictBase,
-        tail: TensorDictBase,
-        episode_id: int | None = None,
-        first_step: int | None = None,
-    ) -> Any: ...
-
-    def flush(self, timeout_s: float | None = None) -> None: ...
+__all__ = ["TableSink"]
 
 
 class TableSink:

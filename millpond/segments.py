@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDictBase
 
 from millpond.errors import InvalidDataError
-from millpond.service.spec import DONE, TERMINATED, TRUNCATED, Key, format_key, is_reserved
+from millpond.spec import DONE, TERMINATED, TRUNCATED, Key, format_key, is_reserved
 
 
 @dataclass
@@ -135,13 +135,36 @@ def _flag_shape(t: torch.Tensor, n: int, key: Key) -> torch.Tensor:
 
 
 def _as_flags(t: torch.Tensor, n: int, key: Key) -> torch.Tensor:
-    if t.shape not in ((n,), (n, 1)):
-        raise InvalidDataError(
-            f"key {format_key(key)}: expected shape [{n}] or [{n}, 1], received {list(t.shape)}"
-        )
+    t = _flag_shape(t, n, key)
     if t.dtype != torch.bool and t.dtype.is_floating_point:
         raise InvalidDataError(f"key {format_key(key)}: expected bool flags, received {t.dtype}")
-    return t.reshape(n).to(torch.bool)
+    return t.to(torch.bool)
+
+
+def episode_ends(
+    flags: Mapping[Key, torch.Tensor], n: int, what: str = "steps"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool ``terminated`` and ``truncated`` ``[n]`` from whichever of the three flags are there.
+
+    With only ``("next", "done")``, it is taken as ``terminated``; a ``done`` that disagrees
+    with ``terminated | truncated`` is refused. ``what`` names the data in messages.
+    """
+    done, term, trunc = flags.get(DONE), flags.get(TERMINATED), flags.get(TRUNCATED)
+    if term is None and done is None:
+        raise InvalidDataError(
+            f"{what} need ('next', 'terminated') and ('next', 'truncated'), or ('next', 'done')"
+        )
+    trunc = (
+        _as_flags(trunc, n, TRUNCATED) if trunc is not None else torch.zeros(n, dtype=torch.bool)
+    )
+    if term is None:
+        return _as_flags(done, n, DONE) & ~trunc, trunc
+    term = _as_flags(term, n, TERMINATED)
+    if done is not None and not torch.equal(_as_flags(done, n, DONE), term | trunc):
+        raise InvalidDataError(
+            "('next', 'done') disagrees with ('next', 'terminated') | ('next', 'truncated')"
+        )
+    return term, trunc
 
 
 def normalize_steps(
@@ -149,28 +172,13 @@ def normalize_steps(
 ) -> dict[Key, torch.Tensor]:
     """Replace done/terminated/truncated by bool ``terminated`` and ``truncated`` of shape [n].
 
-    With only ``done``, it is taken as ``terminated``. Raises if ``done`` disagrees with the
-    other two, or if an episode ends anywhere but at the segment's last step.
+    The flags are read by :func:`episode_ends`. Raises if an episode ends anywhere but at
+    a segment's last step.
     """
     steps = dict(steps)
-    done = steps.pop(DONE, None)
-    term = steps.pop(TERMINATED, None)
-    trunc = steps.pop(TRUNCATED, None)
-    if term is None and done is None:
-        raise InvalidDataError(
-            "steps need ('next', 'terminated') and ('next', 'truncated'), or ('next', 'done')"
-        )
-    trunc = (
-        _as_flags(trunc, n, TRUNCATED) if trunc is not None else torch.zeros(n, dtype=torch.bool)
+    term, trunc = episode_ends(
+        {k: steps.pop(k) for k in (DONE, TERMINATED, TRUNCATED) if k in steps}, n
     )
-    if term is not None:
-        term = _as_flags(term, n, TERMINATED)
-        if done is not None and not torch.equal(_as_flags(done, n, DONE), term | trunc):
-            raise InvalidDataError(
-                "('next', 'done') disagrees with ('next', 'terminated') | ('next', 'truncated')"
-            )
-    else:
-        term = _as_flags(done, n, DONE) & ~trunc
     ended = term | trunc
     if lengths is None:
         lengths = np.array([n], dtype=np.int64)

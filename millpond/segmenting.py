@@ -1,10 +1,10 @@
 """Cutting collected experience into segments, and back and forth between segments and TED.
 
-A :class:`~millpond.service.segments.Segment` is a run of consecutive steps of one episode
+A :class:`~millpond.segments.Segment` is a run of consecutive steps of one episode
 plus its tail (the observation after its last step); its steps carry every per-step key but
 ``("next", obs)``, so each observation travels once. :func:`cut_batch` cuts a collector
 batch ``[P, T]`` into segments at episode ends and at the chunk end, in one vectorised pass
-(the approach of :func:`millpond.service.ted.compact_ted`, without its bitwise search for
+(the approach of :func:`millpond.ted.compact_ted`, without its bitwise search for
 discontinuities: the loop knows where its episodes end). Experience processors work on the
 TED form of segments: :func:`to_ted` rebuilds ``("next", obs)`` and ``("next", "done")``,
 :func:`join` does so for consecutive segments of one episode, and :func:`from_ted` cuts TED
@@ -20,44 +20,21 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from millpond.errors import InvalidDataError
-from millpond.service.segments import PackedSegments, Segment, flatten, pack_columns
-from millpond.service.spec import Key, format_key
+from millpond.segments import PackedSegments, Segment, flatten, pack_columns
+from millpond.spec import Key, format_key
+from millpond.ted import observation_keys, rows_differ
 
 __all__ = [
     "cut_batch",
     "ends_episode",
     "from_ted",
     "join",
-    "observation_keys",
     "pack_batch",
     "to_ted",
 ]
 
-#: Leaves under ``"next"`` that are not observations.
-_NEXT_FLAGS = frozenset(
-    {("next", "reward"), ("next", "done"), ("next", "terminated"), ("next", "truncated")}
-)
 _TRAJ_IDS: Key = ("collector", "traj_ids")
 _STEP_COUNT: Key = ("collector", "step_count")
-
-
-def _leaves(td: TensorDictBase) -> list[Key]:
-    return [
-        (k,) if isinstance(k, str) else tuple(k)
-        for k in td.keys(include_nested=True, leaves_only=True)
-    ]
-
-
-def observation_keys(td: TensorDictBase) -> list[Key]:
-    """The observation keys of TED data: root leaves ``k`` with a ``("next", *k)`` leaf too."""
-    leaves = set(_leaves(td))
-    return [
-        k
-        for k in _leaves(td)
-        if k[0] not in ("next", "collector")
-        and ("next", *k) in leaves
-        and ("next", *k) not in _NEXT_FLAGS
-    ]
 
 
 def _done(steps: TensorDictBase) -> torch.Tensor:
@@ -145,7 +122,8 @@ def to_ted(segment: Segment) -> TensorDict:
     """
     steps, tail = segment.steps, segment.tail
     ted = steps.clone(False)
-    for key in _leaves(tail):
+    for key in tail.keys(include_nested=True, leaves_only=True):
+        key = (key,) if isinstance(key, str) else key
         ted.set(("next", *key), torch.cat([steps[key][1:], tail[key].unsqueeze(0)]))
     ted.set(("next", "done"), _done(steps).clone())
     return ted
@@ -191,7 +169,7 @@ def from_ted(
     inner[torch.from_numpy(ends)] = False  # rows whose next row starts the same segment
     for key in obs_keys:
         now, nxt = ted[key], ted[("next", *key)]
-        if bool(_differs(nxt[:-1], now[1:])[inner[:-1]].any()):
+        if bool(rows_differ(nxt[:-1], now[1:])[inner[:-1]].any()):
             raise InvalidDataError(
                 f"{format_key(('next', *key))} is not the next row's {format_key(key)} inside a "
                 "segment: relabel an observation and its copy under 'next' together"
@@ -207,18 +185,3 @@ def from_ted(
             steps.split(lengths, 0), tails.unbind(0), episode_ids, first_steps, strict=True
         )
     ]
-
-
-def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[N]``: whether rows of ``a`` and ``b`` differ in any bit (NaN == NaN, -0.0 != 0.0)."""
-    if a.dtype.is_floating_point or a.dtype.is_complex:
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
-            a.element_size()
-        )
-        if bits is None:
-            a, b = torch.view_as_real(a), torch.view_as_real(b)
-            bits = {4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.contiguous().view(bits), b.contiguous().view(bits)
-    if a.numel() == 0:
-        return torch.zeros(a.shape[0], dtype=torch.bool)
-    return (a != b).reshape(a.shape[0], -1).any(-1)

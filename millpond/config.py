@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from millpond.errors import InvalidConfigError
-from millpond.service.spec import TableSpec
+from millpond.spec import TableSpec
 
 SAMPLERS = ("uniform", "prioritized", "queue", "slices")
 COMPRESSIONS = (None, "zstd")

@@ -1,0 +1,104 @@
+"""The layering of docs/architecture.md holds: import-linter's contracts (pyproject.toml) pass.
+
+millpond's subpackages live in top-level folders (``service/`` is ``millpond.service``), a
+layout import-linter cannot walk, so the contracts run on a mirror of the package laid out
+as Python sees it. Run this file as a script to print the full contract report
+(``python tests/test_import_contracts.py``); ``.ci/run`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ("service", "learner", "actors", "protos", "deploy")
+_LINT = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+
+
+def mirror(dest: Path) -> Path:
+    """Copy the package's Python files to ``dest/millpond`` as one tree; returns ``dest``."""
+    py_only = shutil.ignore_patterns("__pycache__", "*.pyc")
+    package = dest / "millpond"
+    package.mkdir(parents=True)
+    for source in (ROOT / "millpond").glob("*.py"):
+        shutil.copy2(source, package / source.name)
+    for name in SUBPACKAGES:
+        shutil.copytree(ROOT / name, package / name, ignore=py_only)
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    return dest
+
+
+def lint(tree: Path) -> subprocess.CompletedProcess:
+    """Run ``lint-imports`` on a mirrored tree."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run(
+        [sys.executable, "-c", _LINT, "--config", "pyproject.toml", "--no-cache"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_import_contracts_hold(tmp_path: Path) -> None:
+    result = lint(mirror(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.skipif(tomllib is None, reason="reading pyproject.toml needs Python 3.11's tomllib")
+def test_every_ground_floor_module_is_under_the_contracts() -> None:
+    """A new module of the root package joins the ground floor's contracts (or is top)."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    by_name = {c["name"]: c for c in contracts["contracts"]}
+    floor = set(by_name["The ground floor imports nothing else of millpond"]["source_modules"])
+    below_deploy = set(
+        by_name["Nothing below deploy imports deploy, cli or testing"]["source_modules"]
+    )
+    root = {f"millpond.{p.stem}" for p in (ROOT / "millpond").glob("*.py")}
+    top = {"millpond.__init__", "millpond.cli", "millpond.testing"}
+    assert floor == root - top
+    assert floor <= below_deploy
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract"),
+    [
+        ("protos/_reach_up.py", "import millpond.service.table", "Layers: deploy"),
+        ("actors/_reach_over.py", "from millpond.service import table", "not service"),
+        ("millpond/routing.py", "import millpond.protos.codec", "ground floor"),
+        ("learner/_test_helper.py", "import millpond.testing", "below deploy"),
+    ],
+)
+def test_a_forbidden_import_breaks_a_contract(
+    tmp_path: Path, module: str, line: str, contract: str
+) -> None:
+    tree = mirror(tmp_path)
+    target = tree / (module if module.startswith("millpond/") else f"millpond/{module}")
+    with target.open("a") as f:
+        f.write(line + "\n")
+    result = lint(tree)
+    assert result.returncode != 0
+    broken = [ln for ln in result.stdout.splitlines() if "BROKEN" in ln]
+    assert any(contract in ln for ln in broken), result.stdout
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        outcome = lint(mirror(Path(tmp)))
+    print(outcome.stdout, outcome.stderr, sep="", end="")
+    sys.exit(outcome.returncode)
