@@ -69,6 +69,7 @@ import torch
 from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
+from millpond.checks import check_int
 from millpond.errors import InvalidConfigError, MillpondError
 from millpond.segmenting import cut_batch, pack_batch
 from millpond.segments import Segment
@@ -139,11 +140,11 @@ class Collector:
         episode_id_base: int = 0,
         seed: int | None = None,
     ) -> None:
-        _check_int("chunk_len", chunk_len, 1)
-        _check_int("weight_sync_every", weight_sync_every, 1)
-        _check_int("episode_id_base", episode_id_base, 0)
+        check_int("chunk_len", chunk_len, 1)
+        check_int("weight_sync_every", weight_sync_every, 1)
+        check_int("episode_id_base", episode_id_base, 0)
         if num_envs is not None:
-            _check_int("num_envs", num_envs, 1)
+            check_int("num_envs", num_envs, 1)
         if sink is not None and not (
             callable(getattr(sink, "write_segment", None))
             and callable(getattr(sink, "flush", None))
@@ -453,8 +454,3 @@ class Collector:
     def _check_open(self) -> None:
         if self._closed:
             raise MillpondError("this Collector is closed")
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidConfigError(f"{name} ({value!r}) must be an integer >= {low}")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from millpond.checks import as_int64
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError, TableNotFoundError
 from millpond.learner._convert import state_dict_from_blob, state_dict_to_blob, weight_chunks
@@ -424,9 +425,9 @@ class ReplayClient:
         _check_table(table)
         self._check_open()
         try:
-            slots = _int64(index["slot"], "index['slot']")
-            gens = _int64(index["generation"], "index['generation']")
-            shard_ids = _int64(index["shard"], "index['shard']")
+            slots = as_int64(index["slot"], "index['slot']")
+            gens = as_int64(index["generation"], "index['generation']")
+            shard_ids = as_int64(index["shard"], "index['shard']")
         except KeyError as e:
             raise InvalidDataError(
                 "update_priorities needs a sampled batch's 'index' (slot, generation, shard); "
@@ -603,15 +604,6 @@ def _check_batch_size(batch_size: int) -> None:
         or batch_size < 1
     ):
         raise InvalidDataError(f"batch_size ({batch_size!r}) must be a positive integer")
-
-
-def _int64(x: Any, name: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu":
-        raise InvalidDataError(f"{name} must hold integers, received {a.dtype}")
-    return a.astype(np.int64).reshape(-1)
 
 
 def _float64(x: Any) -> np.ndarray:

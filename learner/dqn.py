@@ -52,8 +52,9 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
-from millpond.learner._common import check_int, check_number, published_version
+from millpond.learner._common import published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import n_step_return
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from millpond.checks import as_int64
 from millpond.config import TableConfig
 from millpond.errors import (
     ClosedError,
@@ -496,8 +497,8 @@ class Table:
                 f"table {self.name!r} uses the {self.config.sampler} sampler; "
                 "priorities are only for prioritized tables"
             )
-        slots = _as_int64(slots).reshape(-1)
-        gens = _as_int64(generations).reshape(-1)
+        slots = as_int64(slots)
+        gens = as_int64(generations)
         prios = np.asarray(
             priorities.detach().cpu().numpy()
             if isinstance(priorities, torch.Tensor)
@@ -608,12 +609,3 @@ class Table:
             f"inserts {r.inserts}, samples {r.samples}, samples_per_insert "
             f"{r.samples_per_insert}, diff {r.diff:g} in [{r.min_diff:g}, {r.max_diff:g}]"
         )
-
-
-def _as_int64(x: np.ndarray | torch.Tensor) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    x = np.asarray(x)
-    if x.dtype.kind not in "iu":
-        raise InvalidDataError(f"indexes must be integers, received {x.dtype}")
-    return x.astype(np.int64)
