@@ -1,8 +1,10 @@
-"""gRPC status codes back to millpond exceptions (the client's half of the error mapping).
+"""A :class:`grpc.RpcError` back to a millpond exception, and what a failed call means.
 
-The servicer maps each :mod:`millpond.errors` class to one status code; this module maps a
-:class:`grpc.RpcError` back to the class, keeping the server's message, so that a raw
-``RpcError`` never reaches a user.
+The status table itself is :mod:`millpond.protos.status`, shared with the servicer; this
+module reads a failed call with it (code, details, the error class the server named),
+keeping the server's message, so that a raw ``RpcError`` never reaches a user. It also
+tells a shard that could not be reached from one that answered, and which failures a
+pinned writer retries.
 """
 
 from __future__ import annotations
@@ -11,29 +13,11 @@ import grpc
 
 from millpond.errors import (
     AuthenticationError,
-    DeadlineExceededError,
-    InvalidDataError,
     MillpondError,
     PermissionDeniedError,
-    RateLimiterTimeoutError,
-    ResourceExhaustedError,
     ShardUnavailableError,
-    StorageCorruptedError,
-    TableExistsError,
-    TableNotFoundError,
 )
-
-_BY_CODE: dict[grpc.StatusCode, type[MillpondError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidDataError,
-    grpc.StatusCode.NOT_FOUND: TableNotFoundError,
-    grpc.StatusCode.ALREADY_EXISTS: TableExistsError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
-    grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
-    grpc.StatusCode.DATA_LOSS: StorageCorruptedError,
-}
+from millpond.protos.status import ERROR_KEY, error_from_status
 
 #: Codes after which a pinned writer reconnects and re-sends (CANCELLED only when the
 #: cancellation did not come from the writer itself; the caller checks that).
@@ -51,6 +35,19 @@ def code_of(err: BaseException) -> grpc.StatusCode | None:
         return code() if callable(code) else None
     except Exception:  # a bare RpcError raised by hand has no code
         return None
+
+
+def error_name_of(err: BaseException) -> str | None:
+    """The error class the server named in the call's trailing metadata, if any."""
+    trailing = getattr(err, "trailing_metadata", None)
+    try:
+        pairs = trailing() if callable(trailing) else None
+    except Exception:
+        pairs = None
+    for key, value in pairs or ():
+        if key == ERROR_KEY:
+            return value
+    return None
 
 
 def details_of(err: BaseException) -> str:
@@ -73,6 +70,7 @@ def is_connect_failure(err: BaseException) -> bool:
         return True
     return (
         code == grpc.StatusCode.DEADLINE_EXCEEDED
+        and error_name_of(err) is None  # the server names the errors it sends
         and details_of(err).strip().lower() == _CORE_DEADLINE
     )
 
@@ -101,14 +99,7 @@ def from_rpc_error(err: BaseException, address: str | None = None) -> MillpondEr
         return MillpondError(message)
     if is_connect_failure(err) and address is not None:
         message = f"shard {address}: {message}"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not is_connect_failure(err):
-        lowered = message.lower()
-        if any(word in lowered for word in ("rate limiter", "queue", "timed out")):
-            return RateLimiterTimeoutError(message)
-    cls = _BY_CODE.get(code)
-    if cls is None:
-        return MillpondError(f"{code.name}: {message}")
-    return cls(message)
+    return error_from_status(code, message, error_name_of(err))
 
 
 __all__ = [

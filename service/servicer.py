@@ -7,42 +7,35 @@ DEADLINE_EXCEEDED, ...) and never changes what is stored or stops the server.
 
 from __future__ import annotations
 
-import errno
 import functools
 import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import grpc
 
 from millpond.errors import (
     InvalidDataError,
-    MillpondError,
     RateLimiterTimeoutError,
     ResourceExhaustedError,
 )
 from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
+from millpond.protos.status import ERROR_KEY, status_of
 from millpond.protos.tables import config_from_proto, config_to_proto, info_to_proto
+from millpond.protos.weights import chunks as weight_chunks
 from millpond.segments import PackedSegments, Segment, concat, pack, pack_columns
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
 
 log = logging.getLogger("millpond.server")
+T = TypeVar("T")
 
-_WEIGHTS_CHUNK = 256 << 10  # well under the smallest message limit (1 MiB)
 # Blocking waits are cut into slices this long, to notice a cancelled call.
 _POLL_S = 0.5
-
-
-def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, MillpondError):
-        return getattr(grpc.StatusCode, exc.GRPC_STATUS), str(exc)
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"disk full: {exc}"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
 def _edge(method: Callable) -> Callable:
@@ -51,9 +44,11 @@ def _edge(method: Callable) -> Callable:
     def fail(exc: BaseException, context: grpc.ServicerContext) -> None:
         if isinstance(exc, grpc.RpcError) or not context.is_active():
             return  # the client went away (or the server is stopping): nobody to answer
-        code, message = _status_of(exc)
+        code, message, error_name = status_of(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("%s failed", method.__name__)
+        if error_name is not None:
+            context.set_trailing_metadata(((ERROR_KEY, error_name),))
         context.abort(code, message)
 
     if inspect.isgeneratorfunction(method):
@@ -75,6 +70,29 @@ def _edge(method: Callable) -> Callable:
             fail(exc, context)
 
     return unary
+
+
+class _Cancelled(Exception):
+    """The client cancelled the call (or it timed out) while the shard waited for it."""
+
+
+def _in_slices(attempt: Callable[[float], T], timeout: float | None, context) -> T:
+    """``attempt(wait_s)`` again and again in slices of :data:`_POLL_S`, until it returns.
+
+    A rate-limiter wait cannot see a cancelled call: cutting it into slices does, so a
+    cancelled call frees its thread within a slice (raising :class:`_Cancelled`). The last
+    :class:`RateLimiterTimeoutError` passes once ``timeout`` (``None``: none) has run out.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if not context.is_active():
+            raise _Cancelled
+        wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+        try:
+            return attempt(max(0.0, wait))
+        except RateLimiterTimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 def _timeout(ms: int) -> float | None:
@@ -147,17 +165,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         if not writer_id:
             table.insert_packed(packed, timeout)
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if not context.is_active():
-                raise grpc.RpcError("the call was cancelled")
-            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            try:
-                table.insert_packed(packed, max(0.0, wait), writer_id)
-                return
-            except RateLimiterTimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
+        _in_slices(lambda wait: table.insert_packed(packed, wait, writer_id), timeout, context)
 
     @staticmethod
     def _packed(msg: pb.PackedSegments) -> PackedSegments:
@@ -235,17 +243,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @staticmethod
     def _sample_one(table, batch_size: int, timeout: float | None, context):
-        """One batch, waiting in short slices so that a cancelled call frees its thread."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if not context.is_active():
-                return None
-            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            try:
-                return table.sample(batch_size, timeout=max(0.0, wait))
-            except RateLimiterTimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
+        """One batch, or ``None`` when the call was cancelled while it waited."""
+        try:
+            return _in_slices(lambda wait: table.sample(batch_size, timeout=wait), timeout, context)
+        except _Cancelled:
+            return None
 
     @_edge
     def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context):
@@ -301,5 +303,5 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         yield pb.GetWeightsResponse(version=version, total_size=size)
         if blob is None:
             return
-        for offset in range(0, size, _WEIGHTS_CHUNK):
-            yield pb.GetWeightsResponse(chunk=blob[offset : offset + _WEIGHTS_CHUNK])
+        for chunk in weight_chunks(blob):
+            yield pb.GetWeightsResponse(chunk=chunk)
