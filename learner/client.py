@@ -33,13 +33,18 @@ from tensordict import TensorDict, TensorDictBase
 
 from millpond.checks import as_int64
 from millpond.config import TableConfig
-from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError, TableNotFoundError
+from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError
+from millpond.learner._calls import CallSet
+from millpond.learner._channels import bearer_metadata, channel_options
 from millpond.learner._convert import state_dict_from_blob, state_dict_to_blob, weight_chunks
-from millpond.learner._errors import ShardUnavailableError, from_rpc_error
-from millpond.learner._sharding import CallSet, ShardSet, channel_options
+from millpond.learner._errors import from_rpc_error
+from millpond.learner._info import combine_info
+from millpond.learner._masses import ShardMasses
+from millpond.learner._shards import ShardSet
+from millpond.learner._split import SplitSampler
 from millpond.learner.writer import Writer
 from millpond.protos import millpond_pb2 as pb
-from millpond.protos.tables import config_from_proto, config_to_proto, info_from_proto
+from millpond.protos.tables import config_from_proto, config_to_proto
 from millpond.routing import shard_of
 from millpond.ted import compact_ted
 
@@ -106,8 +111,11 @@ class ReplayClient:
         self.tls = tls
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.max_message_mb = max_message_mb
-        metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._set = ShardSet(parts, channel_options(max_message_mb), tls, metadata, self.timeout_s)
+        self._set = ShardSet(
+            parts, channel_options(max_message_mb), tls, bearer_metadata(token), self.timeout_s
+        )
+        self._masses = ShardMasses(self._set)
+        self._sampler = SplitSampler(self._set, self._masses)
         self._lock = threading.Lock()
         self._closed = False
         self._client_id = _default_writer_id()
@@ -141,7 +149,7 @@ class ReplayClient:
         if not isinstance(address, str) or not address.strip():
             raise InvalidConfigError(f"address ({address!r}) must be a non-empty 'host:port'")
         shard = self._set.add(address.strip())
-        for config in list(self._set.configs.values()):
+        for config in list(self._masses.configs.values()):
             try:
                 self._set.call(shard, "CreateTable", _create_request(config))
             except MillpondError as e:
@@ -162,7 +170,7 @@ class ReplayClient:
         request = _create_request(config)
         responses = self._set.on_all(lambda s: self._set.call(s, "CreateTable", request))
         stored = config_from_proto(responses[0].config)
-        self._set.configs[stored.name] = stored
+        self._masses.configs[stored.name] = stored
         return stored
 
     def info(self, table: str | None = None) -> dict[str, Any]:
@@ -188,49 +196,7 @@ class ReplayClient:
         shards = self._set.shards
         request = pb.InfoRequest(table=table or "")
         results = self._set.each(shards, lambda s: self._set.call(s, "Info", request))
-        entries: list[dict[str, Any]] = []
-        per_table: dict[str, list[dict[str, Any]]] = {}
-        errors: list[MillpondError] = []
-        weights_version: int | None = None
-        for shard, result in zip(shards, results, strict=True):
-            base = {"shard": shard.index, "address": shard.address, "error": None}
-            if isinstance(result, MillpondError):
-                if not isinstance(result, ShardUnavailableError | TableNotFoundError) and (
-                    not shard.down
-                ):
-                    raise result
-                errors.append(result)
-                entries.append({**base, "available": not shard.down, "error": str(result)})
-                continue
-            version = int(result.weights_version)
-            if shard.index == 0:
-                weights_version = version
-            names = []
-            for msg in result.tables:
-                t = info_from_proto(msg)
-                self._set.learn(shard, t)
-                names.append(t["name"])
-                row = {**base, "available": True, "weights_version": version, **t}
-                per_table.setdefault(t["name"], []).append(row)
-                if table is not None:
-                    entries.append(row)
-            if table is None:
-                entries.append(
-                    {**base, "available": True, "weights_version": version, "tables": names}
-                )
-        if table is not None:
-            if table not in per_table:
-                raise errors[0] if errors else TableNotFoundError(f"no table {table!r}")
-            return _aggregate(table, entries, weights_version)
-        if len(errors) == len(shards):
-            raise errors[0]
-        return {
-            "tables": {
-                name: _aggregate(name, rows, weights_version) for name, rows in per_table.items()
-            },
-            "shards": entries,
-            "weights_version": weights_version,
-        }
+        return combine_info(table, shards, results, self._masses.learn)
 
     def checkpoint(self) -> list[str]:
         """Checkpoint every shard; returns their directories, shard 0 first."""
@@ -245,7 +211,7 @@ class ReplayClient:
         self._check_open()
         request = pb.ResetRequest(table=table)
         self._set.on_all(lambda s: self._set.call(s, "Reset", request))
-        self._set.forget_masses(table)
+        self._masses.forget(table)
         with self._lock:
             state = self._extend.get(table)
         if state is not None:
@@ -285,12 +251,12 @@ class ReplayClient:
         else:
             shard_index = shard
         pinned = shards[shard_index]
-        known = self._set.configs.get(table)
+        known = self._masses.configs.get(table)
         if known is None or known.spec is None:  # best effort: the writer checks the spec early
             # Ask every live shard: the first insert may have set the spec on another one, and
             # this shard must not take a different spec from this writer.
             with contextlib.suppress(MillpondError):
-                self._set.refresh(table, [s for s in shards if not s.down])
+                self._masses.refresh(table, [s for s in shards if not s.down])
         writer = Writer(
             pinned,
             table,
@@ -298,8 +264,8 @@ class ReplayClient:
             max_in_flight,
             metadata=self._set.metadata,
             max_message_bytes=self.max_message_mb * 1024 * 1024,
-            table_config=lambda: self._set.configs.get(table),
-            on_stored=lambda: self._set.mark_stale(pinned, table),
+            table_config=lambda: self._masses.configs.get(table),
+            on_stored=lambda: self._masses.mark_stale(pinned, table),
         )
         self._writers.add(writer)
         return writer
@@ -328,7 +294,7 @@ class ReplayClient:
             queued = False
             try:
                 packed = compact_ted(td, state.episodes)
-                writer._write_packed(packed)
+                writer.write_packed(packed, track_episodes=False)
                 queued = True  # the segments will be stored: the episode state stands
                 writer.flush(self._timeout(timeout_s))
             except BaseException:
@@ -337,7 +303,7 @@ class ReplayClient:
                     state.episodes.update(saved)
                 raise
             finally:
-                if writer._error is not None:  # a refused stream: a fresh writer next time
+                if writer.error is not None:  # a refused stream: a fresh writer next time
                     state.writer = None
                     with contextlib.suppress(MillpondError):
                         writer.close(timeout_s=0)
@@ -360,7 +326,7 @@ class ReplayClient:
         _check_table(table)
         _check_batch_size(batch_size)
         self._check_open()
-        return self._set.sample(table, int(batch_size), self._timeout(timeout_s), None)
+        return self._sampler.sample(table, int(batch_size), self._timeout(timeout_s), None)
 
     def iterate(
         self, table: str, batch_size: int, prefetch: int = 4, timeout_s: float | None = None
@@ -382,10 +348,10 @@ class ReplayClient:
     def _iterate(
         self, table: str, batch_size: int, prefetch: int, timeout: float | None
     ) -> Iterator[TensorDict]:
-        config = self._set.configs.get(table)
+        config = self._masses.configs.get(table)
         if config is None:
-            self._set.refresh(table, [s for s in self._set.shards if not s.down])
-            config = self._set.configs.get(table)
+            self._masses.refresh(table, [s for s in self._set.shards if not s.down])
+            config = self._masses.configs.get(table)
         in_order = config is not None and config.sampler == "queue"
         calls = CallSet()
         pool = ThreadPoolExecutor(
@@ -394,7 +360,7 @@ class ReplayClient:
         pending: deque[Future[TensorDict]] = deque()
 
         def request() -> None:
-            pending.append(pool.submit(self._set.sample, table, batch_size, timeout, calls))
+            pending.append(pool.submit(self._sampler.sample, table, batch_size, timeout, calls))
 
         try:
             for _ in range(prefetch):
@@ -570,26 +536,6 @@ def _default_writer_id() -> str:
 
 def _create_request(config: TableConfig) -> pb.CreateTableRequest:
     return pb.CreateTableRequest(config=config_to_proto(config), exist_ok=True)
-
-
-def _aggregate(
-    table: str, entries: list[dict[str, Any]], weights_version: int | None
-) -> dict[str, Any]:
-    rows = [e for e in entries if e.get("available") and e.get("error") is None]
-    config = next((r["config"] for r in rows if r["config"].spec is not None), None)
-    if config is None and rows:
-        config = rows[0]["config"]
-    return {
-        "table": table,
-        "config": config,
-        "size": sum(r["size"] for r in rows),
-        "mass": sum(r["mass"] for r in rows),
-        "inserts": sum(r["inserts"] for r in rows),
-        "samples": sum(r["samples"] for r in rows),
-        "bytes_on_disk": sum(r["bytes_on_disk"] for r in rows),
-        "weights_version": weights_version,
-        "shards": entries,
-    }
 
 
 def _check_table(table: str) -> None:

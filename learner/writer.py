@@ -37,7 +37,7 @@ from millpond.errors import (
     ResourceExhaustedError,
 )
 from millpond.learner._errors import from_rpc_error, is_retryable
-from millpond.learner._sharding import ShardHandle
+from millpond.learner._shards import ShardHandle
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.codec import to_tensor_map
 from millpond.routing import writer_hash
@@ -201,6 +201,13 @@ class Writer:
             return self._pending
 
     @property
+    def error(self) -> MillpondError | None:
+        """The error that stopped this writer (its stream was refused), ``None`` while it
+        runs; once set, every write, :meth:`flush` and :meth:`close` raises it."""
+        with self._cv:
+            return self._error
+
+    @property
     def sequence(self) -> int:
         """The sequence number of the last segment written (0 before the first)."""
         return self._next_sequence - 1
@@ -274,14 +281,19 @@ class Writer:
             pack([Segment(s.steps, s.tail, int(s.episode_id), int(s.first_step)) for s in segments])
         )
 
-    def write_packed(self, packed: PackedSegments) -> list[int]:
+    def write_packed(self, packed: PackedSegments, *, track_episodes: bool = True) -> list[int]:
         """Queue segments already laid out as columns; returns their sequence numbers.
 
         What :meth:`write_segments` does after packing, for producers whose steps are in one
-        block already (see :func:`millpond.segmenting.pack_batch` and
-        :func:`millpond.segments.pack_columns`). The segments travel as columns, in
-        as few messages as the request size allows. On a validation error nothing is
-        queued.
+        block already (see :func:`millpond.segmenting.pack_batch`,
+        :func:`millpond.segments.pack_columns` and :func:`millpond.ted.compact_ted`). The
+        segments travel as columns, in as few messages as the request size allows. On a
+        validation error nothing is queued.
+
+        ``track_episodes=False``: do not remember where each episode stands (that serves
+        later :meth:`write_segment` calls without ``episode_id``/``first_step``). For a
+        producer that numbers every segment itself, such as :meth:`ReplayClient.extend`,
+        whose episodes without trajectory ids get fresh ids and would pile up here.
         """
         if len(packed) == 0:
             return []
@@ -291,6 +303,8 @@ class Writer:
         with self._write_lock:
             self._check_spec(packed)
             sequences = self._enqueue_many(self._encode_packed(packed))
+            if not track_episodes:
+                return sequences
             ends = torch.cumsum(torch.from_numpy(packed.lengths), 0) - 1
             ended = (packed.steps[TERMINATED][ends] | packed.steps[TRUNCATED][ends]).tolist()
             for episode_id, first_step, length, end in zip(
@@ -388,14 +402,7 @@ class Writer:
             f"sent={self.sent}, acked={self.acked})"
         )
 
-    # -- used by ReplayClient.extend -----------------------------------------------------
-    def _write_packed(self, packed: PackedSegments) -> None:
-        """Queue segments already packed (and episode-numbered) by ``compact_ted``."""
-        self._raise_if_unusable()
-        with self._write_lock:
-            self._check_spec(packed)
-            self._enqueue_many(self._encode_packed(packed))
-
+    # -- encoding ------------------------------------------------------------------------
     def _encode_packed(self, packed: PackedSegments) -> list[_Queued]:
         """``packed`` as ``PackedSegments`` messages of consecutive segments, each within
         the request size (so a shard that takes each segment alone takes them batched)."""

@@ -1,0 +1,180 @@
+"""Mass-proportional splitting: one sample batch asked from several shards and merged.
+
+:func:`split_batch` divides a batch among shards in proportion to their sampleable masses,
+so the merged batch draws every stored step as one table holding everything would.
+:class:`SplitSampler` does that for a table: it splits by the masses the client knows
+(:mod:`millpond.learner._masses`), asks the live shards in parallel, re-asks a shard's share
+from the others when it goes down meanwhile, and concatenates the parts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from millpond.errors import MillpondError, RateLimiterTimeoutError
+from millpond.learner._calls import CallSet, Cancelled
+from millpond.learner._errors import ShardUnavailableError, from_rpc_error, is_connect_failure
+from millpond.learner._masses import ShardMasses
+from millpond.learner._shards import ShardHandle, ShardSet
+from millpond.protos import millpond_pb2 as pb
+from millpond.protos.codec import decode_sample
+
+#: Extra seconds a call's gRPC deadline allows beyond the wait the server is asked to honour.
+DEADLINE_SLACK_S = 10.0
+
+
+def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> list[int]:
+    """Split ``n`` draws among shards in proportion to ``masses`` (systematic sampling).
+
+    Each shard gets ``floor(n * p)`` or one more, with expectation exactly ``n * p``, so the
+    merged batch samples every stored step with the same probability it would have in one
+    table holding everything. Shards with zero mass get nothing; ``sum(masses)`` must be > 0.
+    """
+    m = np.clip(np.asarray(masses, dtype=np.float64), 0.0, None)
+    total = m.sum()
+    if not total > 0:
+        raise ValueError("split_batch needs a positive total mass")
+    edges = np.floor(np.cumsum(m / total) * n + rng.random()).astype(np.int64)
+    edges = np.clip(edges, 0, n)
+    edges[-1] = n  # floor(n + u) == n; rounding in the cumulative sum may say n - 1
+    return [int(c) for c in np.diff(edges, prepend=0)]
+
+
+class _ShardDown(Exception):
+    def __init__(self, shard: ShardHandle, error: MillpondError) -> None:
+        super().__init__(str(error))
+        self.shard = shard
+        self.error = error
+
+
+class SplitSampler:
+    """Samples a table across the shards of ``shards``, split by the masses in ``masses``."""
+
+    def __init__(self, shards: ShardSet, masses: ShardMasses) -> None:
+        self._set = shards
+        self._masses = masses
+        self._rng = np.random.default_rng()
+
+    def sample(
+        self, table: str, batch_size: int, timeout: float | None, parent: CallSet | None
+    ) -> TensorDict:
+        """A batch split across the live shards by mass, asked in parallel, merged.
+
+        A shard found down meanwhile is skipped (its share asked from the others); waits up
+        to ``timeout`` seconds in all. Raises :class:`Cancelled` if ``parent`` is cancelled.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        calls = CallSet(parent)
+        parts: dict[int, list[TensorDict]] = {}
+        try:
+            self._masses.refresh_stale(table)
+            remaining = int(batch_size)
+            while remaining > 0:
+                plan = self._allocate(table, remaining, deadline, timeout, calls)
+                wait = None if deadline is None else max(0.001, deadline - time.monotonic())
+                futures = [
+                    (shard, n, self._set.submit(self._sample_shard, shard, table, n, wait, calls))
+                    for shard, n in plan
+                ]
+                remaining = 0
+                error: BaseException | None = None
+                for shard, n, future in futures:
+                    try:
+                        parts.setdefault(shard.index, []).append(future.result())
+                    except _ShardDown:
+                        remaining += n  # asked again from the shards still up
+                    except BaseException as e:
+                        if error is None or isinstance(error, Cancelled):
+                            error = e
+                        calls.cancel()
+                if error is not None:
+                    raise error
+        finally:
+            calls.release()
+        batches = [td for index in sorted(parts) for td in parts[index]]
+        return batches[0] if len(batches) == 1 else torch.cat(batches, dim=0)
+
+    def _sample_shard(
+        self, shard: ShardHandle, table: str, n: int, wait: float | None, calls: CallSet
+    ) -> TensorDict:
+        request = pb.SampleRequest(
+            table=table,
+            batch_size=n,
+            num_batches=1,
+            timeout_ms=0 if wait is None else max(1, int(wait * 1000)),
+        )
+        deadline = None if wait is None else wait + DEADLINE_SLACK_S
+        if calls.cancelled:
+            raise Cancelled
+        call = shard.stub.Sample(request, timeout=deadline, metadata=self._set.metadata)
+        if not calls.add(call):
+            raise Cancelled
+        try:
+            responses = list(call)
+        except grpc.RpcError as err:
+            if calls.cancelled:
+                raise Cancelled from None
+            error = from_rpc_error(err, shard.address)
+            if is_connect_failure(err):
+                self._set.note_down(shard, error)
+                raise _ShardDown(shard, error) from err
+            raise error from err
+        finally:
+            calls.discard(call)
+        self._set.note_up(shard)
+        if len(responses) != 1:
+            raise MillpondError(
+                f"shard {shard.address}: expected one sample batch, received {len(responses)}"
+            )
+        td = decode_sample(responses[0])
+        td.set(("index", "shard"), torch.full_like(td.get(("index", "slot")), shard.index))
+        self._masses.set_mass(shard, table, responses[0].mass)
+        return td
+
+    def _allocate(
+        self,
+        table: str,
+        n: int,
+        deadline: float | None,
+        timeout: float | None,
+        calls: CallSet,
+    ) -> list[tuple[ShardHandle, int]]:
+        """How many of ``n`` draws each live shard serves (waiting while all are empty)."""
+        delay = 0.01
+        refreshed = False
+        while True:
+            if calls.cancelled:
+                raise Cancelled
+            shards = self._set.shards
+            live = [s for s in shards if not s.down]
+            if not live:  # ask them all now rather than wait for their retry time
+                self._masses.refresh(table, shards)
+                live = [s for s in shards if not s.down]
+                if not live:
+                    raise ShardUnavailableError(
+                        f"sample {table!r}: all {len(shards)} shards are unavailable "
+                        f"({', '.join(s.address for s in shards)})"
+                    )
+            unknown = [s for s in live if not self._masses.known(s, table)]
+            if unknown:
+                self._masses.refresh(table, unknown)
+                continue
+            masses = [self._masses.get(s, table) for s in live]
+            if sum(masses) > 0:
+                counts = split_batch(n, masses, self._rng)
+                return [(s, k) for s, k in zip(live, counts, strict=True) if k > 0]
+            if refreshed:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RateLimiterTimeoutError(
+                        f"sample {table!r}: no shard had data to sample after {timeout} s"
+                    )
+                time.sleep(delay)
+                delay = min(0.2, delay * 2)
+            self._masses.refresh(table, live)
+            refreshed = True
