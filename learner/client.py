@@ -36,7 +36,6 @@ from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError
 from millpond.learner._calls import CallSet
 from millpond.learner._channels import bearer_metadata, channel_options
-from millpond.learner._convert import state_dict_from_blob, state_dict_to_blob, weight_chunks
 from millpond.learner._errors import from_rpc_error
 from millpond.learner._info import combine_info
 from millpond.learner._masses import ShardMasses
@@ -45,6 +44,7 @@ from millpond.learner._split import SplitSampler
 from millpond.learner.writer import Writer
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto
+from millpond.protos.weights import publish_requests, state_dict_from_blob, state_dict_to_blob
 from millpond.routing import shard_of
 from millpond.ted import compact_ted
 
@@ -446,7 +446,7 @@ class ReplayClient:
         self._check_open()
         blob = state_dict_to_blob(state_dict)
         shard = self._set.shards[0]
-        return int(self._set.call(shard, "PublishWeights", weight_chunks(blob, version)).version)
+        return int(self._set.call(shard, "PublishWeights", publish_requests(blob, version)).version)
 
     def get_weights(
         self, min_version: int = 0, timeout_s: float = 0
