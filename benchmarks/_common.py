@@ -1,18 +1,32 @@
 """Helpers the benchmark scripts share: progress lines, settling, calibration, the code
-version measured, and server subprocesses that print ``ADDRESSES a,b`` once serving."""
+version measured, server subprocesses that print ``ADDRESSES a,b`` once serving, the common
+command-line options and report plumbing, and the synthetic experience (episode layout,
+collector chunks, TorchRL's TED form) that the storage and service benchmarks generate."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import gc
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+OBS = "observation"
 
 
 def log(msg: str) -> None:
@@ -120,3 +134,156 @@ def millpond_serve(root: Path, shards: int = 1) -> ServerProcess:
     cmd = [sys.executable, "-m", "millpond.cli", "serve", "--dir", str(d), "--port", "0"]
     cmd += ["--shards", str(shards)]
     return ServerProcess(cmd, root / f"serve-{shards}.log", f"millpond serve --shards {shards}")
+
+
+# -- command line, scratch space, report ----------------------------------------------------
+def add_common_args(ap: argparse.ArgumentParser, quick_help: str) -> None:
+    """``--quick``, ``--out``, ``--dir`` and ``--shapes``, as every side-by-side script takes them."""
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", type=Path, help="also write the table as markdown to this file")
+    ap.add_argument("--dir", type=Path, help="parent of the temporary data directory (/tmp)")
+    ap.add_argument("--shapes", default="cartpole,atari", help="comma-separated: cartpole,atari")
+
+
+def quiet_torchrl() -> None:
+    """Import torchrl with its UserWarnings off and its logger at WARNING."""
+    warnings.filterwarnings("ignore", category=UserWarning, module="torchrl")
+    import torchrl  # noqa: F401  (configures its logger on import; quieten it afterwards)
+
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def scratch_root(parent: Path | None, prefix: str) -> Iterator[Path]:
+    """A temporary directory under ``parent`` (created if needed; default /tmp), removed after."""
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield root
+    finally:
+        with contextlib.suppress(Exception):
+            shutil.rmtree(root)
+
+
+def load_average(load: tuple[tuple[float, ...], tuple[float, ...]]) -> str:
+    """The load averages at a run's start and end, as the reports' machine line gives them."""
+    start, end = ("/".join(f"{x:.2f}" for x in avg) for avg in load)
+    return f"Load average (1/5/15 min) at start {start}, at end {end}"
+
+
+def status(ok: bool) -> str:
+    """A target's verdict in a report."""
+    return "**met**" if ok else "**missed**"
+
+
+def emit_report(report: str, out: Path | None, t0: float) -> None:
+    """The report on stdout (and to ``out``), and the run's duration on stderr."""
+    print(report)
+    if out is not None:
+        out.write_text(report)
+    log(f"done in {time.perf_counter() - t0:.0f} s")
+
+
+# -- synthetic experience -------------------------------------------------------------------
+TRUNCATED_SHARE = 0.2  # of the episodes that end inside the data
+
+
+@dataclasses.dataclass
+class Episodes:
+    """Consecutive episodes of random lengths on each of P lanes of S steps.
+
+    Episodes are numbered lane after lane, in time order; ``lengths[e]`` is episode ``e``'s
+    full length (the last episode of a lane may be cut short by the data's end, and then
+    neither terminates nor truncates).
+    """
+
+    episode: np.ndarray  # [P, S] int64: the episode of each step
+    step: np.ndarray  # [P, S] int64: its index within the episode
+    terminated: np.ndarray  # [P, S] bool
+    truncated: np.ndarray  # [P, S] bool
+    lengths: np.ndarray  # [episodes] int64
+
+
+def episode_layout(
+    rng: np.random.Generator, lanes: int, steps: int, episode_len: tuple[int, int]
+) -> Episodes:
+    """Episodes of lengths uniform in ``episode_len`` (inclusive); ends inside the data are
+    truncations with probability :data:`TRUNCATED_SHARE`, terminations otherwise."""
+    P, S = lanes, steps
+    lo, hi = episode_len
+    episode = np.zeros((P, S), dtype=np.int64)
+    step = np.zeros((P, S), dtype=np.int64)
+    term = np.zeros((P, S), dtype=bool)
+    trunc = np.zeros((P, S), dtype=bool)
+    lengths: list[int] = []
+    for p in range(P):
+        t = 0
+        while t < S:
+            length = int(rng.integers(lo, hi + 1))
+            n = min(length, S - t)
+            episode[p, t : t + n] = len(lengths)
+            step[p, t : t + n] = np.arange(n)
+            if n == length:  # the episode ends inside the data
+                (trunc if rng.random() < TRUNCATED_SHARE else term)[p, t + n - 1] = True
+            lengths.append(length)
+            t += n
+    return Episodes(episode, step, term, trunc, np.array(lengths, dtype=np.int64))
+
+
+def collector_batch(
+    obs: torch.Tensor,
+    next_obs: torch.Tensor,
+    action: torch.Tensor,
+    reward: torch.Tensor,
+    terminated: torch.Tensor,
+    truncated: torch.Tensor,
+    traj_ids: torch.Tensor,
+    step_count: torch.Tensor,
+) -> TensorDict:
+    """A chunk ``[P, T]`` as an env actor's collector hands it to
+    :func:`millpond.segmenting.cut_batch` / ``pack_batch``: ``observation`` and ``action``,
+    ``("next", "observation" | "reward" | "terminated" | "truncated")`` and
+    ``("collector", "traj_ids" | "step_count")``."""
+    return TensorDict(
+        {
+            OBS: obs,
+            "action": action,
+            "next": {
+                OBS: next_obs,
+                "reward": reward,
+                "terminated": terminated,
+                "truncated": truncated,
+            },
+            "collector": {"traj_ids": traj_ids, "step_count": step_count},
+        },
+        batch_size=obs.shape[:2],
+    )
+
+
+def ted_chunk(batch: TensorDict) -> TensorDict:
+    """The chunk ``[P, T]`` of :func:`collector_batch` flattened to ``[P*T]`` in TorchRL's TED
+    layout, as a collector hands it to ``ReplayBuffer.extend``: root ``done``/``terminated``/
+    ``truncated`` (all false), ``("next", "done")``, and ``("collector", "traj_ids")``."""
+    n = batch.numel()
+    flat = batch.reshape(n)
+    nxt = flat["next"]
+    false = torch.zeros(n, 1, dtype=torch.bool)
+    return TensorDict(
+        {
+            OBS: flat[OBS],
+            "action": flat["action"],
+            "done": false,
+            "terminated": false,
+            "truncated": false,
+            "next": {
+                OBS: nxt[OBS],
+                "reward": nxt["reward"],
+                "done": nxt["terminated"] | nxt["truncated"],
+                "terminated": nxt["terminated"],
+                "truncated": nxt["truncated"],
+            },
+            "collector": {"traj_ids": flat["collector", "traj_ids"]},
+        },
+        batch_size=[n],
+    )

@@ -49,10 +49,8 @@ import functools
 import logging
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -61,8 +59,18 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
+from _common import (
+    add_common_args,
+    emit_report,
+    load_average,
+    log,
+    millpond_serve,
+    quiet_torchrl,
+    scratch_root,
+    settle,
+    status,
+)
 from _common import code_version as measured_code_version
-from _common import log, millpond_serve, settle
 from gymnasium.vector import AutoresetMode
 
 LANES = 8  # P
@@ -424,8 +432,7 @@ def render(
         f"Machine: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
         f"torch {torch.__version__} (1 intra-op thread), gymnasium {gym.__version__}, "
         f"tensordict {tensordict.__version__}, torchrl {torchrl.__version__}, ray {ray.__version__}. "
-        f"Load average (1/5/15 min) at start {'/'.join(f'{x:.2f}' for x in load[0])}, at end "
-        f"{'/'.join(f'{x:.2f}' for x in load[1])}. Run took {seconds:.0f} s.",
+        f"{load_average(load)}. Run took {seconds:.0f} s.",
         "",
         f"millpond code: {code_version}. {settings}",
         "",
@@ -484,9 +491,6 @@ def render(
 
 
 def targets(rows: list[tuple[System, System]], torchrl_best: System | None) -> list[str]:
-    def status(ok: bool) -> str:
-        return "**met**" if ok else "**missed**"
-
     out = ["Targets (CartPole):", ""]
     by = {(s.name, s.shape): (s, ref) for s, ref in rows}
     for name in ("millpond-serve", "fleet-1"):
@@ -513,10 +517,7 @@ def targets(rows: list[tuple[System, System]], torchrl_best: System | None) -> l
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run (< 90 s)")
-    ap.add_argument("--out", type=Path, help="also write the table as markdown to this file")
-    ap.add_argument("--dir", type=Path, help="parent of the temporary data directory (/tmp)")
-    ap.add_argument("--shapes", default="cartpole,atari", help="comma-separated: cartpole,atari")
+    add_common_args(ap, "small smoke run (< 90 s)")
     ap.add_argument(
         "--systems",
         default=None,
@@ -551,75 +552,76 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (0.4 if quick else 1.5)
     lanes, chunk_len = args.lanes, args.chunk_len
 
-    warnings.filterwarnings("ignore", category=UserWarning, module="torchrl")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    import torchrl  # noqa: F401  (configures its logger on import; quieten it afterwards)
-
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    quiet_torchrl()
     torch.set_num_threads(args.threads)
     from millpond import ReplayClient, Table, TableConfig
     from millpond.service import TableSink
 
     code_version = measured_code_version(["actors", "learner", "service", "protos", "millpond"])
     load_before = os.getloadavg()
-    if args.dir is not None:
-        args.dir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="millpond-collect-bench-", dir=args.dir))
     t0 = time.perf_counter()
     inproc: list[System] = []
     closers: list[Callable[[], None]] = []
     server = client = None
-    try:
-        server = millpond_serve(root)
-        client = ReplayClient(server.addresses, timeout_s=300)
-        bare: dict[str, System] = {}
-        for shape in shapes:
-            bare[shape] = bare_system(shape, lanes, chunk_len)
-            inproc.append(bare[shape])
-            if "millpond-collect" in systems:
-                inproc.append(collector_system("millpond-collect", shape, lanes, chunk_len))
-            if "millpond-serve" in systems:
-                table = f"{shape}-collector"
-                client.create_table(TableConfig.uniform(table, capacity_of(shape)))
-                writer = client.writer(table, f"bench-{shape}")
-                inproc.append(
-                    collector_system(
-                        "millpond-serve", shape, lanes, chunk_len, writer, client, table
+    with scratch_root(args.dir, "millpond-collect-bench-") as root:
+        try:
+            server = millpond_serve(root)
+            client = ReplayClient(server.addresses, timeout_s=300)
+            bare: dict[str, System] = {}
+            for shape in shapes:
+                bare[shape] = bare_system(shape, lanes, chunk_len)
+                inproc.append(bare[shape])
+                if "millpond-collect" in systems:
+                    inproc.append(collector_system("millpond-collect", shape, lanes, chunk_len))
+                if "millpond-serve" in systems:
+                    table = f"{shape}-collector"
+                    client.create_table(TableConfig.uniform(table, capacity_of(shape)))
+                    writer = client.writer(table, f"bench-{shape}")
+                    inproc.append(
+                        collector_system(
+                            "millpond-serve", shape, lanes, chunk_len, writer, client, table
+                        )
                     )
-                )
-            if "millpond-table" in systems and shape == "cartpole":
-                t = Table.create(root / f"table-{shape}", TableConfig.uniform("t", 1_000_000))
-                inproc.append(
-                    collector_system("millpond-table", shape, lanes, chunk_len, TableSink(t))
-                )
-            if shape == "cartpole":
-                for kind in TORCHRL_ENVS:
-                    if f"torchrl-{kind}" in systems or f"torchrl-{kind}+rb" in systems:
-                        pair, close = torchrl_systems(kind, lanes, chunk_len, root)
-                        closers.append(close)
-                        inproc += [p for p in pair if p.name in systems]
-        measure(inproc, reps, seconds)
-        rows = [(s, bare[s.shape]) for s in inproc]
-        fleets = [(sh, int(f.split("-")[1])) for sh in shapes for f in FLEETS if f in systems]
-        fleets = [(sh, n) for sh, n in fleets if sh == "cartpole" or n == 1]
-        if fleets:
-            for s, ref in run_fleets(
-                client, shapes, fleets, bare, reps, seconds, lanes, chunk_len, args.chunks_per_call
-            ):
-                rows.append((s, ref))
-        errors = [e for s in inproc if (e := s.check()) is not None]
-        if errors:
-            raise AssertionError("; ".join(errors))
-    finally:
-        for close in [s.close for s in inproc] + closers:
-            with contextlib.suppress(Exception):
-                close()
-        if client is not None:
-            client.close()
-        if server is not None:
-            server.stop()
-        with contextlib.suppress(Exception):
-            shutil.rmtree(root)
+                if "millpond-table" in systems and shape == "cartpole":
+                    t = Table.create(root / f"table-{shape}", TableConfig.uniform("t", 1_000_000))
+                    inproc.append(
+                        collector_system("millpond-table", shape, lanes, chunk_len, TableSink(t))
+                    )
+                if shape == "cartpole":
+                    for kind in TORCHRL_ENVS:
+                        if f"torchrl-{kind}" in systems or f"torchrl-{kind}+rb" in systems:
+                            pair, close = torchrl_systems(kind, lanes, chunk_len, root)
+                            closers.append(close)
+                            inproc += [p for p in pair if p.name in systems]
+            measure(inproc, reps, seconds)
+            rows = [(s, bare[s.shape]) for s in inproc]
+            fleets = [(sh, int(f.split("-")[1])) for sh in shapes for f in FLEETS if f in systems]
+            fleets = [(sh, n) for sh, n in fleets if sh == "cartpole" or n == 1]
+            if fleets:
+                for s, ref in run_fleets(
+                    client,
+                    shapes,
+                    fleets,
+                    bare,
+                    reps,
+                    seconds,
+                    lanes,
+                    chunk_len,
+                    args.chunks_per_call,
+                ):
+                    rows.append((s, ref))
+            errors = [e for s in inproc if (e := s.check()) is not None]
+            if errors:
+                raise AssertionError("; ".join(errors))
+        finally:
+            for close in [s.close for s in inproc] + closers:
+                with contextlib.suppress(Exception):
+                    close()
+            if client is not None:
+                client.close()
+            if server is not None:
+                server.stop()
     order = {name: i for i, name in enumerate(SYSTEMS)}
     rows.sort(key=lambda r: (SHAPES.index(r[0].shape), order[r[0].name]))
     settings_line = (
@@ -635,10 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         code_version,
         settings_line,
     )
-    print(report)
-    if args.out is not None:
-        args.out.write_text(report)
-    log(f"done in {time.perf_counter() - t0:.0f} s")
+    emit_report(report, args.out, t0)
     return 0
 
 

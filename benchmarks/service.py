@@ -2,7 +2,7 @@
 
 Everything runs on this machine, over loopback, in one run and on the same pre-generated
 experience (P env lanes collected in chunks of T steps, cut into segments at episode ends and
-chunk ends, as an actor does):
+chunk ends by :func:`millpond.segmenting.cut_batch`, as an actor does):
 
 * ``millpond``: real ``millpond serve`` processes (``--shards 1`` and ``--shards 2``) and a
   :class:`~millpond.ReplayClient` in this process. Inserts go through ``client.writer(...)``
@@ -47,21 +47,35 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from _common import ServerProcess, calibrate, code_version, log, millpond_serve, settle
+from _common import (
+    OBS,
+    ServerProcess,
+    add_common_args,
+    calibrate,
+    code_version,
+    collector_batch,
+    emit_report,
+    episode_layout,
+    load_average,
+    log,
+    millpond_serve,
+    quiet_torchrl,
+    scratch_root,
+    settle,
+    status,
+    ted_chunk,
+)
 from tensordict import TensorDict
 
 SYSTEMS = ("raw-grpc", "millpond", "torchrl-ray")
-OBS = "observation"
 BATCH = 256
 PREFETCH = 4
 MiB = 1024 * 1024
@@ -139,6 +153,7 @@ def make_workload(shape: Shape, steps: int, seed: int = 0) -> Workload:
     """P lanes of episodes (random lengths) in chunks of T steps, cut into segments."""
     from millpond.protos import millpond_pb2 as pb
     from millpond.protos.codec import to_tensor_map
+    from millpond.segmenting import cut_batch
     from millpond.segments import Segment, pack
 
     rng = np.random.default_rng(seed)
@@ -158,23 +173,9 @@ def make_workload(shape: Shape, steps: int, seed: int = 0) -> Workload:
     obs = rand_obs(P, S + 1)
     next_obs = obs[:, 1:].clone()
     obs = obs[:, :S]
-    term = np.zeros((P, S), dtype=bool)
-    trunc = np.zeros((P, S), dtype=bool)
-    episode = np.zeros((P, S), dtype=np.int64)
-    step_idx = np.zeros((P, S), dtype=np.int64)
-    lo, hi = shape.episode_len
-    n_episodes = 0
-    for p in range(P):
-        t = 0
-        while t < S:
-            length = int(rng.integers(lo, hi + 1))
-            n = min(length, S - t)
-            episode[p, t : t + n] = n_episodes
-            step_idx[p, t : t + n] = np.arange(n)
-            if n == length:
-                (trunc if rng.random() < 0.2 else term)[p, t + n - 1] = True
-            n_episodes += 1
-            t += n
+    eps = episode_layout(rng, P, S, shape.episode_len)
+    episode, step_idx, term, trunc = eps.episode, eps.step, eps.terminated, eps.truncated
+    n_episodes = len(eps.lengths)
     ends = torch.from_numpy(np.argwhere(term | trunc))
     if len(ends):
         next_obs[ends[:, 0], ends[:, 1]] = rand_obs(len(ends))
@@ -201,63 +202,36 @@ def make_workload(shape: Shape, steps: int, seed: int = 0) -> Workload:
 
     segments: list[Seg] = []
     ted_chunks: list[TensorDict] = []
-    false = torch.zeros(P * T, 1, dtype=torch.bool)
     for c in range(n_chunks):
         a0, b0 = c * T, (c + 1) * T
-        for p in range(P):
-            cuts = (np.flatnonzero((term | trunc)[p, a0:b0]) + a0).tolist()
-            if not cuts or cuts[-1] != b0 - 1:
-                cuts.append(b0 - 1)
-            a = a0
-            for e in cuts:
-                b = e + 1
-                steps_td = TensorDict(
-                    {
-                        OBS: obs[p, a:b],
-                        "action": action[p, a:b],
-                        "next": {
-                            "reward": reward[p, a:b],
-                            "terminated": term_t[p, a:b],
-                            "truncated": trunc_t[p, a:b],
-                        },
-                    },
-                    batch_size=[b - a],
+        # Contiguous, so that the segments and the TED chunk are views of the same copy.
+        batch = collector_batch(
+            obs[:, a0:b0],
+            next_obs[:, a0:b0],
+            action[:, a0:b0],
+            reward[:, a0:b0],
+            term_t[:, a0:b0],
+            trunc_t[:, a0:b0],
+            torch.from_numpy(episode[:, a0:b0]),
+            torch.from_numpy(step_idx[:, a0:b0]),
+        ).contiguous()
+        start = 0  # row of the segment's first step in the lane-major chunk
+        for seg in cut_batch(batch):
+            length = seg.steps.batch_size[0]
+            segments.append(
+                Seg(
+                    start // T,
+                    seg.steps,
+                    seg.tail,
+                    seg.episode_id,
+                    seg.first_step,
+                    length,
+                    wire(seg.steps, seg.tail, length),
+                    c,
                 )
-                tail_td = TensorDict({OBS: next_obs[p, e]}, batch_size=[])
-                segments.append(
-                    Seg(
-                        p,
-                        steps_td,
-                        tail_td,
-                        int(episode[p, a]),
-                        int(step_idx[p, a]),
-                        b - a,
-                        wire(steps_td, tail_td, b - a),
-                        c,
-                    )
-                )
-                a = b
-        done_c = (term_t | trunc_t)[:, a0:b0].reshape(-1, 1)
-        ted_chunks.append(
-            TensorDict(
-                {
-                    OBS: obs[:, a0:b0].reshape(P * T, *shape.obs_shape),
-                    "action": action[:, a0:b0].reshape(-1),
-                    "done": false,
-                    "terminated": false,
-                    "truncated": false,
-                    "next": {
-                        OBS: next_obs[:, a0:b0].reshape(P * T, *shape.obs_shape),
-                        "reward": reward[:, a0:b0].reshape(-1, 1),
-                        "done": done_c,
-                        "terminated": term_t[:, a0:b0].reshape(-1, 1),
-                        "truncated": trunc_t[:, a0:b0].reshape(-1, 1),
-                    },
-                    "collector": {"traj_ids": torch.from_numpy(episode[:, a0:b0].reshape(-1))},
-                },
-                batch_size=[P * T],
             )
-        )
+            start += length
+        ted_chunks.append(ted_chunk(batch))
     ted_bytes = sum(
         t.numel() * t.element_size()
         for td in ted_chunks
@@ -832,8 +806,7 @@ def render(
     lines.append(
         f"Machine: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
         f"torch {torch.__version__}, grpcio {grpc.__version__}, torchrl {torchrl.__version__}, "
-        f"ray {ray.__version__}; everything on loopback. Load average (1/5/15 min) at start "
-        f"{'/'.join(f'{x:.2f}' for x in load[0])}, at end {'/'.join(f'{x:.2f}' for x in load[1])}."
+        f"ray {ray.__version__}; everything on loopback. {load_average(load)}."
         f" Run took {seconds:.0f} s. GLIBC_TUNABLES: {os.environ.get('GLIBC_TUNABLES') or 'unset'}."
     )
     lines.append("")
@@ -918,9 +891,6 @@ def targets(results: list[dict]) -> list[str]:
             and (shards is None or r["shards"] == shards)
             and (streams is None or r["streams"] == streams)
         ]
-
-    def status(ok: bool) -> str:
-        return "**met**" if ok else "**missed**"
 
     def per_rep(a: list[float], b: list[float]) -> str:
         """Median and range of the ratios of repetitions run side by side."""
@@ -1049,10 +1019,7 @@ def run_all(
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run (< 90 s)")
-    ap.add_argument("--out", type=Path, help="also write the table as markdown to this file")
-    ap.add_argument("--dir", type=Path, help="parent of the temporary data directory (/tmp)")
-    ap.add_argument("--shapes", default="cartpole,atari", help="comma-separated: cartpole,atari")
+    add_common_args(ap, "small smoke run (< 90 s)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     ap.add_argument("--shards", default="1,2", help="millpond shard counts (default 1,2)")
     ap.add_argument(
@@ -1095,17 +1062,11 @@ def main(argv: list[str] | None = None) -> int:
         quick=quick,
         write=args.write,
     )
-    warnings.filterwarnings("ignore", category=UserWarning, module="torchrl")
-    import torchrl  # noqa: F401  (configures its logger on import; quieten it afterwards)
-
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    quiet_torchrl()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    if args.dir is not None:
-        args.dir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="millpond-svc-bench-", dir=args.dir))
     t0 = time.perf_counter()
-    try:
+    with scratch_root(args.dir, "millpond-svc-bench-") as root:
         workloads = {}
         for shape in shapes:
             t1 = time.perf_counter()
@@ -1117,9 +1078,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"({time.perf_counter() - t1:.1f} s)"
             )
         results = run_all(root, workloads, systems, s)
-    finally:
-        with contextlib.suppress(Exception):
-            shutil.rmtree(root)
     order = {name: i for i, name in enumerate(SYSTEMS)}
     shape_order = {shape.name: i for i, shape in enumerate(shapes)}
     results.sort(
@@ -1128,10 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
     report = render(
         results, workloads, s, argv, (load_before, os.getloadavg()), time.perf_counter() - t0
     )
-    print(report)
-    if args.out is not None:
-        args.out.write_text(report)
-    log(f"done in {time.perf_counter() - t0:.0f} s")
+    emit_report(report, args.out, t0)
     return 0
 
 

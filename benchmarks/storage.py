@@ -4,7 +4,8 @@ Compares, in one run and on the same pre-generated data:
 
 * ``millpond``: a :class:`~millpond.service.table.Table` (uniform sampler; a slices table for
   slice sampling). Each chunk is cut into segments (at episode ends and the chunk end, each
-  with its tail observation) and inserted with one ``insert_many`` call, as an actor would.
+  with its tail observation) by :func:`millpond.segmenting.cut_batch`, as an actor does, and
+  inserted with one ``insert_many`` call.
 * ``torchrl-ted``: ``ReplayBuffer(storage=LazyMemmapStorage(N))`` in TorchRL's default TED
   layout (``observation`` and ``("next", "observation")`` both stored), ``RandomSampler``;
   ``SliceSampler(slice_len=8, traj_key=("collector", "traj_ids"))`` for slices.
@@ -27,33 +28,42 @@ small smoke run (< 60 s).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
-import logging
 import os
 import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from _common import calibrate, log, settle
+from _common import (
+    OBS,
+    add_common_args,
+    calibrate,
+    collector_batch,
+    emit_report,
+    episode_layout,
+    load_average,
+    log,
+    quiet_torchrl,
+    scratch_root,
+    settle,
+    ted_chunk,
+)
 from _common import code_version as measured_code_version
 from tensordict import TensorDict
 
 from millpond.config import TableConfig
+from millpond.segmenting import cut_batch, pack_batch
 from millpond.segments import PackedSegments, Segment
 from millpond.service.table import Table
 
 SYSTEMS = ("millpond", "torchrl-ted", "torchrl-compact")
-OBS = "observation"
 NEXT_OBS = ("next", "observation")
 TRAJ = ("collector", "traj_ids")
 SLICE_LEN = 8
@@ -108,7 +118,7 @@ class Data:
     next_of: np.ndarray
     done_of: np.ndarray
     cut_seconds_per_chunk: float  # actor-side cost of cutting one chunk into segments
-    chunk_columns: list[dict[str, torch.Tensor]]  # lane-major [P*T] views, for pack_chunk
+    batches: list[TensorDict]  # the collector chunks [P, T] (views), for pack_chunk
 
 
 def encode_ids(obs: torch.Tensor, ids: np.ndarray) -> None:
@@ -131,69 +141,16 @@ def decode_ids(obs: torch.Tensor, event_dims: int) -> np.ndarray:
     return (b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)).numpy()
 
 
-def cut_chunk(
-    obs: torch.Tensor,
-    next_obs: torch.Tensor,
-    action: torch.Tensor,
-    reward: torch.Tensor,
-    term: torch.Tensor,
-    trunc: torch.Tensor,
-    traj: np.ndarray,
-    step_idx: np.ndarray,
-) -> list[Segment]:
-    """Cut one [P, T] chunk into segments at episode ends and at the chunk end (actor side)."""
-    P, T = traj.shape
-    done = (term | trunc).reshape(P, T).numpy()
-    segments = []
-    for p in range(P):
-        ends = np.flatnonzero(done[p]).tolist()
-        if not ends or ends[-1] != T - 1:
-            ends.append(T - 1)
-        a = 0
-        for e in ends:
-            b = e + 1
-            steps = TensorDict(
-                {
-                    OBS: obs[p, a:b],
-                    "action": action[p, a:b],
-                    "next": {
-                        "reward": reward[p, a:b],
-                        "terminated": term[p, a:b],
-                        "truncated": trunc[p, a:b],
-                    },
-                },
-                batch_size=[b - a],
-            )
-            tail = TensorDict({OBS: next_obs[p, e]}, batch_size=[])
-            segments.append(Segment(steps, tail, int(traj[p, a]), int(step_idx[p, a])))
-            a = b
-    return segments
-
-
-def pack_chunk(cols: dict[str, torch.Tensor], episode_offset: int) -> PackedSegments:
-    """Cut a [P, T] chunk into segments with a few vectorised ops, straight into columns.
+def pack_chunk(batch: TensorDict, episode_offset: int) -> PackedSegments:
+    """Cut a collector chunk ``[P, T]`` into segments straight into columns
+    (:func:`millpond.segmenting.pack_batch`, as an env actor does when it has no experience
+    processor), its episode ids moved by ``episode_offset``.
 
     Not what ``insert_many`` does (it takes one ``Segment`` per cut); this measures what an
-    actor that packs whole chunks itself would get from ``Table.insert_packed``.
+    actor that packs whole chunks gets from ``Table.insert_packed``.
     """
-    T = int(cols["lanes"][1])
-    ends = (cols["terminated"] | cols["truncated"]).numpy().copy()
-    ends[T - 1 :: T] = True  # every lane is cut at the chunk end
-    last = np.flatnonzero(ends)
-    first = np.concatenate([[0], last[:-1] + 1])
-    return PackedSegments(
-        steps={
-            (OBS,): cols["obs"],
-            ("action",): cols["action"],
-            ("next", "reward"): cols["reward"],
-            ("next", "terminated"): cols["terminated"],
-            ("next", "truncated"): cols["truncated"],
-        },
-        tails={(OBS,): cols["next_obs"].index_select(0, torch.from_numpy(last))},
-        lengths=last - first + 1,
-        episode_ids=cols["traj"].numpy()[first] + episode_offset,
-        first_steps=cols["step"].numpy()[first],
-    )
+    packed = pack_batch(batch)
+    return dataclasses.replace(packed, episode_ids=packed.episode_ids + episode_offset)
 
 
 def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int = 0) -> Data:
@@ -201,35 +158,14 @@ def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int
     P, T = lanes, chunk_len
     n_chunks = -(-capacity // (P * T))
     S = n_chunks * T  # steps per lane
-    lo, hi = shape.episode_len
-    # Per lane: a stream of episodes; an episode of L steps uses L + 1 observation ids
-    # (its L step observations and its final observation).
-    obs_id = np.empty((P, S), dtype=np.int64)
-    next_id = np.empty((P, S), dtype=np.int64)
-    traj = np.empty((P, S), dtype=np.int64)
-    step_idx = np.empty((P, S), dtype=np.int64)
-    term = np.zeros((P, S), dtype=bool)
-    trunc = np.zeros((P, S), dtype=bool)
-    next_free_id, next_traj = 1, 0
-    for p in range(P):
-        t = 0
-        while t < S:
-            L = int(rng.integers(lo, hi + 1))
-            ids = np.arange(next_free_id, next_free_id + L + 1)
-            next_free_id += L + 1
-            n = min(L, S - t)
-            obs_id[p, t : t + n] = ids[:n]
-            next_id[p, t : t + n] = ids[1 : n + 1]
-            traj[p, t : t + n] = next_traj
-            step_idx[p, t : t + n] = np.arange(n)
-            if n == L:  # the episode ends inside the data
-                if rng.random() < 0.2:
-                    trunc[p, t + n - 1] = True
-                else:
-                    term[p, t + n - 1] = True
-            next_traj += 1
-            t += n
-    n_ids = next_free_id
+    eps = episode_layout(rng, P, S, shape.episode_len)
+    traj, step_idx, term, trunc = eps.episode, eps.step, eps.terminated, eps.truncated
+    # An episode of L steps uses L + 1 observation ids (its L step observations and its
+    # final observation), episode after episode from id 1.
+    first_id = 1 + np.concatenate([[0], np.cumsum(eps.lengths + 1)[:-1]])
+    obs_id = first_id[traj] + step_idx
+    next_id = obs_id + 1
+    n_ids = 1 + int((eps.lengths + 1).sum())
     next_of = np.full(n_ids, -1, dtype=np.int64)
     done_of = np.zeros(n_ids, dtype=bool)
     next_of[obs_id.reshape(-1)] = next_id.reshape(-1)
@@ -271,51 +207,28 @@ def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int
     reward = torch.from_numpy(rng.standard_normal((n_chunks, P, T, 1)).astype(np.float32))
     term_t = torch.from_numpy(term_c).unsqueeze(-1)
     trunc_t = torch.from_numpy(trunc_c).unsqueeze(-1)
-    done_t = term_t | trunc_t
-    false = torch.zeros(P, T, 1, dtype=torch.bool)
 
-    ted_chunks, compact_chunks, segment_chunks, chunk_columns = [], [], [], []
+    ted_chunks, compact_chunks, segment_chunks, batches = [], [], [], []
     cut_times = []
     for c in range(n_chunks):
-        td = TensorDict(
-            {
-                OBS: obs[c],
-                "action": action[c],
-                "done": false,
-                "terminated": false,
-                "truncated": false,
-                "next": {
-                    OBS: next_obs[c],
-                    "reward": reward[c],
-                    "done": done_t[c],
-                    "terminated": term_t[c],
-                    "truncated": trunc_t[c],
-                },
-                "collector": {"traj_ids": torch.from_numpy(traj_c[c])},
-            },
-            batch_size=[P, T],
-        ).reshape(-1)
+        batch = collector_batch(
+            obs[c],
+            next_obs[c],
+            action[c],
+            reward[c],
+            term_t[c],
+            trunc_t[c],
+            torch.from_numpy(traj_c[c]),
+            torch.from_numpy(step_c[c]),
+        )
+        td = ted_chunk(batch)
         ted_chunks.append(td)
         compact_chunks.append(td.exclude(NEXT_OBS))
         t0 = time.perf_counter()
-        segs = cut_chunk(
-            obs[c], next_obs[c], action[c], reward[c], term_t[c], trunc_t[c], traj_c[c], step_c[c]
-        )
+        segs = cut_batch(batch)
         cut_times.append(time.perf_counter() - t0)
         segment_chunks.append(segs)
-        chunk_columns.append(
-            {
-                "obs": obs[c].reshape(P * T, *shape.obs_shape),
-                "next_obs": next_obs[c].reshape(P * T, *shape.obs_shape),
-                "action": action[c].reshape(P * T),
-                "reward": reward[c].reshape(P * T, 1),
-                "terminated": term_t[c].reshape(P * T),
-                "truncated": trunc_t[c].reshape(P * T),
-                "traj": torch.from_numpy(traj_c[c].reshape(P * T)),
-                "step": torch.from_numpy(step_c[c].reshape(P * T)),
-                "lanes": torch.tensor([P, T]),
-            }
-        )
+        batches.append(batch)
     return Data(
         shape=shape,
         num_steps=n_chunks * P * T,
@@ -327,7 +240,7 @@ def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int
         next_of=next_of,
         done_of=done_of,
         cut_seconds_per_chunk=statistics.median(cut_times),
-        chunk_columns=chunk_columns,
+        batches=batches,
     )
 
 
@@ -393,8 +306,8 @@ class Millpond(System):
         """Like :meth:`insert_pass`, but each chunk packed by :func:`pack_chunk` (timed too)."""
         off = pass_no * self._episode_stride
         insert_packed = self.table.insert_packed
-        for cols in data.chunk_columns:
-            insert_packed(pack_chunk(cols, off))
+        for batch in data.batches:
+            insert_packed(pack_chunk(batch, off))
 
     def stage(self, data: Data, pass_no: int) -> None:
         """Build the pass's Segment objects (fresh episode ids) outside the timed region."""
@@ -669,9 +582,7 @@ def render(
         f"Machine: {os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} intra-op thread(s)), "
         f"torchrl {torchrl.__version__}. "
-        f"Data: {s.lanes} lanes x {s.chunk_len} steps per chunk. Load average "
-        f"(1/5/15 min) at start {'/'.join(f'{x:.2f}' for x in load[0])}, at end "
-        f"{'/'.join(f'{x:.2f}' for x in load[1])}."
+        f"Data: {s.lanes} lanes x {s.chunk_len} steps per chunk. {load_average(load)}."
     )
     lines.append("")
     lines.append(f"millpond code: {code_version}.")
@@ -743,10 +654,7 @@ def render(
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run (< 60 s)")
-    ap.add_argument("--out", type=Path, help="also write the table as markdown to this file")
-    ap.add_argument("--dir", type=Path, help="parent of the temporary data directory (/tmp)")
-    ap.add_argument("--shapes", default="cartpole,atari", help="comma-separated: cartpole,atari")
+    add_common_args(ap, "small smoke run (< 60 s)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     ap.add_argument("--lanes", type=int, default=8, help="env lanes P per chunk")
     ap.add_argument("--chunk-len", type=int, default=128, help="steps T per chunk")
@@ -775,31 +683,19 @@ def main(argv: list[str] | None = None) -> int:
         check_batches=8 if quick else 400,
         quick=quick,
     )
-    warnings.filterwarnings("ignore", category=UserWarning, module="torchrl")
-    import torchrl  # noqa: F401  (configures its logger on import; quieten it afterwards)
-
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    quiet_torchrl()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     code_version = measured_code_version(
         ["service", "millpond"]
     )  # now: the modules measured were imported at start
-    if args.dir is not None:
-        args.dir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="millpond-bench-", dir=args.dir))
     t0 = time.perf_counter()
-    try:
+    with scratch_root(args.dir, "millpond-bench-") as root:
         results = []
         for shape in shapes:
             results += run_shape(shape, root, s, systems)
-    finally:
-        with contextlib.suppress(Exception):
-            shutil.rmtree(root)
     report = render(results, s, argv, (load_before, os.getloadavg()), code_version)
-    print(report)
-    if args.out is not None:
-        args.out.write_text(report)
-    log(f"done in {time.perf_counter() - t0:.0f} s")
+    emit_report(report, args.out, t0)
     return 0
 
 
