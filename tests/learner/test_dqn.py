@@ -9,54 +9,26 @@ then samples the same stored steps over and over, so its TD loss is measured on 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
-import gymnasium as gym
 import pytest
 import torch
 from tensordict import TensorDict
 
 from millpond import ReplayClient, TableConfig
-from millpond.actors import Collector, EpsilonGreedy, cut_batch, make_policy
+from millpond.actors import EpsilonGreedy, make_policy
 from millpond.errors import InvalidConfigError, InvalidDataError, RateLimiterTimeoutError
 from millpond.learner.dqn import DQNConfig, DQNLearner
 from millpond.learner.networks import mlp_q
-from millpond.service.server import ServerConfig, create_server
+from tests.learner._helpers import assert_published, cartpole_spaces, collect_chunk, write_chunk
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FACTORY = "millpond.learner.networks:mlp_q"
-LANES, CHUNK = 4, 64  # 256 steps per chunk
 TABLES = {
     "uniform": TableConfig.uniform("uniform", capacity=4096, seed=1),
     "prioritized": TableConfig.prioritized("prioritized", capacity=4096, seed=1),
     "slices": TableConfig.slices("slices", capacity=4096, slice_len=3, seed=1),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny networks: one intra-op thread is fastest, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def client(tmp_path) -> Iterator[ReplayClient]:
-    server, port = create_server(ServerConfig(dir=str(tmp_path / "s")))
-    client = ReplayClient(f"127.0.0.1:{port}", timeout_s=10)
-    try:
-        yield client
-    finally:
-        client.close()
-        server.stop(grace=0.5)
-
-
-def cartpole_spaces() -> tuple[gym.Space, gym.Space]:
-    env = gym.make("CartPole-v1")
-    spaces = env.observation_space, env.action_space
-    env.close()
-    return spaces
 
 
 def make_learner(client: ReplayClient, table: str, config: DQNConfig, seed: int = 0) -> DQNLearner:
@@ -66,37 +38,13 @@ def make_learner(client: ReplayClient, table: str, config: DQNConfig, seed: int 
 
 def collect(client: ReplayClient, seed: int = 0) -> TensorDict:
     """One chunk ``[P, T]``: greedy on the server's latest Q-network, epsilon 0.5."""
-    with Collector(
-        "CartPole-v1",
-        num_envs=LANES,
-        chunk_len=CHUNK,
-        policy=FACTORY,
+    return collect_chunk(
+        client,
+        FACTORY,
+        seed,
         deterministic=True,
         epsilon=EpsilonGreedy(eps_start=0.5, eps_end=0.5, decay_frames=0),
-        weight_source=client,
-        seed=seed,
-    ) as collector:
-        return collector.collect()
-
-
-def fill(client: ReplayClient, table: str, chunk: TensorDict) -> int:
-    """Write a chunk's segments into ``table`` through a writer; returns the steps."""
-    with client.writer(table) as writer:
-        for segment in cut_batch(chunk):
-            writer.write_segment(
-                segment.steps, segment.tail, segment.episode_id, segment.first_step
-            )
-        writer.flush(timeout_s=10)
-    return chunk.numel()
-
-
-def assert_published(client: ReplayClient, learner: DQNLearner, version: int) -> None:
-    weights, got = client.get_weights()
-    assert got == version == learner.version
-    expected = learner.q_network.state_dict()
-    assert weights is not None and weights.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(weights[name], tensor), name
+    )
 
 
 def test_actors_act_greedily_on_the_q_network():
@@ -125,7 +73,7 @@ def test_steps_lower_the_td_loss_on_fixed_data_and_publish_weights(client, kind,
     assert learner.publish() == 0
     chunk = collect(client)
     assert (chunk["policy_version"] == 0).all()
-    fill(client, kind, chunk)
+    write_chunk(client, kind, chunk)
     fixed = client.sample(kind, 64)
     assert fixed.shape == ((64, 3) if kind == "slices" else (64,))
     with torch.no_grad():
@@ -137,7 +85,7 @@ def test_steps_lower_the_td_loss_on_fixed_data_and_publish_weights(client, kind,
         assert metrics["version"] == i // 10
         assert metrics["policy_lag_max"] == (i - 1) // 10
         assert metrics["target_updated"] is False
-    assert_published(client, learner, 4)
+    assert_published(client, learner, 4, learner.q_network)
     with torch.no_grad():
         after = float(learner.loss(fixed)[0])
     assert after < 0.7 * before
@@ -167,7 +115,7 @@ class Spy:
 def test_priorities_follow_the_td_errors(client):
     table = TABLES["prioritized"]
     client.create_table(table)
-    n = fill(client, table.name, collect(client))
+    n = write_chunk(client, table.name, collect(client))
     assert client.info(table.name)["mass"] == pytest.approx(n)  # every new step: priority 1
     assert bool((client.sample(table.name, 64)["weight"] == 1).all())
 
@@ -194,7 +142,7 @@ def test_priorities_follow_the_td_errors(client):
 
 def test_target_network_is_copied_on_schedule(client):
     client.create_table(TABLES["uniform"])
-    fill(client, "uniform", collect(client))
+    write_chunk(client, "uniform", collect(client))
     learner = make_learner(
         client, "uniform", DQNConfig(batch_size=32, lr=1e-2, target_update_every=3)
     )
@@ -214,7 +162,7 @@ def test_target_network_is_copied_on_schedule(client):
 
 def test_soft_target_updates_follow_polyak_averaging(client):
     client.create_table(TABLES["uniform"])
-    fill(client, "uniform", collect(client))
+    write_chunk(client, "uniform", collect(client))
     tau = 0.1
     learner = make_learner(client, "uniform", DQNConfig(batch_size=32, lr=1e-2, target_tau=tau))
     for _ in range(3):
@@ -251,7 +199,7 @@ def hand_n_step_target(learner: DQNLearner, row: TensorDict, n: int, gamma: floa
 def test_n_step_target_equals_a_hand_computed_one(client, double_dqn):
     gamma = 0.9
     client.create_table(TABLES["slices"])
-    fill(client, "slices", collect(client))
+    write_chunk(client, "slices", collect(client))
     batch = client.sample("slices", 16)  # [16, 3]: one episode's consecutive steps per row
     for n in (1, 2, 3):
         config = DQNConfig(gamma=gamma, n_step=n, double_dqn=double_dqn)
@@ -312,10 +260,10 @@ def test_the_rate_limiter_paces_the_updates(client, prefetch):
                 return steps
             steps += 1
 
-    inserted = fill(client, "paced", chunk)
+    inserted = write_chunk(client, "paced", chunk)
     first = steps_until_blocked()  # the error buffer lets it run ahead: 256 / 64 more steps
     assert first == inserted * spi / batch_size + 256 // batch_size
-    inserted = fill(client, "paced", chunk)
+    inserted = write_chunk(client, "paced", chunk)
     assert steps_until_blocked() == inserted * spi / batch_size
     assert learner.updates == first + inserted * spi / batch_size
 
@@ -324,7 +272,7 @@ def test_n_step_needs_slices_and_priorities_need_one_step(client):
     with pytest.raises(InvalidConfigError, match="n_step=1"):
         DQNConfig(n_step=3, prioritized=True)
     client.create_table(TABLES["uniform"])
-    fill(client, "uniform", collect(client))
+    write_chunk(client, "uniform", collect(client))
     learner = make_learner(client, "uniform", DQNConfig(batch_size=8, n_step=3))
     with pytest.raises(InvalidDataError, match="slices"):
         learner.step()

@@ -9,52 +9,35 @@ fixed data.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import gymnasium as gym
 import pytest
 import torch
 from tensordict import TensorDict
 
 from millpond import ReplayClient, TableConfig
-from millpond.actors import Collector, cut_batch
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner.estimators import gae_from_batch
 from millpond.learner.networks import mlp_critic, mlp_policy
 from millpond.learner.ppo import PPOConfig, PPOLearner
-from millpond.service.server import ServerConfig, create_server
+from tests.learner._helpers import (
+    CHUNK,
+    LANES,
+    assert_published,
+    cartpole_spaces,
+    collect_chunk,
+    write_chunk,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FACTORY = "millpond.learner.networks:mlp_policy"
-LANES, CHUNK = 4, 64  # 256 steps per chunk
 QUEUE = "rollouts"
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny networks: one intra-op thread is fastest, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
-def client(tmp_path) -> Iterator[ReplayClient]:
-    server, port = create_server(ServerConfig(dir=str(tmp_path / "s")))
-    client = ReplayClient(f"127.0.0.1:{port}", timeout_s=10)
+def client(client: ReplayClient) -> ReplayClient:
+    """The shared in-process server's client, with the queue table created."""
     client.create_table(TableConfig.queue(QUEUE, capacity=4096))
-    try:
-        yield client
-    finally:
-        client.close()
-        server.stop(grace=0.5)
-
-
-def cartpole_spaces() -> tuple[gym.Space, gym.Space]:
-    env = gym.make("CartPole-v1")
-    spaces = env.observation_space, env.action_space
-    env.close()
-    return spaces
+    return client
 
 
 def make_learner(client: ReplayClient, config: PPOConfig, seed: int = 0) -> PPOLearner:
@@ -67,35 +50,12 @@ def make_learner(client: ReplayClient, config: PPOConfig, seed: int = 0) -> PPOL
 
 def collect(client: ReplayClient, seed: int = 0) -> TensorDict:
     """One chunk ``[P, T]`` acted by the policy factory with the server's latest weights."""
-    with Collector(
-        "CartPole-v1",
-        num_envs=LANES,
-        chunk_len=CHUNK,
-        policy=FACTORY,
-        weight_source=client,
-        seed=seed,
-    ) as collector:
-        return collector.collect()
+    return collect_chunk(client, FACTORY, seed)
 
 
 def write(client: ReplayClient, chunk: TensorDict) -> int:
     """Write a chunk's segments to the queue (as an actor's writer would); returns steps."""
-    with client.writer(QUEUE) as writer:
-        for segment in cut_batch(chunk):
-            writer.write_segment(
-                segment.steps, segment.tail, segment.episode_id, segment.first_step
-            )
-        writer.flush(timeout_s=10)
-    return chunk.numel()
-
-
-def assert_published(client: ReplayClient, learner: PPOLearner, version: int) -> None:
-    weights, got = client.get_weights()
-    assert got == version == learner.version
-    expected = learner.policy.state_dict()
-    assert weights is not None and weights.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(weights[name], tensor), name
+    return write_chunk(client, QUEUE, chunk)
 
 
 def test_actors_record_the_learners_log_probs(client):
@@ -142,7 +102,7 @@ def test_steps_lower_the_losses_on_fixed_data_and_publish_weights(client):
         assert metrics["sampled"] == metrics["steps"] == n and metrics["dropped"] == 0
         assert metrics["policy_lag_max"] == i  # the chunk was acted by version 0
         assert metrics["version"] == i + 1
-        assert_published(client, learner, i + 1)
+        assert_published(client, learner, i + 1, learner.policy)
         assert client.info(QUEUE)["size"] == 0  # each step consumed once
         for key in ("loss_policy", "loss_value", "entropy", "approx_kl", "clip_fraction"):
             assert torch.isfinite(torch.tensor(metrics[key])), key
@@ -191,7 +151,7 @@ def test_too_old_steps_are_dropped_and_the_lag_reported(client):
     assert metrics["policy_lag_max"] == 2
     assert metrics["policy_lag_mean"] == pytest.approx(2 * n_old / (n_old + n_new))
     assert metrics["version"] == 3
-    assert_published(client, learner, 3)
+    assert_published(client, learner, 3, learner.policy)
 
 
 def test_a_batch_without_policy_versions_is_refused(client):
