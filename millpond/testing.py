@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from millpond.segments import Segment
-from millpond.service import storage as _storage
+from millpond.service.storage import SLOT_STEP, SLOT_TAIL, SlotColumn
 from millpond.ted import observation_keys
 
 __all__ = [
@@ -344,8 +344,8 @@ def stored_segments(table) -> dict[tuple[int, int, int, int], int]:
     tail, one generation, steps counting up), so a half-published segment fails here.
     """
     meta = np.asarray(table.storage.meta)
-    gen_c, ep_c, step_c = _storage._GEN, _storage._EPISODE, _storage._STEP
-    start_c, len_c, kind_c = _storage._SEG_START, _storage._SEG_LEN, _storage._KIND
+    gen_c, ep_c, step_c = SlotColumn.GENERATION, SlotColumn.EPISODE_ID, SlotColumn.STEP
+    start_c, len_c, kind_c = SlotColumn.SEGMENT_START, SlotColumn.SEGMENT_LENGTH, SlotColumn.KIND
     out: dict[tuple[int, int, int, int], int] = {}
     heads = np.flatnonzero((meta[:, gen_c] > 0) & (meta[:, start_c] == np.arange(len(meta))))
     for start in heads.tolist():
@@ -355,8 +355,8 @@ def stored_segments(table) -> dict[tuple[int, int, int, int], int]:
         assert (rows[:, gen_c] == gen).all() and (rows[:, ep_c] == ep).all()
         assert (rows[:, start_c] == start).all() and (rows[:, len_c] == length).all()
         assert (rows[:, step_c] == np.arange(first, first + length + 1)).all()
-        assert (rows[:-1, kind_c] == _storage.SLOT_STEP).all()
-        assert rows[-1, kind_c] == _storage.SLOT_TAIL
+        assert (rows[:-1, kind_c] == SLOT_STEP).all()
+        assert rows[-1, kind_c] == SLOT_TAIL
         out[(ep, first, length, start)] = gen
     n_live = int((meta[:, gen_c] > 0).sum())
     assert n_live == sum(k[2] + 1 for k in out), "published slots outside whole segments"

@@ -18,10 +18,10 @@ from tensordict import TensorDict
 
 from millpond.sample_format import assemble_ted
 from millpond.segments import flatten
-from millpond.service.storage import _GEN, _KIND, SLOT_STEP
 from millpond.spec import Key, dtype_name, parse_dtype
 
 if TYPE_CHECKING:
+    from millpond.service.storage import SegmentStorage
     from millpond.service.table import Table
 
 __all__ = ["EXPORT_CHUNK_ROWS", "export_hdf5", "export_ted", "load_hdf5"]
@@ -127,24 +127,20 @@ def _export(
     ``template`` is a one-row TED TensorDict with the output's keys, dtypes and shapes (its
     values are meaningless); the sink is then called with ``(row offset, chunk)``.
     """
-    with table._cond:
-        table._check_open()
-        storage = table.storage
+    with table.reading() as storage:
         if storage.spec is None:  # nothing was ever inserted
             open_sink(0, TensorDict({}, batch_size=[1]))
             return
-        meta = np.asarray(storage.meta)
-        slots = np.flatnonzero((meta[:, _GEN] > 0) & (meta[:, _KIND] == SLOT_STEP))
-        slots = slots[np.lexsort((slots, meta[slots, _GEN]))]  # by generation, then slot
-        write = open_sink(len(slots), _ted_rows(table, np.zeros(1, dtype=np.int64)))
+        slots = storage.published_step_slots()
+        write = open_sink(len(slots), _ted_rows(storage, np.zeros(1, dtype=np.int64)))
         for offset in range(0, len(slots), EXPORT_CHUNK_ROWS):
-            write(offset, _ted_rows(table, slots[offset : offset + EXPORT_CHUNK_ROWS]))
+            write(offset, _ted_rows(storage, slots[offset : offset + EXPORT_CHUNK_ROWS]))
 
 
-def _ted_rows(table: Table, slots: np.ndarray) -> TensorDict:
+def _ted_rows(storage: SegmentStorage, slots: np.ndarray) -> TensorDict:
     """The TED rows of step ``slots`` as the table samples them, plus collector traj ids."""
-    now, nxt = table.storage.gather(slots)
-    td = assemble_ted(now, nxt, slots, table.storage.slot_info(slots))
+    now, nxt = storage.gather(slots)
+    td = assemble_ted(now, nxt, slots, storage.slot_info(slots))
     td = td.exclude("index")
     td["collector", "traj_ids"] = td["episode_id"].clone()
     return td

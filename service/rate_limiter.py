@@ -95,6 +95,19 @@ class RateLimiter:
     def on_sample(self, n: int) -> None:
         self._counters[_SAMPLES] += n
 
+    def on_give_back(self, n: int) -> None:
+        """Stop counting ``n`` sampled steps that never reached a learner."""
+        self._counters[_SAMPLES] -= n
+
+    def describe(self) -> str:
+        """The counts and, with a ratio, the bounds: for messages of calls that waited too long."""
+        if self.samples_per_insert is None:
+            return f"inserts {self.inserts}, samples {self.samples}"
+        return (
+            f"inserts {self.inserts}, samples {self.samples}, samples_per_insert "
+            f"{self.samples_per_insert}, diff {self.diff:g} in [{self.min_diff:g}, {self.max_diff:g}]"
+        )
+
     def state(self) -> dict[str, float | int | None]:
         """The counts and bounds, as reported by ``Table.info()``."""
         return {

@@ -3,18 +3,25 @@
 A sampler sees segments as they are published and evicted (under the table's lock) and
 picks slots when asked. It never reads or writes data: the table gathers the slots it picks
 from the storage. This is TorchRL's storage/sampler split, which keeps checkpoints simple.
+A sampler whose state must survive restarts (priorities, the queue's cursor) keeps it in
+memory-mapped files of its own under the table's directory, and flushes them itself.
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from millpond.errors import InvalidDataError
 from millpond.service._sum_tree import SumMinTree
 from millpond.service.storage import SegmentBatch, ranges
+from millpond.service.table_files import COUNTERS_FILE, Counter
+
+#: Where a prioritized sampler keeps its raw priorities, under the table's directory.
+PRIORITIES_FILE = "priorities.bin"
 
 
 @dataclass
@@ -37,6 +44,7 @@ class Sampler:
 
     def __init__(self, capacity: int, seed: int | None = None) -> None:
         self.capacity = capacity
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
 
     @property
@@ -54,6 +62,20 @@ class Sampler:
 
     def on_evict(self, segments: SegmentBatch) -> None:
         raise NotImplementedError
+
+    def recover(self, segments: SegmentBatch) -> None:
+        """Take back the segments found on disk when the table reopens."""
+        self.on_publish(segments)
+
+    def reset(self, next_generation: int) -> None:
+        """Forget every segment (the table dropped them) and restart the random stream.
+
+        Segments published from now on carry ``next_generation`` or later.
+        """
+        self.rng = np.random.default_rng(self.seed)
+
+    def flush(self) -> None:
+        """Write this sampler's files to disk (a checkpoint); without files, nothing."""
 
     def blocks_eviction(self, segments: SegmentBatch) -> bool:
         """Whether overwriting ``segments`` must wait (a queue never drops unread steps)."""
@@ -114,6 +136,10 @@ class UniformSampler(Sampler):
         super().__init__(capacity, seed)
         self._slots = _SlotSet(capacity)
 
+    def reset(self, next_generation: int) -> None:
+        super().reset(next_generation)
+        self._slots = _SlotSet(self.capacity)
+
     @property
     def size(self) -> int:
         return self._slots.count
@@ -133,23 +159,29 @@ class PrioritizedSampler(Sampler):
 
     ``P(i) = p_i^alpha / sum_j p_j^alpha``; importance weights ``w_i = (N P(i))^-beta``
     normalised by their maximum. New steps get the largest priority seen so far.
-    Raw priorities live in ``priorities`` (a memory-mapped array of ``capacity + 1``
-    entries, so they survive restarts); its last entry holds that largest priority.
+    Raw priorities live in ``priorities``; with a ``directory`` they are memory-mapped from
+    its ``priorities.bin`` (``capacity + 1`` float64: the last holds that largest priority),
+    so they survive restarts.
     """
 
     def __init__(
         self,
         capacity: int,
-        priorities: np.ndarray,
         alpha: float = 0.6,
         beta: float = 0.4,
         seed: int | None = None,
+        directory: Path | None = None,
     ) -> None:
         super().__init__(capacity, seed)
         self.alpha = alpha
         self.beta = beta
-        self.priorities = priorities[:capacity]
-        self._max = priorities[capacity : capacity + 1]
+        self._file: np.ndarray = np.zeros(capacity + 1, dtype=np.float64)
+        if directory is not None:
+            path = directory / PRIORITIES_FILE
+            mode = "r+" if path.exists() else "w+"
+            self._file = np.memmap(path, dtype=np.float64, mode=mode, shape=(capacity + 1,))
+        self.priorities = self._file[:capacity]
+        self._max = self._file[capacity : capacity + 1]
         if self._max[0] < 1.0:
             self._max[0] = 1.0
         self._tree = SumMinTree(capacity)
@@ -172,14 +204,24 @@ class PrioritizedSampler(Sampler):
         self._tree.set(slots, self.max_priority**self.alpha)
         self._count += len(slots)
 
-    def restore(self, segments: SegmentBatch) -> None:
-        """Re-enter published segments with the priorities stored on disk."""
+    def recover(self, segments: SegmentBatch) -> None:
+        """Take back the segments found on disk with the priorities stored for them."""
         slots = segments.step_slots()
         p = np.asarray(self.priorities[slots], dtype=np.float64)
         self._tree.set(slots, p**self.alpha)
         self._count += len(slots)
         if len(p):
             self._max[0] = max(float(self._max[0]), float(p.max()))
+
+    def reset(self, next_generation: int) -> None:
+        super().reset(next_generation)
+        self._max[0] = 1.0  # new steps start from priority 1 again
+        self._tree = SumMinTree(self.capacity)
+        self._count = 0
+
+    def flush(self) -> None:
+        if isinstance(self._file, np.memmap):
+            self._file.flush()
 
     @property
     def max_priority(self) -> float:
@@ -233,13 +275,21 @@ class QueueSampler(Sampler):
 
     A sample returns whole segments: as many, in order, as fit in the batch size (a single
     segment longer than the batch is delivered alone). Unread segments are never
-    overwritten; writers wait for the learner instead. ``cursor`` (a 1-element int64 array,
-    memory-mapped by the table) holds the generation of the last delivered segment.
+    overwritten; writers wait for the learner instead. The cursor holds the generation of
+    the last delivered segment; with a ``directory`` it is the ``QUEUE_CURSOR`` entry of the
+    table's ``counters.bin`` there (where the file format has always kept it), mapped here.
     """
 
-    def __init__(self, capacity: int, cursor: np.ndarray, seed: int | None = None) -> None:
+    def __init__(
+        self, capacity: int, seed: int | None = None, directory: Path | None = None
+    ) -> None:
         super().__init__(capacity, seed)
-        self._cursor = cursor
+        self._cursor: np.ndarray = np.zeros(1, dtype=np.int64)
+        if directory is not None:
+            offset = Counter.QUEUE_CURSOR * np.dtype(np.int64).itemsize
+            self._cursor = np.memmap(
+                directory / COUNTERS_FILE, dtype=np.int64, mode="r+", offset=offset, shape=(1,)
+            )
         self._queue: collections.deque[tuple[int, int, int]] = collections.deque()
         self._steps = 0
 
@@ -265,6 +315,16 @@ class QueueSampler(Sampler):
 
     def blocks_eviction(self, segments: SegmentBatch) -> bool:
         return bool(len(segments)) and bool((segments.generations > self._cursor[0]).any())
+
+    def reset(self, next_generation: int) -> None:
+        super().reset(next_generation)
+        self._queue.clear()
+        self._steps = 0
+        self._cursor[0] = next_generation - 1  # every dropped generation counts as delivered
+
+    def flush(self) -> None:
+        if isinstance(self._cursor, np.memmap):
+            self._cursor.flush()
 
     def can_sample(self, batch_size: int) -> bool:
         return self._steps > 0 and self._steps >= batch_size

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from millpond.config import TableConfig
 from millpond.errors import TableExistsError, TableNotFoundError
-from millpond.service.storage import _atomic_write_json
+from millpond.service.atomic_json import atomic_write_json
 from millpond.service.table import Table
+from millpond.service.table_files import holds_table
 
 
 class Shard:
@@ -35,9 +36,9 @@ class Shard:
         self._tables: dict[str, Table] = {}
         (self.path / "tables").mkdir(parents=True, exist_ok=True)
         if not (self.path / "shard.json").exists():
-            _atomic_write_json(self.path / "shard.json", {"format": 1})
+            atomic_write_json(self.path / "shard.json", {"format": 1})
         for table_dir in sorted((self.path / "tables").iterdir()):
-            if (table_dir / "meta.json").exists():
+            if holds_table(table_dir):
                 table = Table.open(table_dir, fsync=fsync)
                 self._tables[table.name] = table
 

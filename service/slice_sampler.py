@@ -36,12 +36,19 @@ class SliceSampler(Sampler):
     def __init__(self, capacity: int, slice_len: int, seed: int | None = None) -> None:
         super().__init__(capacity, seed)
         self.slice_len = slice_len
-        self._starts = _SlotSet(capacity)
+        self._clear()
+
+    def _clear(self) -> None:
+        self._starts = _SlotSet(self.capacity)
         self._steps = 0
         self._chain_of: dict[int, _Chain] = {}  # segment start slot -> chain
         self._open: dict[tuple[int, int], _Chain] = {}  # (episode, next step) -> chain
-        self._segment_start = np.zeros(capacity, dtype=np.int64)  # per step slot
-        self._segment_length = np.zeros(capacity, dtype=np.int64)
+        self._segment_start = np.zeros(self.capacity, dtype=np.int64)  # per step slot
+        self._segment_length = np.zeros(self.capacity, dtype=np.int64)
+
+    def reset(self, next_generation: int) -> None:
+        super().reset(next_generation)
+        self._clear()
 
     @property
     def size(self) -> int:

@@ -4,11 +4,11 @@ A segment of L steps occupies L+1 consecutive slots: L step slots, then a tail s
 holds only the observation following the last step. So for every step slot ``i``,
 ``("next", obs)[i] == obs[i + 1]``: one gather, no branch, lossless at episode boundaries.
 
-Slot metadata lives in ``slots.bin`` (int64, one row per slot): the segment's generation,
-episode id, step index, segment start, segment length and slot kind. The generation is the
-commit marker: it is written last, after every other byte of the segment, and cleared first
-when a segment is overwritten. On reopen, a segment counts only if all of its L+1 slots
-carry its generation, so a copy that was interrupted (a killed process) is never visible.
+Slot metadata lives in ``slots.bin`` (int64, one row per slot, columns named by
+:class:`SlotColumn`). The generation is the commit marker: it is written last, after every
+other byte of the segment, and cleared first when a segment is overwritten. On reopen, a
+segment counts only if all of its L+1 slots carry its generation, so a copy that was
+interrupted (a killed process) is never visible.
 
 This class does no locking: :class:`~millpond.service.table.Table` serialises allocation and
 publication and lets the copies run outside its lock.
@@ -16,10 +16,10 @@ publication and lets the copies run outside its lock.
 
 from __future__ import annotations
 
-import json
 import os
 import urllib.parse
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +27,27 @@ import torch
 from tensordict import MemoryMappedTensor
 
 from millpond.errors import StorageCorruptedError
+from millpond.service.atomic_json import atomic_write_json
 from millpond.spec import OBSERVATION, Key, TableSpec
 
+#: Values of the :attr:`SlotColumn.KIND` column.
 SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
-_GEN, _EPISODE, _STEP, _SEG_START, _SEG_LEN, _KIND, _WRITER, _SEQUENCE = range(8)
-_META_WIDTH = 8
+
+
+class SlotColumn(IntEnum):
+    """The columns of the slot metadata (``SegmentStorage.meta``, ``slot_info`` rows)."""
+
+    GENERATION = 0  # the commit marker: the segment's publication number, 0 if none
+    EPISODE_ID = 1
+    STEP = 2  # index within its episode (a tail slot: one past the segment's last step)
+    SEGMENT_START = 3
+    SEGMENT_LENGTH = 4
+    KIND = 5  # SLOT_STEP or SLOT_TAIL
+    WRITER = 6  # hash of the writer that sent the segment (0: anonymous)
+    SEQUENCE = 7  # the segment's number in its writer's stream
+
+
+_META_WIDTH = len(SlotColumn)
 #: Rows at least this large are written with one slice copy per segment.
 _ROW_COPY_BYTES = 1024
 
@@ -170,7 +186,7 @@ class SegmentStorage:
             self.columns[key] = mm.as_subclass(torch.Tensor)
             self._fds.append(os.open(filename, os.O_RDWR))
             index["columns"].append({"key": list(key), "file": filename.name})
-        _atomic_write_json(cols_dir / "index.json", index)
+        atomic_write_json(cols_dir / "index.json", index)
         self.spec = spec
         self._row_copy = {key: f.nbytes >= _ROW_COPY_BYTES for key, f in spec.fields.items()}
 
@@ -182,32 +198,37 @@ class SegmentStorage:
     def published_in(self, start: int, n_slots: int) -> SegmentBatch:
         """The published segments that overlap slots ``[start, start + n_slots)``."""
         rows = self.meta[start : start + n_slots]
-        live = rows[:, _GEN] > 0
+        live = rows[:, SlotColumn.GENERATION] > 0
         if not live.any():
             return SegmentBatch.empty()
-        seg_starts = np.unique(rows[live, _SEG_START])
+        seg_starts = np.unique(rows[live, SlotColumn.SEGMENT_START])
         return self._segments_at(seg_starts)
 
     def _segments_at(self, seg_starts: np.ndarray) -> SegmentBatch:
         rows = np.asarray(self.meta[seg_starts])
         return SegmentBatch(
             seg_starts.astype(np.int64),
-            rows[:, _SEG_LEN].copy(),
-            rows[:, _GEN].copy(),
-            rows[:, _EPISODE].copy(),
-            rows[:, _STEP].copy(),
-            rows[:, _WRITER].copy(),
-            rows[:, _SEQUENCE].copy(),
+            rows[:, SlotColumn.SEGMENT_LENGTH].copy(),
+            rows[:, SlotColumn.GENERATION].copy(),
+            rows[:, SlotColumn.EPISODE_ID].copy(),
+            rows[:, SlotColumn.STEP].copy(),
+            rows[:, SlotColumn.WRITER].copy(),
+            rows[:, SlotColumn.SEQUENCE].copy(),
         )
 
     def unpublish(self, segments: SegmentBatch) -> None:
         """Clear the commit marker of every slot of ``segments``."""
         if len(segments):
-            self.meta[segments.all_slots(), _GEN] = 0
+            self.meta[segments.all_slots(), SlotColumn.GENERATION] = 0
+
+    def clear(self) -> None:
+        """Unpublish every slot and allocate from slot 0 again."""
+        self.meta[:, SlotColumn.GENERATION] = 0
+        self.cursor = 0
 
     def reserve(self, start: int, n_slots: int) -> None:
         """Claim ``[start, start + n_slots)`` for a write; its slots must hold no live segment."""
-        self.meta[start : start + n_slots, _GEN] = 0
+        self.meta[start : start + n_slots, SlotColumn.GENERATION] = 0
         self.cursor = start + n_slots
 
     # -- data ----------------------------------------------------------------------------
@@ -261,30 +282,34 @@ class SegmentStorage:
         seg = np.repeat(np.arange(len(layout)), layout.lengths + 1)
         in_seg = np.arange(n_slots) - np.repeat(layout.starts - base, layout.lengths + 1)
         block = np.empty((n_slots, _META_WIDTH), dtype=np.int64)
-        block[:, _EPISODE] = layout.episode_ids[seg]
-        block[:, _STEP] = layout.first_steps[seg] + in_seg
-        block[:, _SEG_START] = layout.starts[seg]
-        block[:, _SEG_LEN] = layout.lengths[seg]
-        block[:, _KIND] = np.where(in_seg == block[:, _SEG_LEN], SLOT_TAIL, SLOT_STEP)
-        block[:, _WRITER] = 0 if layout.writers is None else layout.writers[seg]
-        block[:, _SEQUENCE] = 0 if layout.sequences is None else layout.sequences[seg]
-        meta = self.meta
-        meta[base : base + n_slots, _GEN + 1 :] = block[:, _GEN + 1 :]
+        block[:, SlotColumn.EPISODE_ID] = layout.episode_ids[seg]
+        block[:, SlotColumn.STEP] = layout.first_steps[seg] + in_seg
+        block[:, SlotColumn.SEGMENT_START] = layout.starts[seg]
+        block[:, SlotColumn.SEGMENT_LENGTH] = layout.lengths[seg]
+        block[:, SlotColumn.KIND] = np.where(in_seg == layout.lengths[seg], SLOT_TAIL, SLOT_STEP)
+        block[:, SlotColumn.WRITER] = 0 if layout.writers is None else layout.writers[seg]
+        block[:, SlotColumn.SEQUENCE] = 0 if layout.sequences is None else layout.sequences[seg]
+        meta, gen = self.meta, SlotColumn.GENERATION  # column 0: every other column follows it
+        meta[base : base + n_slots, gen + 1 :] = block[:, gen + 1 :]
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
-        meta[base : base + n_slots, _GEN] = layout.generations[seg]
+        meta[base : base + n_slots, gen] = layout.generations[seg]
         if self.fsync:
             self.flush()
 
     def generations(self, slots: np.ndarray) -> np.ndarray:
-        return np.asarray(self.meta[slots, _GEN])
+        return np.asarray(self.meta[slots, SlotColumn.GENERATION])
 
     def slot_info(self, slots: np.ndarray) -> np.ndarray:
-        """Metadata rows of ``slots``.
-
-        Columns: generation, episode, step, segment start, segment length, kind, writer, sequence.
-        """
+        """Metadata rows of ``slots`` (shape ``[*slots.shape, width]``; see :class:`SlotColumn`)."""
         return np.asarray(self.meta[slots])
+
+    def published_step_slots(self) -> np.ndarray:
+        """Every published step slot, in publication order (by generation, then slot)."""
+        meta = np.asarray(self.meta)
+        gens = meta[:, SlotColumn.GENERATION]
+        slots = np.flatnonzero((gens > 0) & (meta[:, SlotColumn.KIND] == SLOT_STEP))
+        return slots[np.lexsort((slots, gens[slots]))]
 
     def gather(self, slots: np.ndarray) -> tuple[dict[Key, torch.Tensor], dict[Key, torch.Tensor]]:
         """Read step slots: ``(values at slots, observations at slots + 1)``.
@@ -318,36 +343,38 @@ class SegmentStorage:
         write or overwrite, and is unpublished here.
         """
         meta = self.meta
-        live_slots = np.flatnonzero(meta[:, _GEN] > 0)
+        live_slots = np.flatnonzero(meta[:, SlotColumn.GENERATION] > 0)
         if len(live_slots) == 0:
             self.cursor = 0
             return SegmentBatch.empty()
         rows = np.asarray(meta[live_slots])
-        gens, inverse, counts = np.unique(rows[:, _GEN], return_inverse=True, return_counts=True)
+        gens, inverse, counts = np.unique(
+            rows[:, SlotColumn.GENERATION], return_inverse=True, return_counts=True
+        )
         # Candidate start of each generation: where its first slot claims it starts.
         first_idx = np.full(len(gens), len(live_slots), dtype=np.int64)
         np.minimum.at(first_idx, inverse, np.arange(len(live_slots)))
-        seg_start = rows[first_idx, _SEG_START]
-        seg_len = rows[first_idx, _SEG_LEN]
+        seg_start = rows[first_idx, SlotColumn.SEGMENT_START]
+        seg_len = rows[first_idx, SlotColumn.SEGMENT_LENGTH]
         good = (live_slots[first_idx] == seg_start) & (counts == seg_len + 1) & (seg_len > 0)
         good &= seg_start + seg_len < self.capacity
         # Every slot of a good generation must agree on start/length and be in its range.
         slot_ok = (
-            (rows[:, _SEG_START] == seg_start[inverse])
-            & (rows[:, _SEG_LEN] == seg_len[inverse])
+            (rows[:, SlotColumn.SEGMENT_START] == seg_start[inverse])
+            & (rows[:, SlotColumn.SEGMENT_LENGTH] == seg_len[inverse])
             & (live_slots >= seg_start[inverse])
             & (live_slots <= seg_start[inverse] + seg_len[inverse])
         )
         expected_kind = np.where(
             live_slots == seg_start[inverse] + seg_len[inverse], SLOT_TAIL, SLOT_STEP
         )
-        slot_ok &= rows[:, _KIND] == expected_kind
+        slot_ok &= rows[:, SlotColumn.KIND] == expected_kind
         bad_gen = np.zeros(len(gens), dtype=bool)
         np.logical_or.at(bad_gen, inverse, ~slot_ok)
         good &= ~bad_gen
         torn = live_slots[~good[inverse]]
         if len(torn):
-            meta[torn, _GEN] = 0
+            meta[torn, SlotColumn.GENERATION] = 0
         order = np.argsort(gens[good], kind="stable")
         segments = self._segments_at(seg_start[good][order])
         newest = int(np.argmax(segments.generations)) if len(segments) else None
@@ -376,18 +403,3 @@ class SegmentStorage:
             os.close(fd)
         self._fds = []
         self.columns = {}
-
-
-def _atomic_write_json(path: Path, obj: object) -> None:
-    """Write JSON so that readers see the old or the new file, never a mix (tmp, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -4,16 +4,17 @@ Writers allocate a contiguous block of slots under the lock (evicting the oldest
 there), copy their data outside it, and publish under it. Samplers pick slots under the
 lock; the gather runs outside it and is checked afterwards against the slots'
 generations, so a row overwritten meanwhile is drawn again rather than returned torn.
+The table's directory (its files, opening and recovery) is :mod:`.table_files`.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from millpond.checks import as_int64
 from millpond.config import TableConfig
-from millpond.errors import (
-    ClosedError,
-    InvalidDataError,
-    RateLimiterTimeoutError,
-    StorageCorruptedError,
-)
+from millpond.errors import ClosedError, InvalidDataError, RateLimiterTimeoutError
 from millpond.routing import writer_hash
 from millpond.sample_format import assemble_ted
 from millpond.segments import PackedSegments, Segment, pack
@@ -41,14 +37,10 @@ from millpond.service.samplers import (
     UniformSampler,
 )
 from millpond.service.slice_sampler import SliceSampler
-from millpond.service.storage import SLOT_STEP, SegmentBatch, SegmentStorage, _atomic_write_json
-from millpond.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, Key, TableSpec
+from millpond.service.storage import SLOT_STEP, SegmentBatch, SegmentStorage, SlotColumn
+from millpond.service.table_files import TableFiles, new_table_dir, read_config
+from millpond.spec import OBSERVATION, STEP, Key, TableSpec
 from millpond.ted import compact_ted
-
-_FORMAT = 1
-# counters.bin: rate-limiter inserts, samples, next generation, queue cursor
-_C_INSERTS, _C_SAMPLES, _C_NEXT_GEN, _C_QUEUE = 0, 1, 2, 3
-_N_COUNTERS = 8
 
 
 class Table:
@@ -72,122 +64,34 @@ class Table:
         # Highest stored sequence per writer hash, for idempotent re-sends.
         self._writer_hwm: dict[int, int] = {}
         self._writer_locks: dict[int, threading.Lock] = {}
-        counters_file = path / "counters.bin"
-        self._counters = np.memmap(
-            counters_file, dtype=np.int64, mode="w+" if fresh else "r+", shape=(_N_COUNTERS,)
-        )
+        self._files = TableFiles(path, fresh=fresh)
         self.storage = SegmentStorage(path / "data", config.capacity, config.spec, fsync=fsync)
-        self._make_sampler_and_limiter()
+        c = config
+        self.rate_limiter = RateLimiter(
+            c.min_size, c.samples_per_insert, c.effective_error_buffer, self._files.limiter_counters
+        )
+        self.sampler = _make_sampler(config, path)
         if fresh:
-            self._counters[_C_NEXT_GEN] = 1
             self._write_meta()
         else:
-            self._recover()
+            recovered = self._files.recover(self.storage, self.sampler)
+            self._writer_hwm = recovered.writer_sequences
+            self._extend_state = recovered.open_episodes
 
     # -- construction --------------------------------------------------------------------
     @classmethod
     def create(cls, path: str | os.PathLike, config: TableConfig, *, fsync: bool = False) -> Table:
         """A new, empty table in directory ``path`` (which must not hold a table already)."""
-        path = Path(path)
-        if (path / "meta.json").exists():
-            raise FileExistsError(f"{path} already holds a table")
-        path.mkdir(parents=True, exist_ok=True)
-        return cls(path, config, fsync=fsync, fresh=True)
+        return cls(new_table_dir(path), config, fsync=fsync, fresh=True)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, fsync: bool = False) -> Table:
         """Resume the table stored in ``path``: data, priorities, queue position and counters."""
         path = Path(path)
-        meta_file = path / "meta.json"
-        if not meta_file.exists():
-            raise StorageCorruptedError(f"{path} holds no table (missing meta.json)")
-        try:
-            meta = json.loads(meta_file.read_text())
-            config = TableConfig.from_json(meta["config"])
-        except (ValueError, KeyError) as e:
-            raise StorageCorruptedError(f"{meta_file} is unreadable: {e}") from e
-        if meta.get("format") != _FORMAT:
-            raise StorageCorruptedError(f"{meta_file}: unknown format {meta.get('format')!r}")
-        return cls(path, config, fsync=fsync, fresh=False)
-
-    def _make_sampler_and_limiter(self) -> None:
-        c = self.config
-        self.rate_limiter = RateLimiter(
-            c.min_size, c.samples_per_insert, c.effective_error_buffer, self._counters[0:2]
-        )
-        self.sampler: Sampler
-        if c.sampler == "uniform":
-            self.sampler = UniformSampler(c.capacity, c.seed)
-        elif c.sampler == "prioritized":
-            prio_file = self.path / "priorities.bin"
-            prios = np.memmap(
-                prio_file,
-                dtype=np.float64,
-                mode="r+" if prio_file.exists() else "w+",
-                shape=(c.capacity + 1,),  # the last entry: the largest priority set
-            )
-            self._priorities_file = prios
-            self.sampler = PrioritizedSampler(c.capacity, prios, c.alpha, c.beta, c.seed)
-        elif c.sampler == "queue":
-            self.sampler = QueueSampler(c.capacity, self._counters[_C_QUEUE : _C_QUEUE + 1], c.seed)
-        else:
-            assert c.slice_len is not None
-            self.sampler = SliceSampler(c.capacity, c.slice_len, c.seed)
-
-    def _recover(self) -> None:
-        segments = self.storage.recover()
-        if isinstance(self.sampler, PrioritizedSampler):
-            self.sampler.restore(segments)
-        else:
-            self.sampler.on_publish(segments)
-        writers_file = self.path / "writers.json"
-        if writers_file.exists():
-            try:
-                saved = json.loads(writers_file.read_text())
-                self._writer_hwm = {int(k): int(v) for k, v in saved.items()}
-            except (ValueError, AttributeError) as e:
-                raise StorageCorruptedError(f"{writers_file} is unreadable: {e}") from e
-        if len(segments) and segments.writers is not None and segments.sequences is not None:
-            for w, q in zip(segments.writers.tolist(), segments.sequences.tolist()):
-                if w and q > self._writer_hwm.get(w, 0):
-                    self._writer_hwm[w] = q
-        self._extend_state = self._open_episodes(segments)
-        newest = int(segments.generations.max()) if len(segments) else 0
-        self._counters[_C_NEXT_GEN] = max(int(self._counters[_C_NEXT_GEN]), newest + 1)
-
-    def _open_episodes(self, segments: SegmentBatch) -> dict[int, int]:
-        """Episode id -> next step, for episodes whose newest stored segment did not end."""
-        if not len(segments) or self.storage.spec is None:
-            return {}
-        order = np.lexsort((segments.first_steps, segments.episode_ids))
-        eps = segments.episode_ids[order]
-        newest = order[np.append(eps[1:] != eps[:-1], True)]
-        last_slots = segments.starts[newest] + segments.lengths[newest] - 1
-        now, _ = self.storage.gather(last_slots)
-        ended = (now[TERMINATED] | now[TRUNCATED]).numpy()
-        return {
-            int(segments.episode_ids[i]): int(segments.first_steps[i] + segments.lengths[i])
-            for i, e in zip(newest.tolist(), ended.tolist())
-            if not e
-        }
+        return cls(path, read_config(path), fsync=fsync, fresh=False)
 
     def _write_meta(self) -> None:
-        _atomic_write_json(
-            self.path / "writers.json", {str(k): v for k, v in self._writer_hwm.items()}
-        )
-        _atomic_write_json(
-            self.path / "meta.json",
-            {
-                "format": _FORMAT,
-                "config": self.config.to_json(),
-                "counters": {
-                    "inserts": self.rate_limiter.inserts,
-                    "samples": self.rate_limiter.samples,
-                    "next_generation": int(self._counters[_C_NEXT_GEN]),
-                    "queue_delivered_through": int(self._counters[_C_QUEUE]),
-                },
-            },
-        )
+        self._files.write_meta(self.config, self._writer_hwm)
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -311,7 +215,7 @@ class Table:
                 reason = None
                 start = self.storage.next_start(n_slots)
                 if not self.rate_limiter.can_insert():
-                    reason = f"the rate limiter holds inserts back ({self._limiter_text()})"
+                    reason = f"the rate limiter holds inserts back ({self.rate_limiter.describe()})"
                 elif self._overlaps_inflight(start, n_slots):
                     reason = "the slots are being written by another writer"
                 else:
@@ -354,9 +258,8 @@ class Table:
                 self._cond.notify_all()
             raise
         with self._cond:
-            first_gen = int(self._counters[_C_NEXT_GEN])
+            first_gen = self._files.take_generations(len(packed))
             layout.generations = np.arange(first_gen, first_gen + len(packed), dtype=np.int64)
-            self._counters[_C_NEXT_GEN] = first_gen + len(packed)
             self.storage.publish(layout)
             self.sampler.on_publish(layout)
             self.rate_limiter.on_insert(packed.num_steps)
@@ -403,7 +306,7 @@ class Table:
                 self._wait(
                     deadline,
                     f"sample of {batch_size} timed out: {self.sampler.size} steps stored "
-                    f"(min_size {self.config.min_size}); {self._limiter_text()}",
+                    f"(min_size {self.config.min_size}); {self.rate_limiter.describe()}",
                 )
             selection = self.sampler.sample(batch_size)
             rows = self.storage.slot_info(selection.slots)
@@ -420,7 +323,7 @@ class Table:
             # during the gather (a writer unpublishes, under the lock, before it copies).
             return assemble_ted(now, nxt, selection.slots, rows, selection.weights)
         for _ in range(100):
-            stale = self.storage.generations(selection.slots) != rows[..., 0]
+            stale = self.storage.generations(selection.slots) != rows[..., SlotColumn.GENERATION]
             if stale.ndim > 1:
                 stale = stale.any(axis=tuple(range(1, stale.ndim)))
             if not stale.any():
@@ -464,7 +367,7 @@ class Table:
             return 0
         if not isinstance(self.sampler, QueueSampler):
             with self._cond:
-                self._counters[_C_SAMPLES] -= len(slots)
+                self.rate_limiter.on_give_back(len(slots))
                 self._cond.notify_all()
             return len(slots)
         first = np.flatnonzero(np.r_[True, gens[1:] != gens[:-1]])
@@ -477,7 +380,7 @@ class Table:
                 if ok
             ]
             self.sampler.requeue(segments)
-            self._counters[_C_SAMPLES] -= sum(n for _, _, n in segments)
+            self.rate_limiter.on_give_back(sum(n for _, _, n in segments))
             self._cond.notify_all()
         return sum(n for _, _, n in segments)
 
@@ -517,7 +420,8 @@ class Table:
         with self._cond:
             self._check_open()
             info = self.storage.slot_info(slots)
-            live = (info[:, 0] == gens) & (gens > 0) & (info[:, 5] == SLOT_STEP)
+            live = info[:, SlotColumn.GENERATION] == gens
+            live &= (gens > 0) & (info[:, SlotColumn.KIND] == SLOT_STEP)
             self.sampler.update(slots[live], prios[live])
             self._cond.notify_all()
             return int(live.sum())
@@ -536,7 +440,7 @@ class Table:
                 "samples": self.rate_limiter.samples,
                 "rate_limiter": self.rate_limiter.state(),
                 "sampler_state": self.sampler.state(),
-                "next_generation": int(self._counters[_C_NEXT_GEN]),
+                "next_generation": self._files.next_generation,
                 "bytes_on_disk": self.storage.nbytes_on_disk(),
                 "spec": self.spec.to_json() if self.spec is not None else None,
             }
@@ -546,9 +450,8 @@ class Table:
         with self._cond:
             self._check_open()
             self.storage.flush()
-            self._counters.flush()
-            if isinstance(self.sampler, PrioritizedSampler):
-                self._priorities_file.flush()
+            self._files.flush()
+            self.sampler.flush()
             self._write_meta()
 
     def reset(self) -> None:
@@ -557,15 +460,8 @@ class Table:
             while self._inflight:
                 self._cond.wait()
             self._evictions += 1
-            self.storage.meta[:, 0] = 0
-            self.storage.cursor = 0
-            next_gen = int(self._counters[_C_NEXT_GEN])
-            self._counters[:] = 0
-            self._counters[_C_NEXT_GEN] = next_gen  # stale indexes must stay stale
-            self._counters[_C_QUEUE] = next_gen - 1
-            if isinstance(self.sampler, PrioritizedSampler):
-                self._priorities_file[-1] = 1.0  # new steps start from priority 1 again
-            self._make_sampler_and_limiter()
+            self.storage.clear()
+            self.sampler.reset(self._files.reset_counters())
             self._write_meta()
             self._cond.notify_all()
 
@@ -577,7 +473,7 @@ class Table:
             while self._inflight:
                 self._cond.wait()
             self.storage.flush()
-            self._counters.flush()
+            self._files.flush()
             self._write_meta()
             self._closed = True
             self._cond.notify_all()
@@ -587,6 +483,16 @@ class Table:
         """Close the table and delete its directory."""
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[SegmentStorage]:
+        """Hold the table's lock while reading its storage directly (an export, say).
+
+        Inserts, samples and priority updates wait meanwhile; nothing may be modified.
+        """
+        with self._cond:
+            self._check_open()
+            yield self.storage
 
     # -- helpers -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -601,11 +507,14 @@ class Table:
         if remaining <= 0 or (not self._cond.wait(remaining) and time.monotonic() >= deadline):
             raise RateLimiterTimeoutError(message)
 
-    def _limiter_text(self) -> str:
-        r = self.rate_limiter
-        if r.samples_per_insert is None:
-            return f"inserts {r.inserts}, samples {r.samples}"
-        return (
-            f"inserts {r.inserts}, samples {r.samples}, samples_per_insert "
-            f"{r.samples_per_insert}, diff {r.diff:g} in [{r.min_diff:g}, {r.max_diff:g}]"
-        )
+
+def _make_sampler(config: TableConfig, directory: Path) -> Sampler:
+    c = config
+    if c.sampler == "uniform":
+        return UniformSampler(c.capacity, c.seed)
+    if c.sampler == "prioritized":
+        return PrioritizedSampler(c.capacity, c.alpha, c.beta, c.seed, directory=directory)
+    if c.sampler == "queue":
+        return QueueSampler(c.capacity, c.seed, directory=directory)
+    assert c.slice_len is not None
+    return SliceSampler(c.capacity, c.slice_len, c.seed)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from millpond.errors import InvalidDataError
-from millpond.service.storage import _atomic_write_json
+from millpond.service.atomic_json import atomic_write_json
 
 
 class WeightStore:
@@ -56,7 +56,7 @@ class WeightStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, data_file)
-            _atomic_write_json(self.path / "weights.json", {"version": version, "size": len(blob)})
+            atomic_write_json(self.path / "weights.json", {"version": version, "size": len(blob)})
             old = self.path / f"weights-{self._version}.bin"
             self._version, self._blob = version, blob
             if old != data_file and old.exists():
