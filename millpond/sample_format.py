@@ -15,17 +15,24 @@ def assemble_ted(
     now: dict[Key, torch.Tensor],
     nxt: dict[Key, torch.Tensor],
     slots: np.ndarray,
-    rows: np.ndarray,
+    *,
+    generations: np.ndarray,
+    episode_ids: np.ndarray,
+    steps: np.ndarray,
     weights: np.ndarray | None = None,
 ) -> TensorDict:
     """Sampled steps as a TorchRL TED TensorDict of batch ``slots.shape``.
 
     Args:
-        now: every stored key at the sampled slots (see ``SegmentStorage.gather``).
+        now: every stored key at the sampled slots.
         nxt: the observation keys at the following slots: the next observations.
         slots: the sampled step slots.
-        rows: their slot metadata (generation, episode, step, ...; ``slot_info``).
+        generations: each slot's write generation (with the slot, its ``index``).
+        episode_ids: the episode of each sampled step.
+        steps: each step's index within its episode.
         weights: importance weights (prioritized tables).
+
+    The last four have ``slots``' shape.
 
     Root: the observation and step keys, ``done``/``terminated``/``truncated`` (all false:
     a sampled state is never terminal), ``index`` (``slot``, ``generation``),
@@ -52,10 +59,10 @@ def assemble_ted(
     root["truncated"] = false.clone()
     root["index"] = {
         "slot": torch.from_numpy(np.ascontiguousarray(slots)),
-        "generation": torch.from_numpy(np.ascontiguousarray(rows[..., 0])),
+        "generation": torch.from_numpy(np.ascontiguousarray(generations, dtype=np.int64)),
     }
-    root["episode_id"] = torch.from_numpy(np.ascontiguousarray(rows[..., 1]))
-    root["step"] = torch.from_numpy(np.ascontiguousarray(rows[..., 2]))
+    root["episode_id"] = torch.from_numpy(np.ascontiguousarray(episode_ids, dtype=np.int64))
+    root["step"] = torch.from_numpy(np.ascontiguousarray(steps, dtype=np.int64))
     if weights is not None:
         root["weight"] = torch.from_numpy(weights)
     # Every value was built here with the right leading shape: skip TensorDict's checks.

@@ -18,10 +18,10 @@ from tensordict import TensorDict
 
 from millpond.sample_format import assemble_ted
 from millpond.segments import flatten
+from millpond.service.storage import SegmentStorage, SlotColumn
 from millpond.spec import Key, dtype_name, parse_dtype
 
 if TYPE_CHECKING:
-    from millpond.service.storage import SegmentStorage
     from millpond.service.table import Table
 
 __all__ = ["EXPORT_CHUNK_ROWS", "export_hdf5", "export_ted", "load_hdf5"]
@@ -140,7 +140,15 @@ def _export(
 def _ted_rows(storage: SegmentStorage, slots: np.ndarray) -> TensorDict:
     """The TED rows of step ``slots`` as the table samples them, plus collector traj ids."""
     now, nxt = storage.gather(slots)
-    td = assemble_ted(now, nxt, slots, storage.slot_info(slots))
+    info = storage.slot_info(slots)
+    td = assemble_ted(
+        now,
+        nxt,
+        slots,
+        generations=info[:, SlotColumn.GENERATION],
+        episode_ids=info[:, SlotColumn.EPISODE_ID],
+        steps=info[:, SlotColumn.STEP],
+    )
     td = td.exclude("index")
     td["collector", "traj_ids"] = td["episode_id"].clone()
     return td

@@ -316,12 +316,12 @@ class Table:
             if isinstance(self.sampler, QueueSampler):
                 # Delivered queue segments become evictable at once, so read them now.
                 now, nxt = self.storage.gather(selection.slots)
-                return assemble_ted(now, nxt, selection.slots, rows, selection.weights)
+                return _as_ted(now, nxt, selection, rows)
         now, nxt = self.storage.gather(selection.slots)
         if self._evictions == evictions:
             # Nothing was unpublished since the slots were picked, so no row was overwritten
             # during the gather (a writer unpublishes, under the lock, before it copies).
-            return assemble_ted(now, nxt, selection.slots, rows, selection.weights)
+            return _as_ted(now, nxt, selection, rows)
         for _ in range(100):
             stale = self.storage.generations(selection.slots) != rows[..., SlotColumn.GENERATION]
             if stale.ndim > 1:
@@ -329,7 +329,7 @@ class Table:
             if not stale.any():
                 break
             self._redraw(stale, selection, rows, now, nxt)
-        return assemble_ted(now, nxt, selection.slots, rows, selection.weights)
+        return _as_ted(now, nxt, selection, rows)
 
     def _redraw(
         self,
@@ -518,3 +518,16 @@ def _make_sampler(config: TableConfig, directory: Path) -> Sampler:
         return QueueSampler(c.capacity, c.seed, directory=directory)
     assert c.slice_len is not None
     return SliceSampler(c.capacity, c.slice_len, c.seed)
+
+
+def _as_ted(now: dict, nxt: dict, selection: Selection, rows: np.ndarray) -> TensorDict:
+    """The sampled steps in TED form, their slot metadata read from ``rows`` (``slot_info``)."""
+    return assemble_ted(
+        now,
+        nxt,
+        selection.slots,
+        generations=rows[..., SlotColumn.GENERATION],
+        episode_ids=rows[..., SlotColumn.EPISODE_ID],
+        steps=rows[..., SlotColumn.STEP],
+        weights=selection.weights,
+    )
