@@ -289,25 +289,25 @@ class ModulePolicy(ActorPolicy):
         return torch.from_numpy(np.array(array, copy=True))
 
 
-def load_factory(spec: str) -> Callable[..., Any]:
-    """The callable named by ``"package.module:function"`` (``function`` may be dotted)."""
+def load_factory(spec: str, what: str = "policy factory") -> Callable[..., Any]:
+    """The callable named by ``"package.module:function"`` (``function`` may be dotted).
+
+    ``what`` names the thing in error messages (e.g. ``"processor"``); every error is an
+    :class:`~millpond.errors.InvalidConfigError`.
+    """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise InvalidConfigError(
-            f"policy factory {spec!r} must look like 'package.module:function'"
-        )
+        raise InvalidConfigError(f"{what} {spec!r} must look like 'package.module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
-        raise InvalidConfigError(
-            f"policy factory {spec!r}: cannot import {module_name!r}: {e}"
-        ) from e
+        raise InvalidConfigError(f"{what} {spec!r}: cannot import {module_name!r}: {e}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise InvalidConfigError(f"policy factory {spec!r}: {module_name!r} has no {attr!r}")
+            raise InvalidConfigError(f"{what} {spec!r}: {module_name!r} has no {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise InvalidConfigError(f"policy factory {spec!r} is not callable")
+        raise InvalidConfigError(f"{what} {spec!r} is not callable")
     return obj
 
 

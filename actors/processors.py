@@ -21,6 +21,21 @@ return, so a table's rate limiter counts experience *after* processing, and a le
 updates follow the experience that really reached the buffer (steps dropped here never
 unblock a samples-per-insert limited learner).
 
+**Processors by import path.** A :class:`ProcessorSpec` names a processor by import path
+and keyword arguments, e.g. ``ProcessorSpec("millpond.actors.processors:StepFilter",
+{"keep": {"path": "millpond.actors.processors:key_in", "kwargs": {"key": "task",
+"values": [0, 1]}}})``: the shape of an ``actors.processors`` entry of a ``millpond launch``
+config. The path is ``"package.module:Name"`` (or ``"package.module.Name"``) of an
+:class:`ExperienceProcessor` class or of a factory returning one. A keyword argument that
+is a mapping of ``path`` (and optionally ``kwargs``) stands for a callable (a predicate, an
+annotation, a reward function): the function at ``path``, with ``kwargs`` bound as keyword
+arguments (:func:`functools.partial`), so that predicates can be written as
+``def keep(ted, *, option): ...``. Specs, not processors, travel to Ray actors: each actor
+builds its own (they hold per-actor state). :meth:`ProcessorSpec.check` builds one once to
+catch a bad path, a non-processor or bad keyword arguments before anything starts.
+:func:`key_in`, :func:`label_episode` and :func:`sparse_goal_reward` are ready-made
+callables for the filters, the annotator and the relabeller.
+
 Predicates and annotations see TED rows (:func:`~millpond.segmenting.to_ted`):
 root observations, ``action`` and per-step keys, and under ``"next"`` the true next
 observations, ``reward``, ``terminated``, ``truncated`` and ``done``. All segments a
@@ -29,9 +44,12 @@ processor returns for one table must have the same keys.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDictBase
@@ -42,6 +60,7 @@ from millpond.segments import Segment
 from millpond.spec import Key
 
 from .episode_ids import HINDSIGHT_EPISODE_OFFSET
+from .policies import load_factory
 
 __all__ = [
     "HINDSIGHT_EPISODE_OFFSET",
@@ -52,7 +71,13 @@ __all__ = [
     "HindsightRelabeler",
     "PassThrough",
     "ProcessorChain",
+    "ProcessorSpec",
     "StepFilter",
+    "build_processors",
+    "check_processors",
+    "key_in",
+    "label_episode",
+    "sparse_goal_reward",
 ]
 
 
@@ -281,8 +306,9 @@ class HindsightRelabeler(EpisodeProcessor):
 
     Args:
         compute_reward: ``(achieved [N, ...], desired [N, ...]) -> reward [N]`` or ``[N, 1]``.
-        achieved_key: the observation key of the achieved goal.
-        desired_key: the observation key of the desired goal.
+        achieved_key: the observation key of the achieved goal (a nested key as a tuple or
+            list, or with dots: ``"goals.achieved"``).
+        desired_key: the observation key of the desired goal (likewise).
         keep_original: store the episode as collected too.
         incomplete: see :class:`EpisodeProcessor`.
     """
@@ -298,8 +324,8 @@ class HindsightRelabeler(EpisodeProcessor):
     ) -> None:
         super().__init__(incomplete)
         self.compute_reward = compute_reward
-        self.achieved_key = (achieved_key,) if isinstance(achieved_key, str) else achieved_key
-        self.desired_key = (desired_key,) if isinstance(desired_key, str) else desired_key
+        self.achieved_key = _key(achieved_key)
+        self.desired_key = _key(desired_key)
         self.keep_original = keep_original
 
     def process_episode(self, segments: list[Segment], complete: bool) -> list[Segment]:
@@ -325,3 +351,251 @@ class HindsightRelabeler(EpisodeProcessor):
         ted.set(("next", "reward"), new_reward.reshape(reward.shape).to(reward.dtype))
         relabelled = self.recut(ted, segments, episode_id + HINDSIGHT_EPISODE_OFFSET)
         return [*segments, *relabelled] if self.keep_original else relabelled
+
+
+# -- processors by import path ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessorSpec:
+    """An experience processor named by import path, built where it runs (see the module doc).
+
+    Attributes:
+        path: ``"package.module:Name"`` or ``"package.module.Name"``: an
+            :class:`ExperienceProcessor` class, or a factory returning one.
+        kwargs: its keyword arguments (``None``: none). A value that is a mapping of
+            ``path`` (and optionally ``kwargs``) is the callable at that path with those
+            keyword arguments bound.
+
+    Errors (:class:`~millpond.errors.InvalidConfigError`) start with the field at fault
+    (``path: ...``, ``kwargs: ...``, ``kwargs.keep.path: ...``), so that a config prefixes
+    its own key.
+    """
+
+    path: str = ""  # required: the default only lets a config say "path: missing"
+    kwargs: Mapping[str, Any] | None = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kwargs is None:  # `kwargs:` left empty in YAML
+            object.__setattr__(self, "kwargs", {})
+        if isinstance(self.path, str) and not self.path:
+            raise InvalidConfigError("path: missing (the processor's import path)")
+        if not isinstance(self.path, str):
+            raise InvalidConfigError(f"path: expected an import path, got {self.path!r}")
+        if not isinstance(self.kwargs, Mapping):
+            raise InvalidConfigError(f"kwargs: expected a mapping, got {self.kwargs!r}")
+        if not all(isinstance(k, str) for k in self.kwargs):
+            raise InvalidConfigError(f"kwargs: keys must be strings, got {list(self.kwargs)}")
+
+    @classmethod
+    def of(cls, value: ProcessorSpec | Mapping[str, Any]) -> ProcessorSpec:
+        """A spec from a spec or a ``{"path": ..., "kwargs": ...}`` mapping."""
+        if isinstance(value, ProcessorSpec):
+            return value
+        if not isinstance(value, Mapping):
+            raise InvalidConfigError(
+                f"expected a ProcessorSpec or a mapping with 'path' and 'kwargs', got {value!r}"
+            )
+        unknown = sorted(set(value) - {"path", "kwargs"})
+        if unknown:
+            raise InvalidConfigError(f"{unknown[0]}: unknown key (known: path, kwargs)")
+        return cls(value.get("path", ""), value.get("kwargs"))
+
+    def build(self) -> ExperienceProcessor:
+        """A new processor: the object at :attr:`path` called with :attr:`kwargs`."""
+        factory = _load(self.path, "processor", "path")
+        kwargs = {k: _resolve(v, f"kwargs.{k}") for k, v in self.kwargs.items()}
+        name = getattr(factory, "__qualname__", self.path)
+        _check_arguments(factory, kwargs, "kwargs", name, partial=False)
+        try:
+            processor = factory(**kwargs)
+        except Exception as e:
+            where = "kwargs" if kwargs else "path"
+            raise InvalidConfigError(f"{where}: {name}(...) failed: {_one_line(e)}") from None
+        if not isinstance(processor, ExperienceProcessor):
+            raise InvalidConfigError(
+                f"path: {self.path!r} gave {type(processor).__name__}, not an "
+                "ExperienceProcessor (a subclass of millpond.actors.ExperienceProcessor, or a "
+                "factory returning one)"
+            )
+        return processor
+
+    def check(self) -> None:
+        """Build a processor once and discard it: a bad spec fails here, not in an actor."""
+        self.build()
+
+
+def check_processors(
+    specs: Sequence[ProcessorSpec | Mapping[str, Any]], where: str = "processors"
+) -> tuple[ProcessorSpec, ...]:
+    """Specs from specs or ``{"path", "kwargs"}`` mappings, each checked (built once).
+
+    Errors name the entry under ``where``, e.g. ``processors[1].kwargs: ...``.
+    """
+    if isinstance(specs, str | Mapping | ProcessorSpec) or not isinstance(specs, Sequence):
+        raise InvalidConfigError(f"{where}: expected a list of processor specs, got {specs!r}")
+    out = []
+    for i, spec in enumerate(specs):
+        try:
+            spec = ProcessorSpec.of(spec)
+            spec.check()
+        except InvalidConfigError as e:
+            raise InvalidConfigError(_entry(f"{where}[{i}]", e)) from None
+        out.append(spec)
+    return tuple(out)
+
+
+def build_processors(
+    specs: Sequence[ProcessorSpec | Mapping[str, Any]], where: str = "processors"
+) -> list[ExperienceProcessor]:
+    """New processors from specs (or ``{"path", "kwargs"}`` mappings), in order.
+
+    Errors name the entry under ``where``, e.g. ``processors[1].kwargs: ...``.
+    """
+    out = []
+    for i, spec in enumerate(specs):
+        try:
+            out.append(ProcessorSpec.of(spec).build())
+        except InvalidConfigError as e:
+            raise InvalidConfigError(_entry(f"{where}[{i}]", e)) from None
+    return out
+
+
+def _entry(where: str, e: InvalidConfigError) -> str:
+    message = str(e)
+    head = message.partition(":")[0]
+    return f"{where}.{message}" if head and " " not in head else f"{where}: {message}"
+
+
+def _load(path: str, what: str, where: str) -> Callable[..., Any]:
+    if not isinstance(path, str):
+        raise InvalidConfigError(f"{where}: expected an import path, got {path!r}")
+    spec = path
+    if ":" not in path and "." in path:  # "package.module.Name"
+        module, _, name = path.rpartition(".")
+        spec = f"{module}:{name}"
+    try:
+        return load_factory(spec, what)
+    except InvalidConfigError as e:
+        raise InvalidConfigError(f"{where}: {e}") from None
+
+
+def _resolve(value: Any, where: str) -> Any:
+    """A ``{"path": ..., "kwargs": ...}`` mapping as the callable it names; other values as is."""
+    if not (isinstance(value, Mapping) and "path" in value and set(value) <= {"path", "kwargs"}):
+        return value
+    function = _load(value["path"], "callable", f"{where}.path")
+    kwargs = value.get("kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidConfigError(f"{where}.kwargs: expected a mapping, got {kwargs!r}")
+    if not kwargs:
+        return function
+    kwargs = {k: _resolve(v, f"{where}.kwargs.{k}") for k, v in kwargs.items()}
+    name = getattr(function, "__qualname__", value["path"])
+    _check_arguments(function, kwargs, f"{where}.kwargs", name, partial=True)
+    return functools.partial(function, **kwargs)
+
+
+def _check_arguments(
+    function: Callable[..., Any], kwargs: Mapping[str, Any], where: str, name: str, partial: bool
+) -> None:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # some builtins have none: calling them will tell
+        return
+    params = signature.parameters.values()
+    plain = signature.replace(
+        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in params],
+        return_annotation=inspect.Signature.empty,
+    )
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        unknown = [k for k in kwargs if k not in signature.parameters]
+        if unknown:
+            raise InvalidConfigError(f"{where}: {name}{plain} has no argument {unknown[0]!r}")
+    try:
+        (signature.bind_partial if partial else signature.bind)(**kwargs)
+    except TypeError as e:
+        raise InvalidConfigError(f"{where}: {name}{plain}: {e}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def _key(key: str | Sequence[str]) -> Key:
+    """A TED key from ``"a"``, ``"next.reward"`` (dots nest) or ``["next", "reward"]``."""
+    if isinstance(key, str):
+        return tuple(key.split("."))
+    return tuple(key)
+
+
+# -- callables for specs ---------------------------------------------------------------------
+
+
+def key_in(
+    ted: TensorDictBase,
+    *,
+    key: str | Sequence[str],
+    values: Sequence[Any],
+    index: int | None = None,
+    negate: bool = False,
+) -> torch.Tensor:
+    """Per step: whether ``ted[key]`` (e.g. a task id) is one of ``values``.
+
+    A predicate for :class:`StepFilter` (``[L]`` bool); with ``negate``, whether it is none
+    of them. ``key`` nests with dots (``"next.reward"``) or as a list, and holds one value
+    per step, or with ``index`` a vector per step of which entry ``index`` is compared (a
+    task id inside a flat observation). For example, in a config: ``keep: {path:
+    millpond.actors.processors:key_in, kwargs: {key: task, values: [3], negate: true}}``
+    drops the steps of task 3.
+    """
+    k = _key(key)
+    column = ted.get(k, None)
+    if column is None:
+        raise InvalidDataError(f"key_in: the steps have no key {k} (keys: {list(ted.keys())})")
+    n = ted.batch_size[0]
+    if index is not None:
+        column = column.reshape(n, -1)[:, index]
+    if column.numel() != n:
+        raise InvalidDataError(
+            f"key_in: {k} must hold one value per step (or give an index), has shape "
+            f"{list(column.shape)}"
+        )
+    mask = torch.isin(column.reshape(n), torch.as_tensor(list(values), dtype=column.dtype))
+    return ~mask if negate else mask
+
+
+def label_episode(
+    ted: TensorDictBase,
+    *,
+    source: str | Sequence[str] = "next.terminated",
+    key: str | Sequence[str] = "success",
+) -> TensorDictBase:
+    """Labels every step of an episode with the value its last step has at ``source``.
+
+    An annotation for :class:`EpisodeAnnotator` (hindsight success labelling): for example
+    ``source="next.truncated"`` marks every step of a CartPole episode that lasted to the
+    time limit, ``source="next.terminated"`` every step of a MountainCar episode that
+    reached the flag. The label is stored under ``key`` (``[N, 1]``, the source's dtype).
+    """
+    src = _key(source)
+    column = ted.get(src, None)
+    if column is None:
+        raise InvalidDataError(f"label_episode: the episode has no key {src}")
+    last = column[-1].reshape(1, -1)
+    ted.set(_key(key), last.expand(ted.batch_size[0], last.shape[1]).clone())
+    return ted
+
+
+def sparse_goal_reward(
+    achieved: torch.Tensor, desired: torch.Tensor, *, threshold: float = 0.05
+) -> torch.Tensor:
+    """``0`` where the achieved goal is within ``threshold`` (L2) of the desired one, else ``-1``.
+
+    The sparse reward of gymnasium-robotics' Fetch and Hand tasks, batched over steps: a
+    ``compute_reward`` for :class:`HindsightRelabeler`.
+    """
+    distance = torch.linalg.vector_norm(
+        (achieved.float() - desired.float()).reshape(achieved.shape[0], -1), dim=-1
+    )
+    return -(distance > threshold).float()

@@ -24,7 +24,13 @@ from millpond.actors.collector import Collector
 from millpond.actors.episode_ids import INCARNATIONS_PER_ACTOR, episode_id_base
 from millpond.actors.episode_stats import ReturnTracker
 from millpond.actors.policies import EpsilonGreedy
-from millpond.actors.processors import ExperienceProcessor
+from millpond.actors.processors import (
+    ExperienceProcessor,
+    PassThrough,
+    ProcessorSpec,
+    build_processors,
+    check_processors,
+)
 from millpond.errors import DeadlineExceededError, InvalidConfigError
 from millpond.learner.client import ReplayClient
 
@@ -46,7 +52,10 @@ class ActorConfig:
         deterministic: act with the policy's mode instead of sampling.
         epsilon: epsilon-greedy exploration for discrete actions.
         weight_sync_every: env steps between checks for newer published weights.
-        processors: a picklable callable returning the experience processors of one actor.
+        processors: the experience processors of one actor, run in order: processor specs
+            (:class:`~millpond.actors.processors.ProcessorSpec`, or ``{"path": ...,
+            "kwargs": ...}`` mappings), each checked here by building it once and built
+            anew in every actor; or a picklable callable returning the processors.
         max_in_flight: unacknowledged segments a writer allows before it blocks.
         seed: base seed; actor ``i`` uses ``seed + 1000 * i``.
     """
@@ -63,7 +72,11 @@ class ActorConfig:
     deterministic: bool = False
     epsilon: EpsilonGreedy | None = None
     weight_sync_every: int = 100
-    processors: Callable[[], Sequence[ExperienceProcessor]] | None = None
+    processors: (
+        Sequence[ProcessorSpec | Mapping[str, Any]]
+        | Callable[[], Sequence[ExperienceProcessor]]
+        | None
+    ) = None
     max_in_flight: int = 64
     seed: int | None = None
 
@@ -74,6 +87,19 @@ class ActorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"{name} ({value!r}) must be a positive integer")
+        if self.processors is not None and not callable(self.processors):
+            # A bad spec fails here, not in every actor.
+            object.__setattr__(self, "processors", check_processors(self.processors))
+
+    def make_processors(self) -> ExperienceProcessor | list[ExperienceProcessor] | None:
+        """New processors for one actor (``None``: the loop's default, store everything)."""
+        if self.processors is None:
+            return None
+        if callable(self.processors):
+            return list(self.processors())
+        # PassThrough changes nothing; alone, the loop's default keeps its packed fast path.
+        built = [p for p in build_processors(self.processors) if type(p) is not PassThrough]
+        return None if not built else built[0] if len(built) == 1 else built
 
 
 class EnvActor:
@@ -123,7 +149,7 @@ class EnvActor:
             epsilon=config.epsilon,
             weight_source=client if config.policy is not None else None,
             weight_sync_every=config.weight_sync_every,
-            processors=list(config.processors()) if config.processors is not None else None,
+            processors=config.make_processors(),
             episode_id_base=episode_id_base(actor_index, incarnation),
             seed=seed,
         )

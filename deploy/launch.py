@@ -273,6 +273,7 @@ class Launch:
             epsilon=epsilon,
             weight_sync_every=c.actors.weight_sync_every,
             max_in_flight=c.actors.max_in_flight,
+            processors=tuple(c.actors.processors) or None,
             seed=c.run.seed,
         )
 

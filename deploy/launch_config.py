@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from millpond.actors.processors import ProcessorSpec, check_processors
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
@@ -147,6 +148,12 @@ class ActorsSection:
         epsilon_decay_frames: frames over which epsilon decays linearly.
         max_restarts: how often Ray restarts a crashed actor.
         max_in_flight: unacknowledged segments a writer allows before it blocks.
+        processors: experience processors every actor runs, in order, each a mapping of
+            ``path`` (``"package.module:Name"`` of an
+            :class:`~millpond.actors.ExperienceProcessor` class or a factory returning one)
+            and ``kwargs``; a kwargs value ``{path: ..., kwargs: ...}`` is a callable (see
+            :class:`~millpond.actors.processors.ProcessorSpec`). Each is built once here to
+            check it, and anew in every actor. Empty: every segment is stored as cut.
     """
 
     num_actors: int = 2
@@ -160,8 +167,10 @@ class ActorsSection:
     epsilon_decay_frames: int = 10_000
     max_restarts: int = 3
     max_in_flight: int = 64
+    processors: list[ProcessorSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_processors(self.processors, "actors.processors")  # bad specs fail before Ray
         for name in ("num_actors", "num_envs", "chunk_len", "weight_sync_every", "max_in_flight"):
             _at_least(f"actors.{name}", getattr(self, name), 1)
         for name in ("num_cpus", "max_restarts", "epsilon_decay_frames"):

@@ -8,13 +8,14 @@ steps, cut into segments whose tails are the true next observations.
 from __future__ import annotations
 
 import functools
+import pickle
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 from gymnasium.vector import AutoresetMode
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from millpond.actors import (
     HINDSIGHT_EPISODE_OFFSET,
@@ -28,8 +29,15 @@ from millpond.actors import (
     cut_batch,
     to_ted,
 )
+from millpond.actors.processors import (
+    ProcessorSpec,
+    build_processors,
+    check_processors,
+    key_in,
+    sparse_goal_reward,
+)
 from millpond.config import TableConfig
-from millpond.errors import InvalidDataError, RateLimiterTimeoutError
+from millpond.errors import InvalidConfigError, InvalidDataError, RateLimiterTimeoutError
 from millpond.segments import Segment
 from millpond.service import TableSink
 from millpond.testing import CountingDictEnv
@@ -423,3 +431,135 @@ def test_filtered_steps_do_not_unblock_a_rate_limited_learner(make_table):
     assert limiter.inserts == collector.steps_written == 20
     assert drain(table) == 10
     collector.close()
+
+
+# -- processors by import path ----------------------------------------------------------------
+P = "millpond.actors.processors:"
+
+
+def callable_spec(name: str, **kwargs) -> dict:
+    return {"path": P + name, "kwargs": kwargs}
+
+
+def test_processors_given_by_path_store_what_the_same_processors_store():
+    specs = [
+        ProcessorSpec(
+            P + "HindsightRelabeler",
+            {
+                "compute_reward": callable_spec("sparse_goal_reward", threshold=GOAL_TOL),
+                "incomplete": "process",
+            },
+        ),
+        {  # a mapping works as well, and so does the dotted path
+            "path": "millpond.actors.processors.StepFilter",
+            "kwargs": {"keep": callable_spec("key_in", key="action", values=[1], negate=True)},
+        },
+    ]
+    by_hand = ProcessorChain(
+        HindsightRelabeler(goal_reward, incomplete="process"),
+        StepFilter(lambda ted: ted["action"] != 1),
+    )
+    sinks = []
+    for processors in (build_processors(pickle.loads(pickle.dumps(specs))), by_hand):
+        sink = RecordingSink()
+        env = gym.vector.SyncVectorEnv([PointGoalEnv] * 2, autoreset_mode=AutoresetMode.SAME_STEP)
+        with Collector(env, sink, chunk_len=6, processors=processors, seed=4) as c:
+            c.run(3)
+        env.close()
+        sinks.append(sink)
+    by_path, expected = sinks
+    assert segment_shapes(by_path.segments) == segment_shapes(expected.segments)
+    assert len(expected.segments) > 5
+    assert any(s.episode_id >= HINDSIGHT_EPISODE_OFFSET for s in by_path.segments)
+    for got, want in zip(by_path.segments, expected.segments, strict=True):
+        assert (got.steps == want.steps).all() and (got.tail == want.tail).all()
+
+
+def test_each_build_is_a_new_processor_with_its_own_state():
+    spec = ProcessorSpec(P + "EpisodeAnnotator", {"annotate": {"path": P + "label_episode"}})
+    first, second = build_processors([spec, spec])
+    assert isinstance(first, EpisodeAnnotator) and first is not second
+    assert first._held is not second._held
+
+
+def test_label_episode_labels_every_step_with_the_last_steps_flag():
+    spec = ProcessorSpec(
+        P + "EpisodeAnnotator",
+        {"annotate": callable_spec("label_episode", source="next.truncated", key="success")},
+    )
+    sink = RecordingSink()
+    with cartpole(build_processors([spec]), sink) as c:
+        batches = [c.run_chunk() for _ in range(4)]
+    collected, stored = batch_rows(batches), sink.rows()
+    outcomes = set()
+    for (ep, _), row in stored.items():
+        last = max(s for (e, s) in collected if e == ep)
+        success = bool(collected[ep, last]["next", "truncated"])
+        assert row["success"].shape == (1,) and bool(row["success"]) == success
+        outcomes.add(success)
+    assert outcomes == {True, False}
+
+
+def test_key_in_compares_one_value_per_step():
+    ted = TensorDict(
+        {"task": torch.tensor([0, 3, 1, 3]), "observation": torch.arange(8.0).reshape(4, 2)},
+        batch_size=[4],
+    )
+    assert key_in(ted, key="task", values=[3]).tolist() == [False, True, False, True]
+    assert key_in(ted, key="task", values=[3], negate=True).tolist() == [True, False, True, False]
+    assert key_in(ted, key="observation", index=-1, values=[1, 7]).tolist() == [1, 0, 0, 1]
+    with pytest.raises(InvalidDataError, match="one value per step"):
+        key_in(ted, key="observation", values=[1])
+    with pytest.raises(InvalidDataError, match="no key"):
+        key_in(ted, key="next.task", values=[1])
+
+
+def test_sparse_goal_reward_is_zero_within_the_threshold():
+    achieved = torch.tensor([[0.0, 0.0], [0.03, 0.04], [0.1, 0.0]])
+    desired = torch.zeros(3, 2)
+    assert sparse_goal_reward(achieved, desired, threshold=0.05).tolist() == [0.0, 0.0, -1.0]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"path": "no_such_module:Thing"}, r"processors\[0\]\.path: .*cannot import"),
+        ({"path": P + "NoSuchThing"}, r"processors\[0\]\.path: .*has no 'NoSuchThing'"),
+        ({"path": "NoDots"}, r"processors\[0\]\.path: .*must look like"),
+        ({"path": "builtins:dict"}, r"processors\[0\]\.path: .*gave dict, not an Experience"),
+        ({"path": P + "ExperienceProcessor"}, r"processors\[0\]\.path: .*abstract"),
+        ({"path": P + "StepFilter"}, r"processors\[0\]\.kwargs: .*missing a required .*'keep'"),
+        (
+            {"path": P + "StepFilter", "kwargs": {"kep": 1}},
+            r"processors\[0\]\.kwargs: StepFilter\(keep\) has no argument 'kep'",
+        ),
+        (
+            {"path": P + "EpisodeAnnotator", "kwargs": {"annotate": 1, "incomplete": "maybe"}},
+            r"processors\[0\]\.kwargs: EpisodeAnnotator\(...\) failed: .*'drop' or 'process'",
+        ),
+        (
+            {"path": P + "StepFilter", "kwargs": {"keep": {"path": P + "nope"}}},
+            r"processors\[0\]\.kwargs\.keep\.path: callable .*has no 'nope'",
+        ),
+        (
+            {"path": P + "StepFilter", "kwargs": {"keep": callable_spec("key_in", valus=[1])}},
+            r"processors\[0\]\.kwargs\.keep\.kwargs: key_in\(ted, \*, key, .* 'valus'",
+        ),
+        ({"path": P + "PassThrough", "colour": 1}, r"processors\[0\]\.colour: unknown key"),
+        ({"kwargs": {}}, r"processors\[0\]\.path: missing"),
+        ({"path": P + "PassThrough", "kwargs": [1]}, r"processors\[0\]\.kwargs: expected a map"),
+        ("just a string", r"processors\[0\]: expected a ProcessorSpec or a mapping"),
+    ],
+)
+def test_bad_specs_fail_naming_the_field(spec, message):
+    with pytest.raises(InvalidConfigError, match=message) as info:
+        check_processors([spec])
+    assert "\n" not in str(info.value)
+
+
+def test_a_processor_list_is_a_list():
+    with pytest.raises(InvalidConfigError, match="processors: expected a list"):
+        check_processors({"path": P + "PassThrough"})
+    assert check_processors([{"path": P + "PassThrough", "kwargs": None}]) == (
+        ProcessorSpec(P + "PassThrough"),
+    )
