@@ -2,7 +2,8 @@
 
 They read the segment layout directly. A queue batch is flat ``[N]``: whole segments in
 order, each a run of one episode's consecutive steps that ends at a termination, a
-truncation or a chunk cut; :func:`trajectory_ends` finds where each run stops. A slices
+truncation or a chunk cut (marked ``("next", "truncated")`` in the batch);
+:func:`trajectory_ends` finds where each run stops. A slices
 batch is ``[B, K]``: every row one episode's consecutive steps. Single transitions
 (uniform and prioritized tables) are ``[N]`` rows that stand alone.
 
@@ -32,11 +33,13 @@ _FLAGS = ("reward", "done", "terminated", "truncated")
 def trajectory_ends(batch: TensorDictBase) -> torch.Tensor:
     """Where each row's trajectory stops: bool, shaped like ``batch`` (time = last dim).
 
-    Row ``t`` ends when its episode ended (``("next", "done")``), or when row ``t + 1`` is
-    not the next step of the same episode (another ``"episode_id"``, or ``"step"`` not
-    ``step + 1``: a chunk cut, a gap between segments); the last row always ends. For a
-    queue batch ``[N]`` this finds the segment boundaries that matter, and joins two
-    segments that continue each other; for a slices batch ``[B, K]`` it ends every row.
+    Row ``t`` ends where ``("next", "done")`` is set: its episode ended, or the batch's
+    trajectory stops there (a sampled batch sets ``("next", "truncated")`` at each queue
+    segment's last step, each slice's last step and every single transition, as TorchRL's
+    estimators need); or when row ``t + 1`` is not the next step of the same episode
+    (another ``"episode_id"``, or ``"step"`` not ``step + 1``), for batches built by hand;
+    the last row always ends. So these estimators and TorchRL's agree on every batch the
+    service returns.
     """
     done = batch.get(("next", "done"), None)
     if done is None:

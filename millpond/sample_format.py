@@ -20,6 +20,7 @@ def assemble_ted(
     episode_ids: np.ndarray,
     steps: np.ndarray,
     weights: np.ndarray | None = None,
+    ends: np.ndarray | None = None,
 ) -> TensorDict:
     """Sampled steps as a TorchRL TED TensorDict of batch ``slots.shape``.
 
@@ -31,14 +32,23 @@ def assemble_ted(
         episode_ids: the episode of each sampled step.
         steps: each step's index within its episode.
         weights: importance weights (prioritized tables).
+        ends: where the batch's trajectories stop along its last axis (a sampler's
+            ``Selection.ends``); ``None`` for stored rows as they are (an export).
 
-    The last four have ``slots``' shape.
+    The arrays have ``slots``' shape.
 
     Root: the observation and step keys, ``done``/``terminated``/``truncated`` (all false:
     a sampled state is never terminal), ``index`` (``slot``, ``generation``),
     ``episode_id``, ``step`` and ``weight``. Under ``"next"``: the observations,
     ``reward`` and the other next keys, and ``done``/``terminated``/``truncated`` of shape
     ``[..., 1]``, as TorchRL's losses read them.
+
+    Where a trajectory stops in the batch without terminating (``ends``), ``("next",
+    "truncated")`` is set, and ``done = terminated | truncated``: TorchRL's value
+    estimators (GAE, TD(λ), TD(1)) then stop their recursion there and bootstrap from
+    ``("next", obs)``, the real next observation. It is TorchRL's own convention for
+    sampled slices (``SliceSampler(truncated_key=("next", "truncated"))``), and it makes
+    an estimator's value on a sampled batch equal its value on the collector's own record.
     """
     shape = slots.shape
     root: dict[str, Any] = {}
@@ -48,7 +58,12 @@ def assemble_ted(
     for key, value in nxt.items():
         _put(root, ("next", *key), value)
     term = now[TERMINATED].unsqueeze(-1)
-    trunc = now[TRUNCATED].unsqueeze(-1)
+    trunc = now[TRUNCATED]
+    if ends is not None:
+        trunc = trunc | (
+            torch.from_numpy(np.ascontiguousarray(ends, dtype=bool)) & ~now[TERMINATED]
+        )
+    trunc = trunc.unsqueeze(-1)
     nxt_dict = root.setdefault("next", {})
     nxt_dict["terminated"] = term
     nxt_dict["truncated"] = trunc

@@ -32,11 +32,20 @@ class Selection:
         slots: step slots, ``[B]`` (or ``[B, K]`` for slices).
         weights: importance weights ``[B]`` (prioritized tables), else ``None``.
         segment_lengths: for queue samples, the number of steps of each delivered segment.
+        ends: bool, shaped like ``slots``: where the batch's trajectories stop along its
+            last (time) axis, so that a value estimator's recursion stops there too. Single
+            transitions stand alone (every row ends, the default); a queue batch's
+            trajectories are its whole segments; a slice ends at its last step.
     """
 
     slots: np.ndarray
     weights: np.ndarray | None = None
     segment_lengths: np.ndarray | None = None
+    ends: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.ends is None:
+            self.ends = np.ones(self.slots.shape, dtype=bool)
 
 
 class Sampler:
@@ -340,7 +349,9 @@ class QueueSampler(Sampler):
         self._cursor[0] = taken[-1][0]
         starts = np.array([s for _, s, _ in taken], dtype=np.int64)
         lengths = np.array([n for _, _, n in taken], dtype=np.int64)
-        return Selection(ranges(starts, lengths), segment_lengths=lengths)
+        ends = np.zeros(int(lengths.sum()), dtype=bool)
+        ends[np.cumsum(lengths) - 1] = True
+        return Selection(ranges(starts, lengths), segment_lengths=lengths, ends=ends)
 
     def requeue(self, segments: list[tuple[int, int, int]]) -> None:
         """Put taken ``(generation, start, length)`` segments back at the head, in order.

@@ -125,7 +125,9 @@ class SliceSampler(Sampler):
         crossing = np.flatnonzero(starts + k > seg_start + self._segment_length[starts])
         for b in crossing.tolist():
             out[b] = self._walk(int(starts[b]), int(seg_start[b]))
-        return Selection(out)
+        ends = np.zeros(out.shape, dtype=bool)
+        ends[:, -1] = True
+        return Selection(out, ends=ends)
 
     def _walk(self, slot: int, seg_start: int) -> np.ndarray:
         chain = self._chain_of[seg_start]

@@ -530,4 +530,5 @@ def _as_ted(now: dict, nxt: dict, selection: Selection, rows: np.ndarray) -> Ten
         episode_ids=rows[..., SlotColumn.EPISODE_ID],
         steps=rows[..., SlotColumn.STEP],
         weights=selection.weights,
+        ends=selection.ends,
     )

@@ -386,10 +386,33 @@ class Experience:
         assert not missing, f"sampled (episode, step) pairs never written: {missing[:5]}"
         return torch.tensor([self.index[k] for k in zip(eps, steps, strict=True)])
 
-    def check(self, batch: TensorDictBase, *, weights: bool = False) -> list[tuple[int, int]]:
+    def stops(self, batch: TensorDictBase, kind: str) -> torch.Tensor:
+        """Where ``batch``'s trajectories stop (bool ``[N, 1]``), by the table ``kind``.
+
+        ``"row"``: single transitions, every row; ``"slice"``: each slice's last step;
+        ``"segment"``: queue batches, each written segment's last step.
+        """
+        if kind == "row":
+            return torch.ones(batch.numel(), 1, dtype=torch.bool)
+        if kind == "slice":
+            stops = torch.zeros(batch.shape, dtype=torch.bool)
+            stops[..., -1] = True
+            return stops.reshape(-1, 1)
+        assert kind == "segment", kind
+        ends = {(r.episode_id, r.first_step + r.length - 1) for r in self.records()}
+        assert ends, "segment stops need the rollouts' segments"
+        keys = zip(batch["episode_id"].reshape(-1).tolist(), batch["step"].reshape(-1).tolist())
+        return torch.tensor([[key in ends] for key in keys])
+
+    def check(
+        self, batch: TensorDictBase, *, weights: bool = False, stops: str | None = None
+    ) -> list[tuple[int, int]]:
         """Assert every row of ``batch`` (``[B]`` or ``[B, K]``) equals its reference row.
 
-        Returns the rows' ``(episode_id, step)`` in order.
+        Where the batch's trajectory stops (``stops``, see :meth:`stops`; by default
+        ``"slice"`` for ``[B, K]``, else ``"row"``) a step that did not terminate is
+        truncated in the batch, so that value estimators stop there too. Returns the rows'
+        ``(episode_id, step)`` in order.
         """
         flat = batch.reshape(-1)
         rows = self.rows_of(flat)
@@ -397,8 +420,13 @@ class Experience:
         got = {_key(k) for k in flat.keys(include_nested=True, leaves_only=True)}
         expected = self.keys | (SAMPLE_KEYS if weights else SAMPLE_KEYS - {("weight",)})
         assert got == expected, f"keys: extra {got - expected}, missing {expected - got}"
+        stop = self.stops(batch, stops or ("slice" if batch.batch_dims == 2 else "row"))
+        terminated = ref["next", "terminated"].reshape(-1, 1)
+        truncated = ref["next", "truncated"].reshape(-1, 1) | (stop & ~terminated)
+        flags = {("next", "truncated"): truncated, ("next", "done"): terminated | truncated}
         for key in sorted(self.keys):
-            assert_bitwise_equal(flat[key], ref[key], f"key {key}")
+            want = flags[key].reshape(ref[key].shape) if key in flags else ref[key]
+            assert_bitwise_equal(flat[key], want, f"key {key}")
         n = flat.shape[0]
         for flag in ("done", "terminated", "truncated"):  # the root flags of a TED step
             assert_bitwise_equal(flat[flag], torch.zeros(n, 1, dtype=torch.bool), flag)

@@ -90,7 +90,7 @@ def test_queue_drains_each_step_once_in_fifo_order_per_shard(
     remaining = exp.num_steps
     while remaining:
         batch = client.sample(table_name, min(40, remaining), timeout_s=10)
-        keys = exp.check(batch)
+        keys = exp.check(batch, stops="segment")
         for shard, key in zip(batch["index", "shard"].tolist(), keys, strict=True):
             delivered[shard].append(key)
         remaining -= len(keys)

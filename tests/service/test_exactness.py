@@ -117,10 +117,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def assert_rows_equal(sample: TensorDictBase, ref: Reference, with_weight: bool = False) -> None:
-    """Each sampled row equals its reference row (by episode_id/step), bit for bit."""
+def assert_rows_equal(
+    sample: TensorDictBase, ref: Reference, stops: torch.Tensor, with_weight: bool = False
+) -> None:
+    """Each sampled row equals its reference row (by episode_id/step), bit for bit.
+
+    ``stops`` (bool, one per row) says where the batch's trajectory stops: there, a step
+    that did not terminate is marked truncated, so that value estimators stop too.
+    """
     flat = sample.reshape(-1)
     expected = ref.ted[ref.rows_of(flat)]
+    stops = stops.reshape(-1, 1)
+    want_term = expected["next", "terminated"]
+    want_trunc = expected["next", "truncated"] | (stops & ~want_term)
+    want_flags = {"terminated": want_term, "truncated": want_trunc, "done": want_term | want_trunc}
     keys: list[tuple[str, ...]] = [("action",), ("next", "reward")]
     for k in ref.obs_keys:
         keys += [k, ("next", *k)]
@@ -133,7 +143,7 @@ def assert_rows_equal(sample: TensorDictBase, ref: Reference, with_weight: bool 
             f"{list(zip(flat['episode_id'][bad].tolist(), flat['step'][bad].tolist()))[:5]}"
         )
     for f in ("terminated", "truncated", "done"):
-        assert torch.equal(flat["next", f], expected["next", f]), f
+        assert torch.equal(flat["next", f], want_flags[f]), f
         assert flat["next", f].shape == (len(flat), 1)
         assert not flat[f].any(), f"root {f} must be False for a stored step"
     want_keys = set(keys) | {("next", f) for f in ("terminated", "truncated", "done")}
@@ -182,7 +192,9 @@ def test_sampled_rows_equal_reference(make_table, ref: Reference, kind: str, cap
     def check(batch: int) -> None:
         td = table.sample(batch, timeout=5)
         assert td.batch_size == (batch,)
-        assert_rows_equal(td, ref, with_weight=kind == "prioritized")
+        # A sampled transition stands alone: every row stops.
+        stops = torch.ones(batch, dtype=torch.bool)
+        assert_rows_equal(td, ref, stops, with_weight=kind == "prioritized")
         eps, steps = td["episode_id"].tolist(), td["step"].tolist()
         sampled_kinds.update(ref.kind[(e, s)] for e, s in zip(eps, steps))
         if kind == "prioritized":
@@ -276,7 +288,10 @@ def test_queue_delivers_each_step_once_in_order(make_table, ref: Reference, capa
         n = td.batch_size[0]
         assert pos in boundaries and pos + n in boundaries
         assert n <= b or n == seg_len_at[pos], (n, b)
-        assert_rows_equal(td, ref)
+        # A queue batch's trajectories are its segments: each stops at its last step.
+        keys = zip(td["episode_id"].tolist(), td["step"].tolist())
+        stops = torch.tensor([ref.kind[key] != "mid" for key in keys])
+        assert_rows_equal(td, ref, stops)
         pos += n
     assert table.size == 0
     with pytest.raises(RateLimiterTimeoutError):
@@ -298,7 +313,9 @@ def test_slices_are_consecutive_steps_of_one_episode(make_table, ref: Reference,
         eps, steps, slots = td["episode_id"], td["step"], td["index", "slot"]
         assert torch.all(eps == eps[:, :1]), "a slice mixes episodes"
         assert torch.all(steps == steps[:, :1] + torch.arange(k)), "a slice skips steps"
-        assert_rows_equal(td, ref)
+        stops = torch.zeros(batch, k, dtype=torch.bool)
+        stops[:, -1] = True  # a slice stops at its last step
+        assert_rows_equal(td, ref, stops)
         for key in ref.obs_keys:
             assert torch.equal(td[("next", *key)][:, :-1], td[key][:, 1:])
         # No slice runs past an episode end before its last step.

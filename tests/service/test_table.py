@@ -126,9 +126,11 @@ def test_done_only_flags_mean_terminated(table):
     steps["next", "done"] = done
     table.insert(steps, tail, episode_id=0)
     s = table.sample(64)
-    last = s["step"] == 4
-    assert s["next", "terminated"][last].all() and not s["next", "truncated"].any()
-    assert torch.equal(s["next", "done"], s["next", "terminated"])
+    last = (s["step"] == 4).unsqueeze(-1)
+    assert torch.equal(s["next", "terminated"], last)
+    # A sampled transition stands alone: a step that did not terminate is truncated there.
+    assert torch.equal(s["next", "truncated"], ~last)
+    assert s["next", "done"].all()
 
 
 def test_sample_output_layout(table):
@@ -142,7 +144,9 @@ def test_sample_output_layout(table):
     assert (s["episode_id"] == 7).all()
     assert set(s["step"].tolist()) <= set(range(10, 15))
     assert torch.equal(s["action"], s["step"] - 10)
-    assert torch.equal(s["next", "truncated"].squeeze(-1), s["step"] == 14)
+    assert not s["next", "terminated"].any()
+    # Every sampled transition stands alone (its trajectory stops there): truncated.
+    assert s["next", "truncated"].all() and s["next", "done"].all()
     assert torch.equal(s["observation"][:, 0], (7000 + s["step"]).float())
     assert set(s["index"].keys()) == {"slot", "generation"}
 

@@ -43,6 +43,10 @@ def cartpole_ted(lanes, steps, seed=0, max_episode_steps=None):
     return td
 
 
+#: The row keys but the episode-end flags, which a sampled batch sets where it stops.
+UNFLAGGED_KEYS = [k for k in ROW_KEYS if k not in (("next", "terminated"), ("next", "truncated"))]
+
+
 def row_bytes(td, keys=ROW_KEYS):
     """One bytes tuple per row of a TED TensorDict (any batch shape), for bitwise comparison."""
     td = td.reshape(-1)
@@ -151,15 +155,23 @@ def test_trajectory_continued_across_calls(make_table, tmp_path):
 
     sample = table.sample(256)
     assert sample.batch_size == (256, 4)
-    expected = rows_by_step(td)
+    expected_unflagged = rows_by_step(td, UNFLAGGED_KEYS)
+    flags = rows_by_step(td, [("next", "terminated"), ("next", "truncated")])
+    expected_flags = {
+        k: {"terminated": t != b"\x00", "truncated": u != b"\x00"} for k, (t, u) in flags.items()
+    }
     crossing = 0
     for s in sample.unbind(0):
         ep = s["episode_id"]
         assert (ep == ep[0]).all()
         assert s["step"].tolist() == list(range(int(s["step"][0]), int(s["step"][0]) + 4))
         assert torch.equal(s["next", "observation"][:-1], s["observation"][1:])
-        for key, row in exported_by_step(s).items():
-            assert expected[key] == row
+        for key, row in exported_by_step(s, UNFLAGGED_KEYS).items():
+            assert expected_unflagged[key] == row
+        # A slice stops at its last step: there, a step that did not terminate is truncated.
+        want = expected_flags[(int(ep[0]), int(s["step"][-1]))]
+        assert bool(s["next", "truncated"][-1]) == (want["truncated"] or not want["terminated"])
+        assert not s["next", "truncated"][:-1].any() and not s["next", "done"][:-1].any()
         boundary = split - first  # the trajectory's first step in the second call
         if int(ep[0]) == long_traj and int(s["step"][0]) < boundary <= int(s["step"][-1]):
             crossing += 1
