@@ -280,6 +280,11 @@ class LaunchConfig:
                 f"replay.table.sampler: {self.learner.algorithm} needs a {' or '.join(wants)} "
                 f"table, got {table.sampler!r}"
             )
+        if self.learner.algorithm == "dqn" and table.sampler == "slices" and table.strict_length:
+            raise InvalidConfigError(
+                "replay.table.strict_length: n-step DQN needs false, so that every stored step "
+                "(the last n_step - 1 of each episode included) begins an n-step target"
+            )
         if self.learner.dqn.prioritized != (table.sampler == "prioritized") and (
             self.learner.algorithm == "dqn"
         ):

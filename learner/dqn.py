@@ -8,7 +8,10 @@ batch, with the usual extensions as options:
   n_step``, each row ``[K]`` is one episode's consecutive steps and the target of its first
   step is :func:`~millpond.learner.estimators.n_step_return` over the first ``n_step``
   columns, bootstrapping from the target network at the real next observation (zero after a
-  termination; a truncation stops the sum early and bootstraps). From a uniform or
+  termination; a truncation stops the sum early and bootstraps). Give the table
+  ``strict_length=False``: then every stored step begins slices, the last ``n_step - 1``
+  of an episode included (their slices are shorter, and the sum stops at the episode's
+  end); with full slices only, the terminal transitions would never be trained directly. From a uniform or
   prioritized table each row is one transition and the target is the 1-step one
   (``n_step=1``)::
 

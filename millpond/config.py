@@ -32,6 +32,11 @@ class TableConfig:
         compression: ``None`` or ``"zstd"``: how observation bytes travel on the wire.
         spec: the declared keys, or ``None`` to take them from the first insert.
         seed: seeds the sampler's random generator, for reproducible tests.
+        strict_length: slices tables: ``True`` (the default) samples only full slices of
+            ``slice_len`` steps; ``False`` lets every stored step start one, so episode
+            ends (and episodes shorter than ``slice_len``) begin slices too: a short slice
+            repeats its last step, with ``("collector", "mask")`` false on the repeats
+            (what n-step targets at episode ends need).
     """
 
     name: str
@@ -46,6 +51,7 @@ class TableConfig:
     compression: str | None = None
     spec: TableSpec | None = field(default=None, compare=False)
     seed: int | None = None
+    strict_length: bool = True
 
     def __post_init__(self) -> None:
         if (
@@ -94,6 +100,14 @@ class TableConfig:
                 )
         elif self.slice_len is not None:
             raise InvalidConfigError(f"slice_len is only for slices tables, not {self.sampler!r}")
+        if not isinstance(self.strict_length, bool):
+            raise InvalidConfigError(
+                f"strict_length ({self.strict_length!r}) must be True or False"
+            )
+        if not self.strict_length and self.sampler != "slices":
+            raise InvalidConfigError(
+                f"strict_length=False is only for slices tables, not {self.sampler!r}"
+            )
         if self.sampler == "queue" and spi is not None:
             raise InvalidConfigError(
                 "a queue table delivers each step once; it takes no samples_per_insert"

@@ -21,6 +21,7 @@ def assemble_ted(
     steps: np.ndarray,
     weights: np.ndarray | None = None,
     ends: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
 ) -> TensorDict:
     """Sampled steps as a TorchRL TED TensorDict of batch ``slots.shape``.
 
@@ -34,6 +35,8 @@ def assemble_ted(
         weights: importance weights (prioritized tables).
         ends: where the batch's trajectories stop along its last axis (a sampler's
             ``Selection.ends``); ``None`` for stored rows as they are (an export).
+        mask: false where a short slice repeats its last step; sent as
+            ``("collector", "mask")``, as TorchRL's ``split_trajectories`` names it.
 
     The arrays have ``slots``' shape.
 
@@ -80,6 +83,8 @@ def assemble_ted(
     root["step"] = torch.from_numpy(np.ascontiguousarray(steps, dtype=np.int64))
     if weights is not None:
         root["weight"] = torch.from_numpy(weights)
+    if mask is not None:
+        root["collector"] = {"mask": torch.from_numpy(np.ascontiguousarray(mask, dtype=bool))}
     # Every value was built here with the right leading shape: skip TensorDict's checks.
     return TensorDict._new_unsafe(root, batch_size=torch.Size(shape))
 

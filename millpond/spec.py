@@ -37,9 +37,13 @@ RESERVED_KEYS: frozenset[Key] = frozenset(
 )
 
 
+#: Nested keys sampling produces: the mask of slices shorter than asked.
+MASK: Key = ("collector", "mask")
+
+
 def is_reserved(key: Key) -> bool:
     """Whether ``key`` is, or nests under, a key that sampling produces itself."""
-    return key[:1] in RESERVED_KEYS
+    return key[:1] in RESERVED_KEYS or key[:2] == MASK
 
 
 #: Episode-end flags, stored as one bool per step; ``("next", "done")`` is derived from them.

@@ -49,7 +49,7 @@ class FieldSpec(_message.Message):
     def __init__(self, key: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "capacity", "sampler", "min_size", "samples_per_insert", "error_buffer", "alpha", "beta", "slice_len", "compression", "spec", "seed")
+    __slots__ = ("name", "capacity", "sampler", "min_size", "samples_per_insert", "error_buffer", "alpha", "beta", "slice_len", "compression", "spec", "seed", "strict_length")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class TableConfig(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STRICT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity: int
     sampler: str
@@ -74,7 +75,8 @@ class TableConfig(_message.Message):
     compression: str
     spec: _containers.RepeatedCompositeFieldContainer[FieldSpec]
     seed: int
-    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., sampler: _Optional[str] = ..., min_size: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., compression: _Optional[str] = ..., spec: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., seed: _Optional[int] = ...) -> None: ...
+    strict_length: bool
+    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., sampler: _Optional[str] = ..., min_size: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., compression: _Optional[str] = ..., spec: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., seed: _Optional[int] = ..., strict_length: _Optional[bool] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("config", "exist_ok")

@@ -27,6 +27,8 @@ def config_to_proto(config: TableConfig) -> pb.TableConfig:
         msg.error_buffer = float(config.error_buffer)
     if config.seed is not None:
         msg.seed = config.seed
+    if not config.strict_length:
+        msg.strict_length = False
     if config.spec is not None:
         msg.spec.extend(
             pb.FieldSpec(key=list(k), dtype=dtype_name(f.dtype), shape=list(f.shape), role=f.role)
@@ -63,6 +65,7 @@ def config_from_proto(msg: pb.TableConfig) -> TableConfig:
         compression=msg.compression or None,
         spec=spec,
         seed=int(msg.seed) if msg.HasField("seed") else None,
+        strict_length=msg.strict_length if msg.HasField("strict_length") else True,
     )
 
 

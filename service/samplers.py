@@ -36,12 +36,15 @@ class Selection:
             last (time) axis, so that a value estimator's recursion stops there too. Single
             transitions stand alone (every row ends, the default); a queue batch's
             trajectories are its whole segments; a slice ends at its last step.
+        mask: bool, shaped like ``slots``, false where a slice shorter than asked repeats
+            its last slot (slices tables without ``strict_length``), else ``None``.
     """
 
     slots: np.ndarray
     weights: np.ndarray | None = None
     segment_lengths: np.ndarray | None = None
     ends: np.ndarray | None = None
+    mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.ends is None:

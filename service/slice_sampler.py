@@ -31,11 +31,21 @@ class _Chain:
 
 
 class SliceSampler(Sampler):
-    """Uniform over valid slice starts; returns ``[B, slice_len]`` step slots."""
+    """Uniform over valid slice starts; returns ``[B, slice_len]`` step slots.
 
-    def __init__(self, capacity: int, slice_len: int, seed: int | None = None) -> None:
+    With ``strict_length`` (the default) a start is valid when its chain holds
+    ``slice_len`` steps from it on. Without, every stored step is a valid start, so the
+    last ``slice_len - 1`` steps of an episode begin slices too and episodes shorter than
+    ``slice_len`` are sampled: such a slice holds the steps left, then repeats its last
+    slot, and its ``mask`` is false on the repeats (TorchRL's ``strict_length=False``).
+    """
+
+    def __init__(
+        self, capacity: int, slice_len: int, seed: int | None = None, strict_length: bool = True
+    ) -> None:
         super().__init__(capacity, seed)
         self.slice_len = slice_len
+        self.strict_length = strict_length
         self._clear()
 
     def _clear(self) -> None:
@@ -112,7 +122,7 @@ class SliceSampler(Sampler):
         lengths = np.array([s[1] for s in chain.segments], dtype=np.int64)
         slots = ranges(starts, lengths)
         remaining = len(slots) - np.arange(len(slots))
-        valid = remaining >= self.slice_len
+        valid = remaining >= (self.slice_len if self.strict_length else 1)
         self._starts.remove(slots[~valid])
         self._starts.add(slots[valid])
 
@@ -123,13 +133,16 @@ class SliceSampler(Sampler):
         # Slices that run past their segment's last step continue in the next segment.
         seg_start = self._segment_start[starts]
         crossing = np.flatnonzero(starts + k > seg_start + self._segment_length[starts])
+        valid = np.full(batch_size, k, dtype=np.int64)  # real steps per slice
         for b in crossing.tolist():
-            out[b] = self._walk(int(starts[b]), int(seg_start[b]))
-        ends = np.zeros(out.shape, dtype=bool)
-        ends[:, -1] = True
-        return Selection(out, ends=ends)
+            out[b], valid[b] = self._walk(int(starts[b]), int(seg_start[b]))
+        mask = np.arange(k)[None, :] < valid[:, None]
+        # A slice stops at its last real step; its repeats are stops too.
+        ends = ~mask | (np.arange(k)[None, :] == (valid - 1)[:, None])
+        return Selection(out, ends=ends, mask=None if self.strict_length else mask)
 
-    def _walk(self, slot: int, seg_start: int) -> np.ndarray:
+    def _walk(self, slot: int, seg_start: int) -> tuple[np.ndarray, int]:
+        """The slots of a slice that leaves its first segment, and how many are real."""
         chain = self._chain_of[seg_start]
         i = next(j for j, s in enumerate(chain.segments) if s[0] == seg_start)
         out: list[int] = []
@@ -140,11 +153,19 @@ class SliceSampler(Sampler):
                 take = min(start + length - pos, self.slice_len - len(out))
                 out.extend(range(pos, pos + take))
                 pos += take
-            else:
+            elif i + 1 < len(chain.segments):
                 i += 1
                 start, length, _ = chain.segments[i]
                 pos = start
-        return np.array(out, dtype=np.int64)
+            else:  # the chain ends first (only without strict_length): repeat its last slot
+                real = len(out)
+                return np.array(out + [out[-1]] * (self.slice_len - real), dtype=np.int64), real
+        return np.array(out, dtype=np.int64), self.slice_len
 
     def state(self) -> dict:
-        return {"size": self.size, "slice_starts": self._starts.count, "slice_len": self.slice_len}
+        return {
+            "size": self.size,
+            "slice_starts": self._starts.count,
+            "slice_len": self.slice_len,
+            "strict_length": self.strict_length,
+        }

@@ -517,7 +517,7 @@ def _make_sampler(config: TableConfig, directory: Path) -> Sampler:
     if c.sampler == "queue":
         return QueueSampler(c.capacity, c.seed, directory=directory)
     assert c.slice_len is not None
-    return SliceSampler(c.capacity, c.slice_len, c.seed)
+    return SliceSampler(c.capacity, c.slice_len, c.seed, c.strict_length)
 
 
 def _as_ted(now: dict, nxt: dict, selection: Selection, rows: np.ndarray) -> TensorDict:
@@ -531,4 +531,5 @@ def _as_ted(now: dict, nxt: dict, selection: Selection, rows: np.ndarray) -> Ten
         steps=rows[..., SlotColumn.STEP],
         weights=selection.weights,
         ends=selection.ends,
+        mask=selection.mask,
     )

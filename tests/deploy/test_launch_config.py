@@ -92,6 +92,12 @@ def test_table_must_fit_the_algorithm(tmp_path):
     unflagged = "learner: {algorithm: dqn}\nreplay: {table: {name: t, sampler: prioritized, capacity: 100}}\n"
     with pytest.raises(InvalidConfigError, match=r"learner.dqn.prioritized"):
         load_config(write(tmp_path, unflagged))
+    n_step = "learner: {algorithm: dqn, dqn: {n_step: 3}}\n"
+    strict = n_step + "replay: {table: {name: t, sampler: slices, capacity: 100, slice_len: 3}}\n"
+    with pytest.raises(InvalidConfigError, match=r"replay.table.strict_length: n-step DQN"):
+        load_config(write(tmp_path, strict))
+    loose = strict.replace("slice_len: 3", "slice_len: 3, strict_length: false")
+    assert load_config(write(tmp_path, loose)).replay.table_config().strict_length is False
 
 
 def test_missing_and_broken_files(tmp_path):

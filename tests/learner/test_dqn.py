@@ -238,6 +238,47 @@ def test_n_step_target_equals_a_hand_computed_one(client, double_dqn):
     torch.testing.assert_close(y, torch.tensor([1.0 + gamma * 2.0, 1.0 + gamma * bootstrap]))
 
 
+def test_n_step_targets_begin_at_every_step_episode_ends_included(client):
+    """With ``strict_length=False`` the last ``n - 1`` steps of an episode begin targets too,
+    and each target is the n-step return over the episode's own remaining steps, checked
+    against the collected chunk itself (rewards and flags by episode and step)."""
+    gamma, n = 0.9, 3
+    config = TableConfig.slices("ends", capacity=4096, slice_len=n, seed=2, strict_length=False)
+    client.create_table(config)
+    chunk = collect(client)
+    write_chunk(client, "ends", chunk)
+    flat = chunk.reshape(-1)
+    record = {
+        (e, s): i
+        for i, (e, s) in enumerate(
+            zip(flat["collector", "traj_ids"].tolist(), flat["collector", "step_count"].tolist())
+        )
+    }
+    learner = make_learner(client, "ends", DQNConfig(gamma=gamma, n_step=n, double_dqn=False))
+    starts_at_end = 0
+    for _ in range(4):
+        batch = client.sample("ends", 256)
+        with torch.no_grad():
+            y = learner.target(batch)
+        for b in range(256):
+            ep, step = int(batch["episode_id"][b, 0]), int(batch["step"][b, 0])
+            G = 0.0
+            for k in range(n):
+                row = flat[record[(ep, step + k)]]
+                G += gamma**k * float(row["next", "reward"])
+                if bool(row["next", "terminated"]):
+                    starts_at_end += k == 0
+                    break
+                nxt = record.get((ep, step + k + 1))
+                if bool(row["next", "truncated"]) or k == n - 1 or nxt is None:
+                    with torch.no_grad():
+                        q = learner.target_network(row["next", "observation"])
+                    G += gamma ** (k + 1) * float(q.max())
+                    break
+            assert abs(float(y[b]) - G) < 1e-4, (ep, step, float(y[b]), G)
+    assert starts_at_end > 0, "no target began at an episode's terminal step"
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_the_rate_limiter_paces_the_updates(client, prefetch):
     """With ``samples_per_insert`` the server holds the learner to the stored experience:
