@@ -4,11 +4,29 @@ A segment of L steps occupies L+1 consecutive slots: L step slots, then a tail s
 holds only the observation following the last step. So for every step slot ``i``,
 ``("next", obs)[i] == obs[i + 1]``: one gather, no branch, lossless at episode boundaries.
 
-Slot metadata lives in ``slots.bin`` (int64, one row per slot, columns named by
-:class:`SlotColumn`). The generation is the commit marker: it is written last, after every
-other byte of the segment, and cleared first when a segment is overwritten. On reopen, a
-segment counts only if all of its L+1 slots carry its generation, so a copy that was
-interrupted (a killed process) is never visible.
+The metadata (table format 2) is two files, sized so that small observations do not pay
+more for their bookkeeping than for themselves:
+
+* ``slots.bin``: one int32 per slot, 1 + the index of the record of the segment the slot
+  belongs to (0: the slot holds no published segment). 4 bytes per slot.
+* ``segments.bin``: one :data:`SEGMENT_RECORD` (48 bytes) per segment: generation, episode
+  id, first step, writer, sequence, start slot and length. A record is reused as soon as
+  its segment is evicted (new segments take freed records before new ones), so the records
+  ever written number at most the segments stored at once. The file has room for the most
+  that can be stored at once (``capacity // 2``: a segment takes at least two slots) and
+  is sparse: pages never written take no disk space.
+
+Everything else a slot needs is derived: its episode id and generation from its record,
+its step as ``first_step + (slot - start)``, its kind (step or tail) from ``slot - start``
+against the length. :meth:`SegmentStorage.slot_info` decodes slots into rows of the
+:class:`SlotColumn` fields.
+
+The record's generation is the commit marker: it is written last, after the segment's data,
+its record and its slots' pointers, and cleared first when the segment is overwritten. On
+reopen, a record counts only if its generation is set and every one of its L+1 slots points
+at it, so a copy or a publication that was interrupted (a killed process) is never visible.
+Generations are never reused, so a reader that compares a slot's generation before and
+after reading its rows sees any overwrite in between.
 
 This class does no locking: :class:`~millpond.service.table.Table` serialises allocation and
 publication and lets the copies run outside its lock.
@@ -26,23 +44,43 @@ import numpy as np
 import torch
 from tensordict import MemoryMappedTensor
 
-from millpond.errors import StorageCorruptedError
+from millpond.errors import InvalidConfigError, InvalidDataError, StorageCorruptedError
 from millpond.service.atomic_json import atomic_write_json
 from millpond.spec import OBSERVATION, Key, TableSpec
 
 #: Values of the :attr:`SlotColumn.KIND` column.
 SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
 
+SLOTS_FILE = "slots.bin"
+SEGMENTS_FILE = "segments.bin"
+
+#: One segment's record in ``segments.bin``. The generation comes first (8-byte aligned: the
+#: commit marker is one aligned store).
+SEGMENT_RECORD = np.dtype(
+    [
+        ("generation", "<i8"),  # the segment's publication number, 0 if not published
+        ("episode_id", "<i8"),
+        ("first_step", "<i8"),  # index within its episode of the segment's first step
+        ("writer", "<i8"),  # hash of the writer that sent the segment (0: anonymous)
+        ("sequence", "<i8"),  # the segment's number in its writer's stream
+        ("start", "<i4"),  # first slot
+        ("length", "<i4"),  # steps (the segment takes length + 1 slots)
+    ]
+)
+#: Slot pointers, record starts and lengths are int32.
+MAX_CAPACITY = 2**31 - 1
+_MAX_STEP = np.iinfo(np.int64).max
+
 
 class SlotColumn(IntEnum):
-    """The columns of the slot metadata (``SegmentStorage.meta``, ``slot_info`` rows)."""
+    """The fields of a decoded slot (``slot_info`` rows; derived, not stored per slot)."""
 
-    GENERATION = 0  # the commit marker: the segment's publication number, 0 if none
+    GENERATION = 0  # the segment's publication number, 0 if none
     EPISODE_ID = 1
     STEP = 2  # index within its episode (a tail slot: one past the segment's last step)
     SEGMENT_START = 3
     SEGMENT_LENGTH = 4
-    KIND = 5  # SLOT_STEP or SLOT_TAIL
+    KIND = 5  # SLOT_STEP or SLOT_TAIL (SLOT_EMPTY: no published segment)
     WRITER = 6  # hash of the writer that sent the segment (0: anonymous)
     SEQUENCE = 7  # the segment's number in its writer's stream
 
@@ -115,7 +153,19 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
 
 
-def _column_filename(key: Key) -> str:
+def check_step_range(episode_ids: np.ndarray, first_steps: np.ndarray, lengths: np.ndarray) -> None:
+    """Refuse segments whose steps (up to the tail's, ``first_step + length``) would pass the
+    int64 range: :class:`InvalidDataError` naming the value, never a silent wrap-around."""
+    over = first_steps > _MAX_STEP - lengths
+    if over.any():
+        i = int(np.argmax(over))
+        raise InvalidDataError(
+            f"first_step {int(first_steps[i])} of episode {int(episode_ids[i])} is too large: "
+            f"its segment of {int(lengths[i])} steps would number steps past 2**63 - 1"
+        )
+
+
+def column_filename(key: Key) -> str:
     return ".".join(urllib.parse.quote(p, safe="") for p in key) + ".bin"
 
 
@@ -134,6 +184,11 @@ class SegmentStorage:
     def __init__(
         self, path: str | os.PathLike, capacity: int, spec: TableSpec | None, *, fsync: bool = False
     ) -> None:
+        if capacity > MAX_CAPACITY:
+            raise InvalidConfigError(
+                f"capacity ({capacity}) exceeds the largest the storage can address "
+                f"({MAX_CAPACITY} slots: slot pointers and segment records are int32)"
+            )
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
@@ -141,24 +196,42 @@ class SegmentStorage:
         self.spec: TableSpec | None = None
         self.columns: dict[Key, torch.Tensor] = {}
         self._fds: list[int] = []
-        meta_file = self.path / "slots.bin"
-        fresh = not meta_file.exists()
-        if not fresh and meta_file.stat().st_size != capacity * _META_WIDTH * 8:
-            raise StorageCorruptedError(
-                f"{meta_file} has {meta_file.stat().st_size} bytes, expected "
-                f"{capacity * _META_WIDTH * 8} for capacity {capacity}"
-            )
-        self._meta_map = np.memmap(
-            meta_file, dtype=np.int64, mode="w+" if fresh else "r+", shape=(capacity, _META_WIDTH)
-        )
-        # Plain ndarray view of the same pages: numpy's memmap subclass adds microseconds of
+        slots_file, records_file = self.path / SLOTS_FILE, self.path / SEGMENTS_FILE
+        fresh = not slots_file.exists()
+        n_records = max(1, capacity // 2)  # a segment takes at least two slots
+        self._slot_map = self._open_map(slots_file, np.dtype(np.int32), capacity, fresh)
+        self._record_map = self._open_map(records_file, SEGMENT_RECORD, n_records, fresh)
+        # Plain ndarray views of the same pages: numpy's memmap subclass adds microseconds of
         # __array_finalize__ to every indexing, which dominates small samples and inserts.
-        self.meta = self._meta_map.view(np.ndarray)
-        self._fds.append(os.open(meta_file, os.O_RDWR))
+        #: Per slot: 1 + the index of its segment's record, 0 if none.
+        self.slot_records = self._slot_map.view(np.ndarray)
+        #: Per segment record (see :data:`SEGMENT_RECORD`).
+        self.records = self._record_map.view(np.ndarray)
+        self._generation = self.records["generation"]  # a strided view: the commit markers
+        # Records never written are not on disk: new segments take freed records first.
+        self._free: list[int] = []  # freed record indices (a stack)
+        self._records_used = 0  # records [0, used) have been handed out at least once
         #: Next slot to allocate from; recovered from the newest segment on reopen.
         self.cursor = 0
+        if not fresh:
+            self._rebuild_free()
         if spec is not None:
             self.set_spec(spec)
+
+    def _open_map(self, file: Path, dtype: np.dtype, n: int, fresh: bool) -> np.memmap:
+        if fresh and file.exists():
+            raise StorageCorruptedError(f"{file} exists but {self.path / SLOTS_FILE} does not")
+        if not fresh:
+            if not file.exists():
+                raise StorageCorruptedError(f"{file} is missing")
+            if file.stat().st_size != n * dtype.itemsize:
+                raise StorageCorruptedError(
+                    f"{file} has {file.stat().st_size} bytes, expected {n * dtype.itemsize} "
+                    f"for capacity {self.capacity}"
+                )
+        mm = np.memmap(file, dtype=dtype, mode="w+" if fresh else "r+", shape=(n,))
+        self._fds.append(os.open(file, os.O_RDWR))
+        return mm
 
     # -- columns -------------------------------------------------------------------------
     def set_spec(self, spec: TableSpec) -> None:
@@ -169,7 +242,7 @@ class SegmentStorage:
         cols_dir.mkdir(exist_ok=True)
         index = {"columns": []}
         for key, f in spec.fields.items():
-            filename = cols_dir / _column_filename(key)
+            filename = cols_dir / column_filename(key)
             shape = torch.Size([self.capacity, *f.shape])
             expected = self.capacity * f.nbytes
             if filename.exists():
@@ -197,39 +270,72 @@ class SegmentStorage:
 
     def published_in(self, start: int, n_slots: int) -> SegmentBatch:
         """The published segments that overlap slots ``[start, start + n_slots)``."""
-        rows = self.meta[start : start + n_slots]
-        live = rows[:, SlotColumn.GENERATION] > 0
-        if not live.any():
+        pointers = self.slot_records[start : start + n_slots]
+        held = pointers[pointers != 0]
+        if not len(held):
             return SegmentBatch.empty()
-        seg_starts = np.unique(rows[live, SlotColumn.SEGMENT_START])
-        return self._segments_at(seg_starts)
+        # A segment's slots are consecutive: each record appears as one run, in slot order.
+        first = np.empty(len(held), dtype=bool)
+        first[0] = True
+        np.not_equal(held[1:], held[:-1], out=first[1:])
+        records = held[first].astype(np.int64) - 1
+        return self._segments_of(records[self._generation[records] > 0])
 
-    def _segments_at(self, seg_starts: np.ndarray) -> SegmentBatch:
-        rows = np.asarray(self.meta[seg_starts])
+    def _segments_of(self, records: np.ndarray) -> SegmentBatch:
+        r = self.records[records]
         return SegmentBatch(
-            seg_starts.astype(np.int64),
-            rows[:, SlotColumn.SEGMENT_LENGTH].copy(),
-            rows[:, SlotColumn.GENERATION].copy(),
-            rows[:, SlotColumn.EPISODE_ID].copy(),
-            rows[:, SlotColumn.STEP].copy(),
-            rows[:, SlotColumn.WRITER].copy(),
-            rows[:, SlotColumn.SEQUENCE].copy(),
+            r["start"].astype(np.int64),
+            r["length"].astype(np.int64),
+            r["generation"].copy(),
+            r["episode_id"].copy(),
+            r["first_step"].copy(),
+            r["writer"].copy(),
+            r["sequence"].copy(),
         )
 
+    def _records_of(self, segments: SegmentBatch) -> np.ndarray:
+        return self.slot_records[segments.starts].astype(np.int64) - 1
+
     def unpublish(self, segments: SegmentBatch) -> None:
-        """Clear the commit marker of every slot of ``segments``."""
-        if len(segments):
-            self.meta[segments.all_slots(), SlotColumn.GENERATION] = 0
+        """Clear the commit marker of ``segments``, then their slots; free their records."""
+        if not len(segments):
+            return
+        records = self._records_of(segments)
+        records = records[records >= 0]
+        self._generation[records] = 0
+        self.slot_records[segments.all_slots()] = 0
+        self._free.extend(records.tolist())
 
     def clear(self) -> None:
         """Unpublish every slot and allocate from slot 0 again."""
-        self.meta[:, SlotColumn.GENERATION] = 0
+        self._generation[: self._records_used] = 0
+        held = np.flatnonzero(self.slot_records)  # only those: unwritten pages stay unwritten
+        self.slot_records[held] = 0
+        self._free = list(range(self._records_used - 1, -1, -1))
         self.cursor = 0
 
     def reserve(self, start: int, n_slots: int) -> None:
         """Claim ``[start, start + n_slots)`` for a write; its slots must hold no live segment."""
-        self.meta[start : start + n_slots, SlotColumn.GENERATION] = 0
+        block = self.slot_records[start : start + n_slots]
+        if block.any():
+            block[:] = 0
         self.cursor = start + n_slots
+
+    def _allocate(self, n: int) -> np.ndarray:
+        """``n`` free record indices: freed ones first, so that few records are ever written."""
+        reuse = min(n, len(self._free))
+        taken = self._free[len(self._free) - reuse :]
+        del self._free[len(self._free) - reuse :]
+        fresh = n - reuse
+        if self._records_used + fresh > len(self.records):  # more live segments than can fit
+            self._free.extend(taken)
+            raise StorageCorruptedError(
+                f"no free segment record for {n} segments ({len(self.records)} records, "
+                f"{self._records_used} in use)"
+            )
+        taken.extend(range(self._records_used, self._records_used + fresh))
+        self._records_used += fresh
+        return np.array(taken, dtype=np.int64)
 
     # -- data ----------------------------------------------------------------------------
     def write(
@@ -241,9 +347,11 @@ class SegmentStorage:
         """Copy a block of segments into its reserved slots (no metadata is touched).
 
         ``steps`` holds every key for all steps, segment after segment; ``tails`` holds the
-        observation keys, one row per segment.
+        observation keys, one row per segment. Refuses (:class:`InvalidDataError`, before
+        copying anything) segments whose steps would count past the int64 range.
         """
         assert self.spec is not None
+        check_step_range(layout.episode_ids, layout.first_steps, layout.lengths)
         base = int(layout.starts[0])
         n_slots = int(layout.lengths.sum()) + len(layout)
         rel = (layout.starts - base).tolist()
@@ -272,44 +380,74 @@ class SegmentStorage:
                 block.index_copy_(0, tail_rel, tails[key])
 
     def publish(self, layout: SegmentBatch) -> None:
-        """Write the slot metadata of ``layout``, commit markers last, making it visible.
+        """Write the records and slot pointers of ``layout``, commit markers last.
 
-        ``layout`` is one block written by :meth:`write`: its segments lie back to back, so the
-        metadata is built as one ``[n_slots, width]`` array and stored with two slice writes.
+        ``layout`` is one block written by :meth:`write`: its segments lie back to back, so
+        their slots' pointers are one slice write.
         """
         base = int(layout.starts[0])
-        n_slots = int(layout.lengths.sum()) + len(layout)
-        seg = np.repeat(np.arange(len(layout)), layout.lengths + 1)
-        in_seg = np.arange(n_slots) - np.repeat(layout.starts - base, layout.lengths + 1)
-        block = np.empty((n_slots, _META_WIDTH), dtype=np.int64)
-        block[:, SlotColumn.EPISODE_ID] = layout.episode_ids[seg]
-        block[:, SlotColumn.STEP] = layout.first_steps[seg] + in_seg
-        block[:, SlotColumn.SEGMENT_START] = layout.starts[seg]
-        block[:, SlotColumn.SEGMENT_LENGTH] = layout.lengths[seg]
-        block[:, SlotColumn.KIND] = np.where(in_seg == layout.lengths[seg], SLOT_TAIL, SLOT_STEP)
-        block[:, SlotColumn.WRITER] = 0 if layout.writers is None else layout.writers[seg]
-        block[:, SlotColumn.SEQUENCE] = 0 if layout.sequences is None else layout.sequences[seg]
-        meta, gen = self.meta, SlotColumn.GENERATION  # column 0: every other column follows it
-        meta[base : base + n_slots, gen + 1 :] = block[:, gen + 1 :]
+        n = len(layout)
+        n_slots = int(layout.lengths.sum()) + n
+        records = self._allocate(n)
+        block = np.zeros(n, dtype=SEGMENT_RECORD)  # generation 0: not yet visible
+        block["episode_id"] = layout.episode_ids
+        block["first_step"] = layout.first_steps
+        if layout.writers is not None:
+            block["writer"] = layout.writers
+        if layout.sequences is not None:
+            block["sequence"] = layout.sequences
+        block["start"] = layout.starts
+        block["length"] = layout.lengths
+        self.records[records] = block
+        self.slot_records[base : base + n_slots] = np.repeat(records + 1, layout.lengths + 1)
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
-        meta[base : base + n_slots, gen] = layout.generations[seg]
+        self._generation[records] = layout.generations
         if self.fsync:
             self.flush()
 
     def generations(self, slots: np.ndarray) -> np.ndarray:
-        return np.asarray(self.meta[slots, SlotColumn.GENERATION])
+        """The generation of each slot's segment (0 where none is published)."""
+        pointers = self.slot_records[slots]
+        return np.where(pointers > 0, self._generation[pointers.astype(np.int64) - 1], 0)
 
     def slot_info(self, slots: np.ndarray) -> np.ndarray:
-        """Metadata rows of ``slots`` (shape ``[*slots.shape, width]``; see :class:`SlotColumn`)."""
-        return np.asarray(self.meta[slots])
+        """Decoded metadata rows of ``slots`` (shape ``[*slots.shape, width]``, int64; the
+        fields of :class:`SlotColumn`). A slot without a published segment decodes to zeros."""
+        slots = np.asarray(slots, dtype=np.int64)
+        flat = slots.reshape(-1)
+        records = self.slot_records[flat].astype(np.int64) - 1  # -1: none
+        r = self.records[records]  # index -1 reads the last record: masked below
+        start = r["start"].astype(np.int64)
+        length = r["length"].astype(np.int64)
+        offset = flat - start
+        out = np.empty((len(flat), _META_WIDTH), dtype=np.int64)
+        out[:, SlotColumn.GENERATION] = r["generation"]
+        out[:, SlotColumn.EPISODE_ID] = r["episode_id"]
+        np.add(r["first_step"], offset, out=out[:, SlotColumn.STEP])
+        out[:, SlotColumn.SEGMENT_START] = start
+        out[:, SlotColumn.SEGMENT_LENGTH] = length
+        out[:, SlotColumn.KIND] = np.where(offset == length, SLOT_TAIL, SLOT_STEP)
+        out[:, SlotColumn.WRITER] = r["writer"]
+        out[:, SlotColumn.SEQUENCE] = r["sequence"]
+        none = (records < 0) | (offset < 0) | (offset > length) | (out[:, 0] == 0)
+        if none.any():
+            out[none] = 0
+        return out.reshape(*slots.shape, _META_WIDTH)
+
+    @property
+    def meta(self) -> np.ndarray:
+        """Every slot decoded (a ``[capacity, width]`` copy, see :meth:`slot_info`), for
+        inspection and tests; the files hold the compact form."""
+        return self.slot_info(np.arange(self.capacity))
 
     def published_step_slots(self) -> np.ndarray:
         """Every published step slot, in publication order (by generation, then slot)."""
-        meta = np.asarray(self.meta)
-        gens = meta[:, SlotColumn.GENERATION]
-        slots = np.flatnonzero((gens > 0) & (meta[:, SlotColumn.KIND] == SLOT_STEP))
-        return slots[np.lexsort((slots, gens[slots]))]
+        gens = self._generation[: self._records_used]
+        live = np.flatnonzero(gens > 0)
+        live = live[np.argsort(gens[live], kind="stable")]
+        r = self.records[live]
+        return ranges(r["start"].astype(np.int64), r["length"].astype(np.int64))
 
     def gather(self, slots: np.ndarray) -> tuple[dict[Key, torch.Tensor], dict[Key, torch.Tensor]]:
         """Read step slots: ``(values at slots, observations at slots + 1)``.
@@ -338,50 +476,43 @@ class SegmentStorage:
     def recover(self) -> SegmentBatch:
         """Find the complete published segments (oldest first) and clear torn ones.
 
-        A segment is complete when each of its L+1 slots carries its generation, the same
-        start and length, and the right kind. Anything else is the remains of an interrupted
-        write or overwrite, and is unpublished here.
+        A segment is complete when its record has a generation, a range inside the ring, and
+        each of its L+1 slots points at it. Anything else is the remains of an interrupted
+        write or overwrite: its record is unpublished, and slot pointers to anything but a
+        complete segment are cleared.
         """
-        meta = self.meta
-        live_slots = np.flatnonzero(meta[:, SlotColumn.GENERATION] > 0)
-        if len(live_slots) == 0:
-            self.cursor = 0
-            return SegmentBatch.empty()
-        rows = np.asarray(meta[live_slots])
-        gens, inverse, counts = np.unique(
-            rows[:, SlotColumn.GENERATION], return_inverse=True, return_counts=True
-        )
-        # Candidate start of each generation: where its first slot claims it starts.
-        first_idx = np.full(len(gens), len(live_slots), dtype=np.int64)
-        np.minimum.at(first_idx, inverse, np.arange(len(live_slots)))
-        seg_start = rows[first_idx, SlotColumn.SEGMENT_START]
-        seg_len = rows[first_idx, SlotColumn.SEGMENT_LENGTH]
-        good = (live_slots[first_idx] == seg_start) & (counts == seg_len + 1) & (seg_len > 0)
-        good &= seg_start + seg_len < self.capacity
-        # Every slot of a good generation must agree on start/length and be in its range.
-        slot_ok = (
-            (rows[:, SlotColumn.SEGMENT_START] == seg_start[inverse])
-            & (rows[:, SlotColumn.SEGMENT_LENGTH] == seg_len[inverse])
-            & (live_slots >= seg_start[inverse])
-            & (live_slots <= seg_start[inverse] + seg_len[inverse])
-        )
-        expected_kind = np.where(
-            live_slots == seg_start[inverse] + seg_len[inverse], SLOT_TAIL, SLOT_STEP
-        )
-        slot_ok &= rows[:, SlotColumn.KIND] == expected_kind
-        bad_gen = np.zeros(len(gens), dtype=bool)
-        np.logical_or.at(bad_gen, inverse, ~slot_ok)
-        good &= ~bad_gen
-        torn = live_slots[~good[inverse]]
-        if len(torn):
-            meta[torn, SlotColumn.GENERATION] = 0
-        order = np.argsort(gens[good], kind="stable")
-        segments = self._segments_at(seg_start[good][order])
-        newest = int(np.argmax(segments.generations)) if len(segments) else None
-        self.cursor = (
-            int(segments.starts[newest] + segments.lengths[newest] + 1) if newest is not None else 0
-        )
+        live = np.flatnonzero(self._generation > 0)
+        r = self.records[live]
+        start = r["start"].astype(np.int64)
+        length = r["length"].astype(np.int64)
+        good = (length > 0) & (start >= 0) & (start + length < self.capacity)
+        slots = ranges(start[good], length[good] + 1)
+        pointers = np.repeat(live[good] + 1, length[good] + 1)
+        if len(slots):
+            match = self.slot_records[slots] == pointers
+            offsets = np.cumsum(length[good] + 1) - (length[good] + 1)
+            good[good] = np.logical_and.reduceat(match, offsets)
+        self._generation[live[~good]] = 0
+        # Slot pointers: exactly the slots of the complete segments.
+        start, length, live = start[good], length[good], live[good]
+        expected = np.zeros(self.capacity, dtype=np.int32)
+        expected[ranges(start, length + 1)] = np.repeat(live + 1, length + 1)
+        stale = np.flatnonzero(self.slot_records != expected)
+        if len(stale):
+            self.slot_records[stale] = expected[stale]
+        self._rebuild_free()
+        order = np.argsort(self._generation[live], kind="stable")
+        segments = self._segments_of(live[order])
+        self.cursor = int(segments.starts[-1] + segments.lengths[-1] + 1) if len(segments) else 0
         return segments
+
+    def _rebuild_free(self) -> None:
+        """Free records: every one below the highest published, unpublished ones."""
+        live = np.flatnonzero(self._generation > 0)
+        self._records_used = int(live[-1]) + 1 if len(live) else 0
+        free = np.ones(self._records_used, dtype=bool)
+        free[live] = False
+        self._free = np.flatnonzero(free)[::-1].tolist()  # lowest first off the stack
 
     def flush(self) -> None:
         """fsync every file of this storage."""
@@ -397,8 +528,8 @@ class SegmentStorage:
         return total
 
     def close(self) -> None:
-        if self.meta is not None:
-            self._meta_map.flush()
+        self._slot_map.flush()
+        self._record_map.flush()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

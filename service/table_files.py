@@ -6,7 +6,8 @@ Layout of one table's directory::
     writers.json    highest stored sequence of each writer, for idempotent re-sends
     counters.bin    int64[8], see :class:`Counter`
     priorities.bin  prioritized tables: raw priorities (the sampler's own file)
-    data/           the segments (:class:`~millpond.service.storage.SegmentStorage`)
+    data/           the segments (:class:`~millpond.service.storage.SegmentStorage`):
+                    columns/, slots.bin (4 bytes per slot), segments.bin (a record per segment)
 
 A table is there once ``meta.json`` is; everything in memory that the files do not hold
 (the sampler's index, open episodes, writer marks) is rebuilt from them by :meth:`recover`.
@@ -25,13 +26,21 @@ import numpy as np
 from millpond.config import TableConfig
 from millpond.errors import StorageCorruptedError
 from millpond.service.atomic_json import atomic_write_json
-from millpond.service.storage import SegmentBatch, SegmentStorage
-from millpond.spec import TERMINATED, TRUNCATED
+from millpond.service.storage import (
+    SEGMENTS_FILE,
+    SLOTS_FILE,
+    SegmentBatch,
+    SegmentStorage,
+    column_filename,
+)
+from millpond.spec import OBSERVATION, TERMINATED, TRUNCATED, TableSpec
 
 if TYPE_CHECKING:
     from millpond.service.samplers import Sampler
 
-FORMAT = 1
+#: The on-disk format. 2: slot metadata is an int32 record pointer per slot plus one record
+#: per segment (``slots.bin``, ``segments.bin``); 1 had eight int64 fields per slot.
+FORMAT = 2
 META_FILE = "meta.json"
 WRITERS_FILE = "writers.json"
 COUNTERS_FILE = "counters.bin"
@@ -70,9 +79,59 @@ def read_config(path: Path) -> TableConfig:
         config = TableConfig.from_json(meta["config"])
     except (ValueError, KeyError) as e:
         raise StorageCorruptedError(f"{meta_file} is unreadable: {e}") from e
-    if meta.get("format") != FORMAT:
-        raise StorageCorruptedError(f"{meta_file}: unknown format {meta.get('format')!r}")
+    fmt = meta.get("format")
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt < FORMAT:
+        raise StorageCorruptedError(
+            f"{meta_file}: the table was written in on-disk format {fmt}, and this millpond "
+            f"reads format {FORMAT} only (the format changed: since format 2 the slot metadata "
+            "is a 4-byte pointer per slot plus a record per segment, not 64 bytes per slot). "
+            "Export it with the millpond that wrote it (millpond.service.export) and insert "
+            "it into a new table, or create the table anew."
+        )
+    if fmt != FORMAT:
+        raise StorageCorruptedError(f"{meta_file}: unknown format {fmt!r}")
     return config
+
+
+#: The parts of a table directory that :func:`disk_usage` tells apart.
+DISK_PARTS = (
+    "observations",  # observation column files (step and tail slots)
+    "step fields",  # the other column files (actions, rewards, flags, ...)
+    "slot pointers",  # data/slots.bin
+    "segment records",  # data/segments.bin
+    "sampler",  # the sampler's own files (priorities.bin)
+    "table files",  # meta.json, writers.json, counters.bin, columns/index.json, ...
+)
+
+
+def disk_usage(path: str | os.PathLike, spec: TableSpec | None) -> dict[str, int]:
+    """Bytes on disk (``st_blocks * 512``: sparse regions never written count nothing) of
+    every file under the table directory ``path``, by part (see :data:`DISK_PARTS`)."""
+    from millpond.service.samplers import PRIORITIES_FILE  # imports this module
+
+    path = Path(path)
+    data = path / "data"
+    observation_files = set()
+    if spec is not None:
+        observation_files = {
+            column_filename(k) for k, f in spec.fields.items() if f.role == OBSERVATION
+        }
+    usage = dict.fromkeys(DISK_PARTS, 0)
+    for p in path.rglob("*"):
+        if not p.is_file():
+            continue
+        if p == data / SLOTS_FILE:
+            part = "slot pointers"
+        elif p == data / SEGMENTS_FILE:
+            part = "segment records"
+        elif p.parent == data / "columns" and p.suffix == ".bin":
+            part = "observations" if p.name in observation_files else "step fields"
+        elif p == path / PRIORITIES_FILE:
+            part = "sampler"
+        else:
+            part = "table files"
+        usage[part] += p.stat().st_blocks * 512
+    return usage
 
 
 class Recovered(NamedTuple):
