@@ -15,7 +15,8 @@ Compares, in one run and on the same pre-generated data:
 
 for two step shapes (CartPole-like: float32[4] observations; Atari-like: uint8[4, 84, 84]).
 
-Metrics: bytes per stored transition on disk (and the ratio to TED), insert transitions/s,
+Metrics: bytes per stored transition on disk, every file of the table or buffer directory
+counted and broken down by part (and the ratio to TED), insert transitions/s,
 uniform ``sample(256)`` transitions/s (next observation materialised), slice sampling
 transitions/s (32 slices of 8), and how many sampled next observations are wrong: every
 observation carries a unique id, so each sampled ``("next", "observation")`` is checked
@@ -62,6 +63,7 @@ from millpond.config import TableConfig
 from millpond.segmenting import cut_batch, pack_batch
 from millpond.segments import PackedSegments, Segment
 from millpond.service.table import Table
+from millpond.service.table_files import DISK_PARTS, disk_usage
 
 SYSTEMS = ("millpond", "torchrl-ted", "torchrl-compact")
 NEXT_OBS = ("next", "observation")
@@ -245,9 +247,21 @@ def make_data(shape: Shape, capacity: int, lanes: int, chunk_len: int, seed: int
 
 
 # -- systems ---------------------------------------------------------------------------------
-def dir_bytes(path: Path) -> int:
-    """Bytes the files under ``path`` occupy on disk (sum of st_blocks * 512)."""
-    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+def torchrl_usage(path: Path) -> dict[str, int]:
+    """Bytes on disk (st_blocks * 512) of every file of a ``LazyMemmapStorage`` directory, by
+    part: ``observation.memmap`` files (root and ``next``), the other ``.memmap`` columns
+    (including ``collector/traj_ids``), and the rest (its ``meta.json`` files)."""
+    usage = dict.fromkeys(DISK_PARTS, 0)
+    for p in path.rglob("*"):
+        if p.is_file():
+            if p.name == "observation.memmap":
+                part = "observations"
+            elif p.suffix == ".memmap":
+                part = "step fields"
+            else:
+                part = "table files"
+            usage[part] += p.stat().st_blocks * 512
+    return usage
 
 
 class System:
@@ -270,7 +284,8 @@ class System:
     def stored(self) -> int:
         raise NotImplementedError
 
-    def bytes_on_disk(self) -> int:
+    def disk_usage(self) -> dict[str, int]:
+        """Bytes on disk of every file of the uniform buffer, by part (:data:`DISK_PARTS`)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -331,8 +346,10 @@ class Millpond(System):
     def stored(self) -> int:
         return self.table.size
 
-    def bytes_on_disk(self) -> int:
-        return int(self.table.info()["bytes_on_disk"])
+    def disk_usage(self) -> dict[str, int]:
+        # The whole table directory: data columns, slot pointers, segment records, the
+        # sampler's and the table's own files (table.info()'s figure counts data/ only).
+        return disk_usage(self.table.path, self.table.spec)
 
     def close(self) -> None:
         for t in (self.table, self.slices):
@@ -381,8 +398,8 @@ class TorchRL(System):
     def stored(self) -> int:
         return len(self.rb)
 
-    def bytes_on_disk(self) -> int:
-        return dir_bytes(self.dir)
+    def disk_usage(self) -> dict[str, int]:
+        return torchrl_usage(self.dir)
 
     def close(self) -> None:
         del self.rb, self.rb_slices, self.storage
@@ -506,7 +523,8 @@ def run_shape(shape: Shape, root: Path, s: Settings, names: list[str]) -> list[d
                 raise AssertionError(f"{name} holds {system.stored()} transitions, expected {n}")
         settle()
         for name, system in systems.items():
-            res[name]["bytes"] = system.bytes_on_disk()
+            res[name]["disk_usage"] = system.disk_usage()
+            res[name]["bytes"] = sum(res[name]["disk_usage"].values())
             res[name]["bytes_per_transition"] = res[name]["bytes"] / n
             log(
                 f"[{shape.name}] {name}: {res[name]['bytes_per_transition']:,.1f} bytes "
@@ -610,6 +628,26 @@ def render(
                 f"| {r['uniform_tps']:,.0f} | {vs(r, 'uniform_tps')} "
                 f"| {r['slice_tps']:,.0f} | {vs(r, 'slice_tps')} "
                 f"| {_pct(w, t)} | {_pct(we, ne)} | {_pct(sw, st)} |"
+            )
+    lines.append("")
+    lines.append(
+        "Bytes on disk per stored transition, by part (every file of the table or buffer "
+        "directory, st_blocks x 512):"
+    )
+    lines.append("")
+    lines.append("| shape | system | " + " | ".join(DISK_PARTS) + " | total | vs TED |")
+    lines.append("|" + "---|" * (len(DISK_PARTS) + 4))
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        rows = [r for r in results if r["shape"] == shape]
+        ted = next((r for r in rows if r["system"] == "torchrl-ted"), None)
+        for r in rows:
+            parts = " | ".join(f"{r['disk_usage'][p] / r['num_steps']:,.1f}" for p in DISK_PARTS)
+            ratio = (
+                f"{r['bytes_per_transition'] / ted['bytes_per_transition']:.3f}x" if ted else "n/a"
+            )
+            lines.append(
+                f"| {shape} | {r['system']} | {parts} "
+                f"| {r['bytes_per_transition']:,.1f} | {ratio} |"
             )
     lines.append("")
     lines.append("Insert: first fill (warm-up pass, not in the table above), transitions/s:")

@@ -4,6 +4,10 @@ Steps a gymnasium vector env with a random policy, records each chunk in TED for
 true final observation at episode ends, not the reset one), inserts it with
 ``Table.extend`` (which compacts it), then samples the table and checks every
 ``("next", "observation")`` against the recording.
+
+It then prints the bytes per stored step of every file of the table's directory (data
+columns, slot pointers, segment records, sampler and table files, as ``st_blocks * 512``)
+next to those of the same steps in TorchRL's TED layout.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tensordict import TensorDict
 from millpond.config import TableConfig
 from millpond.service.export import export_ted
 from millpond.service.table import Table
+from millpond.service.table_files import disk_usage
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -107,15 +112,20 @@ def run(args: argparse.Namespace) -> int:
     traj_ids = np.arange(args.lanes)
     next_traj = [args.lanes]
     recorded: dict[tuple[int, int], TensorDict] = {}
-    ted_bytes = 0
+    episode_ends = 0
+    ted = TedBytes()
     start = time.perf_counter()
     for c in range(chunks):
         td, obs = collect_chunk(env, obs, args.chunk, traj_ids, next_traj)
-        ted_bytes += td.exclude("collector").bytes()
+        ted.add(td)
         table.extend(td)
         flat = td.reshape(-1)
-        for i in np.random.default_rng(c).choice(len(flat), size=16, replace=False):
-            recorded[(c, int(i))] = flat[int(i)]
+        # Check 16 random steps of the chunk and every step that ends an episode.
+        ends = np.flatnonzero(flat["next", "done"].reshape(-1).numpy())
+        episode_ends += len(ends)
+        random = np.random.default_rng(c).choice(len(flat), size=16, replace=False)
+        for i in np.union1d(random, ends).tolist():
+            recorded[(c, i)] = flat[i]
         done = (c + 1) * args.lanes * args.chunk
         print(
             f"\rcollected {done:>9,} steps  ({done / (time.perf_counter() - start):,.0f}/s)",
@@ -128,33 +138,77 @@ def run(args: argparse.Namespace) -> int:
     info = table.info()
     steps = info["size"]
     segments = info["next_generation"] - 1
-    spec = table.spec
-    assert spec is not None
-    obs_b, step_b = spec.observation_bytes, spec.step_bytes
-    compact_data = obs_b * (steps + segments) + step_b * steps
-    batch = table.sample(min(4096, steps))
-    ends = batch["next", "done"].squeeze(-1)
     print(f"\nmillpond demo: {args.env}, {args.lanes} lanes x {args.chunk} steps, random policy")
     print(f"  stored steps             {steps:>12,}")
     print(
         f"  segments                 {segments:>12,}  (mean length {steps / max(1, segments):.1f})"
     )
-    print(f"  episode ends sampled     {int(ends.sum()):>12,}  of {len(batch):,} sampled steps")
-    print(f"  TED bytes (obs twice)    {ted_bytes:>12,}  ({ted_bytes / steps:.1f} B/step)")
-    print(f"  compact bytes            {compact_data:>12,}  ({compact_data / steps:.1f} B/step)")
-    print(
-        f"  observation bytes saved  {1 - obs_b * (steps + segments) / (2 * obs_b * steps):>12.1%}"
-    )
-    print(f"  total bytes saved        {1 - compact_data / ted_bytes:>12.1%}")
-    print(f"  on disk (sparse files)   {info['bytes_on_disk']:>12,}")
+    print(f"  episode ends             {episode_ends:>12,}")
     check = _check_against_recording(table, recorded, path.parent / "export")
     print(
-        f"  next-obs checked         {check:>12,}  recorded steps equal the stored ones bit for bit"
+        f"  next-obs checked         {check:>12,}  recorded steps (every episode end and 16 more "
+        "per chunk)\n                                         equal the stored ones bit for bit"
     )
-    table.close()
+    table.close()  # the files as a restarted shard finds them
+    print()
+    print(bytes_table(disk_usage(path, table.spec), ted, steps))
     if tmp is not None:
         tmp.cleanup()
     return 0
+
+
+class TedBytes:
+    """Bytes of the recorded steps in TorchRL's TED layout, by part.
+
+    ``LazyMemmapStorage`` keeps one file per key, its rows back to back, so these are the
+    bytes of its files (less a page of rounding per file). The collector's
+    ``("collector", "traj_ids")`` column, which TorchRL would store too, is left out (8 bytes
+    per step in TED's favour): millpond's episode ids are counted, in its segment records.
+    """
+
+    def __init__(self) -> None:
+        self.observations = 0
+        self.other = 0
+
+    def add(self, td: TensorDict) -> None:
+        for key, value in td.exclude("collector").items(include_nested=True, leaves_only=True):
+            key = key if isinstance(key, tuple) else (key,)
+            if key[-1] == "observation":
+                self.observations += value.numel() * value.element_size()
+            else:
+                self.other += value.numel() * value.element_size()
+
+    @property
+    def total(self) -> int:
+        return self.observations + self.other
+
+
+def bytes_table(usage: dict[str, int], ted: TedBytes, steps: int) -> str:
+    """Bytes per stored step, every file of the table directory against TED, as a table."""
+    total = sum(usage.values())
+    rows = [
+        ("observations", usage["observations"], ted.observations),
+        ("step fields (action, reward, flags)", usage["step fields"], ted.other),
+        ("slot pointers (slots.bin)", usage["slot pointers"], None),
+        ("segment records (segments.bin)", usage["segment records"], None),
+        ("sampler files", usage["sampler"], None),
+        ("table files (JSON, counters, index)", usage["table files"], None),
+        ("total", total, ted.total),
+    ]
+    lines = [
+        "  bytes on disk per stored step     millpond       TED",
+        "  (every file, st_blocks x 512)",
+    ]
+    for name, ours, theirs in rows:
+        ted_cell = "-" if theirs is None else f"{theirs / steps:.1f}"
+        lines.append(f"    {name:<36}{ours / steps:>8.1f}{ted_cell:>10}")
+    lines.append(f"    {'millpond / TED':<36}{total / ted.total:>7.2f}x")
+    lines.append(
+        f"  ({total:,} bytes against {ted.total:,}. TED: observation and next observation,\n"
+        "  action, reward, done/terminated/truncated; TorchRL would also store the collector's\n"
+        "  traj_ids, 8 more bytes per step, not counted here)"
+    )
+    return "\n".join(lines)
 
 
 def _check_against_recording(table: Table, recorded: dict, path: Path) -> int:
