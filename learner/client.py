@@ -46,7 +46,7 @@ from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto
 from millpond.protos.weights import publish_requests, state_dict_from_blob, state_dict_to_blob
 from millpond.routing import shard_of
-from millpond.ted import compact_ted
+from millpond.ted import OpenEpisodes, compact_ted, episode_base
 
 logger = logging.getLogger("millpond.client")
 
@@ -56,7 +56,7 @@ class _ExtendState:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.episodes: dict[int, int] = {}
+        self.episodes: OpenEpisodes = {}
         self.writer: Writer | None = None
         self.generation = 0
 
@@ -134,6 +134,13 @@ class ReplayClient:
     def addresses(self) -> list[str]:
         """The shards' addresses, shard 0 first."""
         return [s.address for s in self._set.shards]
+
+    @property
+    def episode_base(self) -> int:
+        """Where the episode ids of this client's :meth:`extend` start: a trajectory's
+        episode id is ``episode_base + traj_id``, so that two clients' trajectories are
+        never joined, whatever their ids (:func:`millpond.ted.episode_base`)."""
+        return episode_base(self._client_id)
 
     @property
     def num_shards(self) -> int:
@@ -271,14 +278,17 @@ class ReplayClient:
         return writer
 
     def extend(self, table: str, td: TensorDictBase, timeout_s: float | None = None) -> int:
-        """Insert TED data (batch ``[T]`` or ``[P, T]``, e.g. a TorchRL collector's output).
+        """Insert TED data (a TorchRL collector's output: ``[T]``, ``[P, T]``, ``[B, P, T]``,
+        or ``split_trajs`` padded trajectories).
 
         The data is compacted here (each observation sent once; see
         :func:`millpond.ted.compact_ted`) and sent through this client's writer for
         ``table``, so one call goes to one shard. Trajectories that continue in the next
-        call (same ``("collector", "traj_ids")``) keep counting their steps. Returns the
-        number of steps once the shard has stored them all (waiting up to ``timeout_s``,
-        default the client's; on timeout they are still sent).
+        call (same ``("collector", "traj_ids")``) keep counting their steps. This client is
+        one source: its episode ids are :attr:`episode_base` plus the trajectory ids, so
+        give each collector its own client. Returns the number of steps once the shard has
+        stored them all (waiting up to ``timeout_s``, default the client's; on timeout they
+        are still sent).
         """
         _check_table(table)
         self._check_open()
@@ -293,7 +303,7 @@ class ReplayClient:
             saved = dict(state.episodes)
             queued = False
             try:
-                packed = compact_ted(td, state.episodes)
+                packed = compact_ted(td, state.episodes, self.episode_base)
                 writer.write_packed(packed, track_episodes=False)
                 queued = True  # the segments will be stored: the episode state stands
                 writer.flush(self._timeout(timeout_s))

@@ -12,6 +12,7 @@ bitwise the following row's observation, so nothing is ever inferred.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Iterable
 
@@ -20,10 +21,20 @@ import torch
 from tensordict import TensorDictBase
 
 from millpond.errors import InvalidDataError
+from millpond.routing import writer_hash
 from millpond.segments import PackedSegments, episode_ends, flatten
 from millpond.spec import DONE, RESERVED_KEYS, TERMINATED, TRUNCATED, Key, dtype_name, format_key
 
-__all__ = ["FRESH_EPISODE_ID_BASE", "compact_ted", "observation_keys", "rows_differ"]
+__all__ = [
+    "FRESH_EPISODE_ID_BASE",
+    "TRAJ_ID_LIMIT",
+    "OpenEpisodes",
+    "compact_ted",
+    "episode_base",
+    "observation_digest",
+    "observation_keys",
+    "rows_differ",
+]
 
 #: Episode ids of trajectories without ``("collector", "traj_ids")`` lie in
 #: ``[FRESH_EPISODE_ID_BASE, 2**63)``: random, so they need no counter to persist.
@@ -76,48 +87,88 @@ def rows_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+#: Episode ids of a named extend source start here: ``episode_base(source)`` is a multiple of
+#: ``2**32`` in ``[2**32, 2**62)``, and its trajectories' ids are added to it.
+TRAJ_ID_LIMIT = 1 << 32
+_MASK: Key = ("collector", "mask")
+
+#: Open episodes of an extend source: episode id -> (its next step, a digest of its last
+#: next observation, or ``None`` where it is not known).
+OpenEpisodes = dict[int, tuple[int, "bytes | None"]]
+
+
+def episode_base(source: str) -> int:
+    """Where the episode ids of the extend source called ``source`` start (see
+    :func:`compact_ted`): the same in every process, different for different sources."""
+    return (writer_hash(f"extend:{source}") % ((1 << 30) - 1) + 1) * TRAJ_ID_LIMIT
+
+
+def observation_digest(observation: dict[Key, torch.Tensor]) -> bytes:
+    """A digest of one observation's bytes (every key), to tell whether two are the same."""
+    h = hashlib.blake2b(digest_size=16)
+    for key in sorted(observation):
+        value = observation[key].contiguous()
+        h.update(repr((key, str(value.dtype), tuple(value.shape))).encode())
+        h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
 # -- import ---------------------------------------------------------------------------------
-def compact_ted(td: TensorDictBase, extend_state: dict[int, int]) -> PackedSegments:
-    """Cut TED data (batch ``[T]`` or ``[P, T]``) into segments, each observation kept once.
+def compact_ted(
+    td: TensorDictBase, open_episodes: OpenEpisodes, episode_base: int = 0
+) -> PackedSegments:
+    """Cut TED data into segments, each observation kept once.
+
+    Forms: ``[T]``, ``[P, T]`` (lanes, time: a collector's batch), ``[B, P, T]`` (a
+    stacking multi-collector's), and ``split_trajs=True`` output (``[trajectories,
+    max_len]`` padded at the end, ``("collector", "mask")`` false on the padding, which is
+    never stored). Anything else is refused, and so is ``compact_obs=True`` output: it
+    lacks ``("next", obs)``, and at episode ends that observation is lost for good.
 
     Observation keys are the leaves ``k`` (possibly nested, never under ``"next"``) for
-    which ``("next", *k)`` exists too, flags and reward excepted. Lane ``p``'s time axis is
-    cut after step ``t`` when ``("next", "done" | "terminated" | "truncated")[p, t]`` is
-    set, when ``("collector", "traj_ids")`` changes between ``t`` and ``t + 1``, or when
-    any ``("next", k)[p, t]`` differs bitwise from ``k[p, t + 1]``. A segment's tail is
+    which ``("next", *k)`` exists too, flags and reward excepted. A lane's time axis is
+    cut after step ``t`` when ``("next", "done" | "terminated" | "truncated")[t]`` is set,
+    when ``("collector", "traj_ids")`` changes between ``t`` and ``t + 1``, or when any
+    ``("next", k)[t]`` differs bitwise from ``k[t + 1]``. A segment's tail is
     ``("next", obs)`` at its last step, so the stored data gives back every input row
     exactly, terminal and truncated steps included.
 
     Root ``done``/``terminated``/``truncated`` and the other keys a table generates when
     sampling (``episode_id``, ``step``, ``index``, ``weight``) are dropped, as is everything
-    under ``"collector"``, so sampled or exported data can be extended again. ``("next", "done")`` is checked against ``terminated | truncated``
-    and then dropped (with ``done`` alone, it is taken as ``terminated``).
+    under ``"collector"``, so sampled or exported data can be extended again.
+    ``("next", "done")`` is checked against ``terminated | truncated`` and then dropped
+    (with ``done`` alone, it is taken as ``terminated``).
 
-    Episode ids: with ``("collector", "traj_ids")``, a trajectory's id is its episode id,
-    and ``extend_state`` (episode id -> next step index) carries trajectories that have not
-    ended from one call to the next, so their step indexes continue. It is updated in place
-    only if the call succeeds: trajectories that end here are removed, the others hold
-    their next step. Without trajectory ids, lanes cannot be matched across calls: each
-    lane's first trajectory starts a new episode, and so does every step that follows an
-    episode end. Those episodes get random ids in ``[FRESH_EPISODE_ID_BASE, 2**63)``, far
-    above the ids that counters starting from 0 (collectors' trajectory ids, writers')
-    hand out, and unique across calls, processes and restarts with no state to persist
-    (a collision among ``n`` such ids has probability below ``n**2 / 2**63``).
-    Trajectory ids are taken as given: two sources that reuse them share episodes.
+    Episode ids: with ``("collector", "traj_ids")``, a trajectory's episode id is
+    ``episode_base + traj_id``: each extend source has its own ``episode_base``
+    (:func:`episode_base`; 0 for a table's default source), so trajectories of different
+    sources are never joined, whatever their ids. ``open_episodes`` (see
+    :data:`OpenEpisodes`) carries the trajectories that have not ended from one call to
+    the next, so their step indexes continue; a trajectory continues only if its first
+    observation is bitwise the last next observation it stopped on, and data that claims
+    to continue one but does not (two producers sharing trajectory ids in one source, or
+    skipped steps) is refused. ``open_episodes`` is updated in place only if the call
+    succeeds. Without trajectory ids, lanes cannot be matched across calls: each lane's
+    first trajectory starts a new episode, and so does every step that follows an episode
+    end. Those episodes get random ids in ``[FRESH_EPISODE_ID_BASE, 2**63)``, unique across
+    calls, processes and restarts with no state to persist (a collision among ``n`` such
+    ids has probability below ``n**2 / 2**63``).
 
     Returns the segments packed lane after lane, in time order within a lane.
-    Raises :class:`InvalidDataError` for data that is not TED.
+    Raises :class:`InvalidDataError` for data that is not TED, naming what is wrong.
     """
     if not isinstance(td, TensorDictBase):
         raise InvalidDataError(f"expected a TED TensorDict, received {type(td).__name__}")
-    if td.batch_dims not in (1, 2):
+    if td.batch_dims not in (1, 2, 3):
         raise InvalidDataError(
-            f"TED data must have batch size [T] or [P, T] (lanes, time); received "
-            f"{list(td.batch_size)} ({td.batch_dims} batch dimensions)"
+            f"TED data must have batch size [T], [P, T] (lanes, time) or [B, P, T] (a stacking "
+            f"multi-collector's); received {list(td.batch_size)} ({td.batch_dims} batch "
+            "dimensions)"
         )
     if td.device is not None and td.device.type != "cpu":
         td = td.to("cpu")
-    lanes, time_len = (1, td.batch_size[0]) if td.batch_dims == 1 else tuple(td.batch_size)
+    time_len = td.batch_size[-1]
+    lanes = td.batch_size[:-1].numel()
     n = lanes * time_len
     if n == 0:
         raise InvalidDataError(f"TED data of batch size {list(td.batch_size)} holds no steps")
@@ -126,15 +177,11 @@ def compact_ted(td: TensorDictBase, extend_state: dict[int, int]) -> PackedSegme
     for key, value in leaves.items():
         if not isinstance(value, torch.Tensor):
             raise InvalidDataError(f"key {format_key(key)} is not a tensor; it cannot be stored")
-    # Every leaf as [P, T, ...] (a [T] batch is one lane).
+    # Every leaf as [P, T, ...] (a [T] batch is one lane, [B, P, T] is B * P lanes).
     grid = {k: v.reshape(lanes, time_len, *v.shape[td.batch_dims :]) for k, v in leaves.items()}
     obs_keys = observation_keys(grid)
     if not obs_keys:
-        raise InvalidDataError(
-            "the TED data has no observation keys: expected a key at the root with the same "
-            "key under 'next' (e.g. 'observation' and ('next', 'observation')); received keys "
-            + ", ".join(format_key(k) for k in grid)
-        )
+        raise InvalidDataError(_no_observation_message(grid))
     for k in obs_keys:
         now, nxt = grid[k], grid[("next", *k)]
         if now.dtype != nxt.dtype or now.shape != nxt.shape:
@@ -142,6 +189,7 @@ def compact_ted(td: TensorDictBase, extend_state: dict[int, int]) -> PackedSegme
                 f"observation {format_key(k)} is {dtype_name(now.dtype)}{list(now.shape[2:])} "
                 f"but {format_key(('next', *k))} is {dtype_name(nxt.dtype)}{list(nxt.shape[2:])}"
             )
+    keep = _padding_mask(grid.get(_MASK), lanes, time_len)  # [P, T], False on padding
     terminated, truncated = episode_ends(
         {
             k: grid[k].reshape(n, *grid[k].shape[2:])
@@ -152,12 +200,14 @@ def compact_ted(td: TensorDictBase, extend_state: dict[int, int]) -> PackedSegme
         "TED data",
     )
     ended = (terminated | truncated).reshape(lanes, time_len)
-    traj_ids = _traj_ids(grid.get(_TRAJ_IDS), lanes, time_len)
+    traj_ids = _traj_ids(grid.get(_TRAJ_IDS), lanes, time_len, episode_base)
 
-    # Cut after step t of a lane where the episode ends, the trajectory changes, or an
-    # observation's next value is not (bitwise) the following row's value.
+    # Cut after step t of a lane where the episode ends, the trajectory changes, an
+    # observation's next value is not (bitwise) the following row's value, or the lane's
+    # real steps end (the batch's end, or padding).
     cut = ended.clone()
     cut[:, -1] = True
+    cut[:, :-1] |= ~keep[:, 1:]
     if traj_ids is not None:
         cut[:, :-1] |= traj_ids[:, :-1] != traj_ids[:, 1:]
     for k in obs_keys:
@@ -165,33 +215,39 @@ def compact_ted(td: TensorDictBase, extend_state: dict[int, int]) -> PackedSegme
             grid[("next", *k)][:, :-1].flatten(0, 1), grid[k][:, 1:].flatten(0, 1)
         )
         cut[:, :-1] |= differs.reshape(lanes, time_len - 1)
-    cut = cut.reshape(n)
-    ends = torch.nonzero(cut).reshape(-1)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1] + 1])
-    lengths = (ends - starts + 1).numpy()
+    rows = torch.nonzero(keep.reshape(n)).reshape(-1)  # the real rows, lane after lane
+    if len(rows) == 0:
+        raise InvalidDataError("the TED data's ('collector', 'mask') marks no step as real")
+    ends_at = torch.nonzero(cut.reshape(n)[rows]).reshape(-1)  # positions among real rows
+    starts_at = torch.cat([ends_at.new_zeros(1), ends_at[:-1] + 1])
+    lengths = (ends_at - starts_at + 1).numpy()
+    starts, ends = rows[starts_at], rows[ends_at]  # rows of the flat [P * T] batch
+    seg_ended = ended.reshape(n)[ends]
 
+    def rows_of(value: torch.Tensor) -> torch.Tensor:
+        flat = value.reshape(n, *value.shape[2:])
+        return flat if len(rows) == n else flat[rows]
+
+    tails = {k: grid[("next", *k)].reshape(n, *grid[k].shape[2:])[ends] for k in obs_keys}
     if traj_ids is not None:
         episode_ids = traj_ids.reshape(n)[starts].numpy()
-        state = dict(extend_state)
+        first_steps = _continue_episodes(
+            episode_ids, lengths, seg_ended.tolist(), open_episodes, grid, obs_keys, starts, tails
+        )
     else:
         # A segment starts a new episode at a lane's start and after an episode end.
-        new_episode = (starts % time_len == 0) | ended.reshape(n)[starts - 1]
+        new_episode = (starts % time_len == 0) | ended.reshape(n)[(starts - 1).clamp(min=0)]
         n_new = int(new_episode.sum())
         fresh = np.array(
             [FRESH_EPISODE_ID_BASE + secrets.randbits(62) for _ in range(n_new)], dtype=np.int64
         )
         episode_ids = fresh[(torch.cumsum(new_episode.long(), 0) - 1).numpy()]
-        state = {}
-    first_steps = np.empty(len(lengths), dtype=np.int64)
-    seg_ended = ended.reshape(n)[ends].tolist()
-    for i, (ep, length, done) in enumerate(
-        zip(episode_ids.tolist(), lengths.tolist(), seg_ended, strict=True)
-    ):
-        first_steps[i] = state.get(ep, 0)
-        if done:
-            state.pop(ep, None)
-        else:
-            state[ep] = int(first_steps[i]) + length
+        first_steps = np.zeros(len(lengths), dtype=np.int64)
+        running = 0
+        for i, new in enumerate(new_episode.tolist()):
+            running = 0 if new else running
+            first_steps[i] = running
+            running += int(lengths[i])
 
     steps: dict[Key, torch.Tensor] = {}
     for key, value in grid.items():
@@ -202,18 +258,102 @@ def compact_ted(td: TensorDictBase, extend_state: dict[int, int]) -> PackedSegme
             or (key[0] == "next" and key[1:] in obs_keys)
         ):
             continue
-        steps[key] = value.reshape(n, *value.shape[2:])
-    steps[TERMINATED] = terminated
-    steps[TRUNCATED] = truncated
-    tails = {k: grid[("next", *k)].reshape(n, *grid[k].shape[2:])[ends] for k in obs_keys}
-
-    if traj_ids is not None:
-        extend_state.clear()
-        extend_state.update(state)
+        steps[key] = rows_of(value)
+    steps[TERMINATED] = terminated if len(rows) == n else terminated[rows]
+    steps[TRUNCATED] = truncated if len(rows) == n else truncated[rows]
     return PackedSegments(steps, tails, lengths.astype(np.int64), episode_ids, first_steps)
 
 
-def _traj_ids(ids: torch.Tensor | None, lanes: int, time_len: int) -> torch.Tensor | None:
+def _continue_episodes(
+    episode_ids: np.ndarray,
+    lengths: np.ndarray,
+    seg_ended: list[bool],
+    open_episodes: OpenEpisodes,
+    grid: dict[Key, torch.Tensor],
+    obs_keys: list[Key],
+    starts: torch.Tensor,
+    tails: dict[Key, torch.Tensor],
+) -> np.ndarray:
+    """Each segment's first step, continuing the episodes ``open_episodes`` holds; updates it.
+
+    A trajectory that an earlier call left open continues only where its first observation
+    is the one it stopped on; otherwise the call is refused (and nothing changes).
+    """
+    state = dict(open_episodes)
+    time_len = next(iter(grid.values())).shape[1]
+    seen: set[int] = set()
+    last_of: dict[int, int] = {}
+    first_steps = np.empty(len(lengths), dtype=np.int64)
+    for i, (ep, length, done) in enumerate(
+        zip(episode_ids.tolist(), lengths.tolist(), seg_ended, strict=True)
+    ):
+        if ep not in seen and ep in state:
+            digest = state[ep][1]
+            lane, t = divmod(int(starts[i]), time_len)
+            first = {k: grid[k][lane, t] for k in obs_keys}
+            if digest is not None and observation_digest(first) != digest:
+                raise InvalidDataError(
+                    f"episode {ep} (trajectory {ep % TRAJ_ID_LIMIT}) continues from an earlier "
+                    "extend call, but its first observation is not the next observation that "
+                    "call ended on: two producers share trajectory ids in one source (give "
+                    "each its own source: its own ReplayClient, or Table.extend(..., "
+                    "source=...)), or steps are missing"
+                )
+        seen.add(ep)
+        first_steps[i] = state[ep][0] if ep in state else 0
+        if done:
+            state.pop(ep, None)
+            last_of.pop(ep, None)
+        else:
+            state[ep] = (int(first_steps[i]) + length, None)
+            last_of[ep] = i
+    for ep, i in last_of.items():  # where each open trajectory stops, to check its sequel
+        state[ep] = (state[ep][0], observation_digest({k: tails[k][i] for k in obs_keys}))
+    open_episodes.clear()
+    open_episodes.update(state)
+    return first_steps
+
+
+def _no_observation_message(grid: dict[Key, torch.Tensor]) -> str:
+    received = ", ".join(format_key(k) for k in grid)
+    mirrored = [k for k in grid if k[0] == "next" and k not in _NEXT_NON_OBSERVATIONS]
+    if _TRAJ_IDS in grid and not mirrored:
+        return (
+            "the TED data has no observation keys: no ('next', obs) repeats a root key, as in "
+            "a TorchRL collector's compact_obs=True output, which drops each episode's final "
+            "observation for good, so its last "
+            "transitions cannot be stored exactly. Collect with compact_obs=False (millpond "
+            "stores each observation once anyway); received keys " + received
+        )
+    return (
+        "the TED data has no observation keys: expected a key at the root with the same "
+        "key under 'next' (e.g. 'observation' and ('next', 'observation')); received keys "
+        + received
+    )
+
+
+def _padding_mask(mask: torch.Tensor | None, lanes: int, time_len: int) -> torch.Tensor:
+    """``[P, T]`` bool, true on real steps: ``split_trajs`` padding sits at each lane's end."""
+    if mask is None:
+        return torch.ones(lanes, time_len, dtype=torch.bool)
+    if mask.dtype != torch.bool or mask[0, 0].numel() != 1:
+        raise InvalidDataError(
+            f"('collector', 'mask') must hold one bool per step, received {mask.dtype} "
+            f"of shape {list(mask.shape)}"
+        )
+    mask = mask.reshape(lanes, time_len)
+    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise InvalidDataError(
+            "('collector', 'mask') has a real step after padding: split_trajs padding must "
+            "follow each trajectory's steps"
+        )
+    return mask
+
+
+def _traj_ids(
+    ids: torch.Tensor | None, lanes: int, time_len: int, episode_base: int
+) -> torch.Tensor | None:
+    """Episode ids ``[P, T]``: ``episode_base + traj_ids``, checked."""
     if ids is None:
         return None
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
@@ -225,4 +365,10 @@ def _traj_ids(ids: torch.Tensor | None, lanes: int, time_len: int) -> torch.Tens
     ids = ids.reshape(lanes, time_len).to(torch.int64)
     if bool((ids < 0).any()):
         raise InvalidDataError("('collector', 'traj_ids') must be >= 0 (they become episode ids)")
-    return ids
+    limit = TRAJ_ID_LIMIT if episode_base else FRESH_EPISODE_ID_BASE
+    if bool((ids >= limit).any()):
+        raise InvalidDataError(
+            f"('collector', 'traj_ids') must be < {limit} (they become episode ids), received "
+            f"{int(ids.max())}"
+        )
+    return ids + episode_base

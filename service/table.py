@@ -40,7 +40,7 @@ from millpond.service.slice_sampler import SliceSampler
 from millpond.service.storage import SLOT_STEP, SegmentBatch, SegmentStorage, SlotColumn
 from millpond.service.table_files import TableFiles, new_table_dir, read_config
 from millpond.spec import OBSERVATION, STEP, Key, TableSpec
-from millpond.ted import compact_ted
+from millpond.ted import OpenEpisodes, compact_ted, episode_base
 
 
 class Table:
@@ -57,9 +57,10 @@ class Table:
         self._inflight: dict[int, int] = {}  # reserved block start -> slots, during copies
         self._queue_full_writers = 0  # writers waiting for a learner to drain a full queue
         self._evictions = 0  # bumped (under the lock) whenever published slots are dropped
-        # Trajectories seen by extend(): episode id -> next step, so that a trajectory that
-        # continues in the next call keeps counting its steps (and slices chain across calls).
-        self._extend_state: dict[int, int] = {}
+        # Trajectories extend() left open, by episode id (every source's ids differ): their
+        # next step and last next observation, so a trajectory that continues in the next
+        # call keeps counting its steps (and slices chain across calls).
+        self._extend_state: OpenEpisodes = {}
         self._extend_lock = threading.Lock()
         # Highest stored sequence per writer hash, for idempotent re-sends.
         self._writer_hwm: dict[int, int] = {}
@@ -76,7 +77,9 @@ class Table:
         else:
             recovered = self._files.recover(self.storage, self.sampler)
             self._writer_hwm = recovered.writer_sequences
-            self._extend_state = recovered.open_episodes
+            # The last next observations are not recovered: a reopened table takes a
+            # trajectory's continuation on its id alone.
+            self._extend_state = {ep: (n, None) for ep, n in recovered.open_episodes.items()}
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -175,17 +178,23 @@ class Table:
         with lock:
             return self._writer_hwm.get(writer, 0)
 
-    def extend(self, td: TensorDictBase, timeout: float | None = None) -> np.ndarray:
-        """Insert TED data (batch ``[T]`` or ``[P, T]``, e.g. a TorchRL collector's output).
+    def extend(
+        self, td: TensorDictBase, timeout: float | None = None, source: str | None = None
+    ) -> np.ndarray:
+        """Insert TED data (a TorchRL collector's output: ``[T]``, ``[P, T]``, ``[B, P, T]``,
+        or ``split_trajs`` padded trajectories).
 
-        The data is compacted: cut into segments at episode ends, trajectory changes and
-        wherever ``("next", obs)[t]`` differs from ``obs[t + 1]``, each observation then
-        stored once. Returns the generations of the stored segments.
+        The data is compacted (:func:`millpond.ted.compact_ted`): cut into segments at
+        episode ends, trajectory changes and wherever ``("next", obs)[t]`` differs from
+        ``obs[t + 1]``, each observation then stored once. Trajectory ids belong to their
+        ``source``: give each producer (collector) its own, so that their trajectories are
+        never joined; ``None`` is the table's default source. Returns the generations of the
+        stored segments.
         """
-
+        base = 0 if source is None else episode_base(source)
         with self._extend_lock:  # one extend at a time keeps step counts consistent
             state = dict(self._extend_state)
-            packed = compact_ted(td, state)
+            packed = compact_ted(td, state, base)
             gens = self.insert_packed(packed, timeout)
             self._extend_state = state  # only once the insert succeeded
             return gens

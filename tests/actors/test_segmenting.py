@@ -78,7 +78,7 @@ def test_cut_batch_agrees_with_compact_ted(batch):
     segments = cut_batch(batch)
     # One segment per episode in a chunk; compact_ted learns where episodes that started in
     # an earlier chunk stand from its state.
-    state = {s.episode_id: s.first_step for s in segments}
+    state = {s.episode_id: (s.first_step, None) for s in segments}
     packed = compact_ted(batch, state)
     assert packed.lengths.tolist() == [s.steps.shape[0] for s in segments]
     assert packed.episode_ids.tolist() == [s.episode_id for s in segments]

@@ -1,7 +1,8 @@
 """``ReplayClient.extend`` with TorchRL collector output: [P, T] TED in, exact TED out.
 
 A real ``torchrl.collectors.Collector`` steps three CartPole lanes (15-step limit, with a
-``StepCounter``), and its batches go through ``extend`` as they are. Trajectories run
+``StepCounter``), and its batches go through ``extend`` as they are: every collector numbers
+its trajectories from 0, and each client keeps its own apart (``episode_base``). Trajectories run
 across batches, so some segments end only because a batch ended; the stored
 ``("next", obs)`` must still be the env's true next observation at every step.
 """
@@ -31,9 +32,12 @@ def collector_batches(seed, n_batches):
         collector.shutdown()
 
 
-def as_reference(td):
-    """A [P, T] collector batch as flat reference rows keyed by (traj id, step count)."""
-    return td.reshape(-1).exclude("done", "terminated", "truncated")
+def as_reference(td, client):
+    """A [P, T] collector batch as flat reference rows keyed by (episode id, step count):
+    a client's trajectories are its episode ids offset by its ``episode_base``."""
+    ref = td.reshape(-1).exclude("done", "terminated", "truncated")
+    ref["collector", "traj_ids"] = ref["collector", "traj_ids"] + client.episode_base
+    return ref
 
 
 def test_collector_batches_round_trip_exactly_across_three_shards(
@@ -55,9 +59,9 @@ def test_collector_batches_round_trip_exactly_across_three_shards(
             continued += len(ids[0] & ids[1])  # trajectories cut only by the batch's end
             for td in batches:
                 assert td.batch_size == torch.Size([LANES, TIME])
-                td["collector", "traj_ids"] += 1000 * k  # actors' ids must not collide
+                # Every collector numbers its trajectories from 0: the clients keep them apart.
                 assert client.extend(table_name, td) == LANES * TIME
-                exp.add(as_reference(td))
+                exp.add(as_reference(td, client))
             sizes = [s["size"] for s in admin.info(table_name)["shards"]]
             if k >= 2 and all(sizes):
                 break
@@ -82,7 +86,10 @@ def test_collector_batches_round_trip_exactly_across_three_shards(
 def test_extend_one_dimensional_ted_in_two_calls(client, table_name, make_experience):
     client.create_table(TableConfig.uniform(table_name, capacity=2_000, seed=8))
     exp = make_experience(step_count_stored=True)
-    ted = exp.add(rollout(CountingDictEnv(pixel_shape=(2, 4, 4)), 60, seed=1))
+    ted = rollout(CountingDictEnv(pixel_shape=(2, 4, 4)), 60, seed=1)
+    reference = ted.clone()
+    reference["collector", "traj_ids"] += client.episode_base  # this client's episode ids
+    exp.add(reference)
     # Cut mid-episode, so that the second call continues that episode's step count.
     traj = ted["collector", "traj_ids"]
     cut = int(torch.nonzero(traj[1:] == traj[:-1])[len(traj) // 3]) + 1
@@ -92,7 +99,7 @@ def test_extend_one_dimensional_ted_in_two_calls(client, table_name, make_experi
     size = client.info(table_name)["size"]
     assert size == 60
     with pytest.raises(InvalidDataError, match="batch size"):
-        client.extend(table_name, ted[None, None])
+        client.extend(table_name, ted[None, None, None])
     with pytest.raises(InvalidDataError, match="observation keys"):
         client.extend(table_name, ted.exclude("next"))
     assert client.info(table_name)["size"] == size

@@ -142,11 +142,11 @@ def test_trajectory_continued_across_calls(make_table, tmp_path):
     split = first + int(lengths[long_traj]) // 2
     table = make_table(TableConfig.slices("s", 400, slice_len=4, seed=0))
     table.extend(td[:split])
-    assert table._extend_state[long_traj] == split - first
+    assert table._extend_state[long_traj][0] == split - first  # (next step, digest)
     table.extend(td[split:])
     last = int(traj[-1])
     open_now = {} if td["next", "done"][-1] else {last: int(lengths[last])}
-    assert table._extend_state == open_now
+    assert {ep: next_step for ep, (next_step, _) in table._extend_state.items()} == open_now
 
     out = export_ted(table, tmp_path / "export")
     assert exported_by_step(out) == rows_by_step(td)
@@ -322,10 +322,10 @@ def test_exported_data_extends_back_unchanged(make_table, tmp_path):
 
 
 # -- bad input --------------------------------------------------------------------------------
-def test_three_batch_dims_are_rejected(make_table):
-    td = cartpole_ted(2, 6).unsqueeze(0)
+def test_four_batch_dims_are_rejected(make_table):
+    td = cartpole_ted(2, 6).unsqueeze(0).unsqueeze(0)
     table = make_table(TableConfig.uniform("t", 100))
-    with pytest.raises(InvalidDataError, match=r"batch size \[T\] or \[P, T\].*\[1, 2, 6\]"):
+    with pytest.raises(InvalidDataError, match=r"\[T\], \[P, T\].*\[B, P, T\].*\[1, 1, 2, 6\]"):
         table.extend(td)
     assert table.size == 0
 
