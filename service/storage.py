@@ -9,17 +9,18 @@ more for their bookkeeping than for themselves:
 
 * ``slots.bin``: one int32 per slot, 1 + the index of the record of the segment the slot
   belongs to (0: the slot holds no published segment). 4 bytes per slot.
-* ``segments.bin``: one :data:`SEGMENT_RECORD` (48 bytes) per segment: generation, episode
-  id, first step, writer, sequence, start slot and length. A record is reused as soon as
-  its segment is evicted (new segments take freed records before new ones), so the records
-  ever written number at most the segments stored at once. The file has room for the most
-  that can be stored at once (``capacity // 2``: a segment takes at least two slots) and
-  is sparse: pages never written take no disk space.
+* ``segments.bin``: one record per segment, eight int64 (:class:`RecordField`, 64 bytes,
+  one cache line): generation, episode id, first step, start slot, length, tail slot,
+  writer, sequence. A record is reused as soon as its segment is evicted (new segments
+  take freed records before new ones), so the records ever written number at most the
+  segments stored at once. The file has room for the most that can be stored at once
+  (``capacity // 2``: a segment takes at least two slots), plus a last record that stays
+  zero (what pointer 0 reads), and is sparse: pages never written take no disk space.
 
 Everything else a slot needs is derived: its episode id and generation from its record,
-its step as ``first_step + (slot - start)``, its kind (step or tail) from ``slot - start``
-against the length. :meth:`SegmentStorage.slot_info` decodes slots into rows of the
-:class:`SlotColumn` fields.
+its step as ``first_step + (slot - start)``, its kind (step or tail) from whether it is
+the tail slot. :meth:`SegmentStorage.slot_info` decodes slots into rows of the
+:class:`SlotColumn` fields: one gather of pointers, one of records, two fixes.
 
 The record's generation is the commit marker: it is written last, after the segment's data,
 its record and its slots' pointers, and cleared first when the segment is overwritten. On
@@ -54,22 +55,29 @@ SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
 SLOTS_FILE = "slots.bin"
 SEGMENTS_FILE = "segments.bin"
 
-#: One segment's record in ``segments.bin``. The generation comes first (8-byte aligned: the
-#: commit marker is one aligned store).
-SEGMENT_RECORD = np.dtype(
-    [
-        ("generation", "<i8"),  # the segment's publication number, 0 if not published
-        ("episode_id", "<i8"),
-        ("first_step", "<i8"),  # index within its episode of the segment's first step
-        ("writer", "<i8"),  # hash of the writer that sent the segment (0: anonymous)
-        ("sequence", "<i8"),  # the segment's number in its writer's stream
-        ("start", "<i4"),  # first slot
-        ("length", "<i4"),  # steps (the segment takes length + 1 slots)
-    ]
-)
-#: Slot pointers, record starts and lengths are int32.
+#: Slot pointers, record starts and lengths must fit int32.
 MAX_CAPACITY = 2**31 - 1
 _MAX_STEP = np.iinfo(np.int64).max
+
+
+class RecordField(IntEnum):
+    """The int64 fields of a segment's record in ``segments.bin`` (one 64-byte row).
+
+    Their order is :class:`SlotColumn`'s, so that a slot's decoded row is its record's row
+    with two fields fixed (the step, and the kind in place of the tail slot).
+    """
+
+    GENERATION = 0  # the commit marker: the segment's publication number, 0 if none
+    EPISODE_ID = 1
+    FIRST_STEP = 2  # index within its episode of the segment's first step
+    START = 3  # first slot
+    LENGTH = 4  # steps (the segment takes LENGTH + 1 slots)
+    TAIL = 5  # the tail's slot, START + LENGTH
+    WRITER = 6  # hash of the writer that sent the segment (0: anonymous)
+    SEQUENCE = 7  # the segment's number in its writer's stream
+
+
+RECORD_WIDTH = len(RecordField)
 
 
 class SlotColumn(IntEnum):
@@ -198,16 +206,20 @@ class SegmentStorage:
         self._fds: list[int] = []
         slots_file, records_file = self.path / SLOTS_FILE, self.path / SEGMENTS_FILE
         fresh = not slots_file.exists()
-        n_records = max(1, capacity // 2)  # a segment takes at least two slots
-        self._slot_map = self._open_map(slots_file, np.dtype(np.int32), capacity, fresh)
-        self._record_map = self._open_map(records_file, SEGMENT_RECORD, n_records, fresh)
+        # A segment takes at least two slots; one more record, the last, stays zero: slot
+        # pointer 0 ("none") reads it as index -1, an unpublished record.
+        n_records = capacity // 2 + 1
+        self._slot_map = self._open_map(slots_file, np.dtype(np.int32), (capacity,), fresh)
+        self._record_map = self._open_map(
+            records_file, np.dtype(np.int64), (n_records, RECORD_WIDTH), fresh
+        )
         # Plain ndarray views of the same pages: numpy's memmap subclass adds microseconds of
         # __array_finalize__ to every indexing, which dominates small samples and inserts.
         #: Per slot: 1 + the index of its segment's record, 0 if none.
         self.slot_records = self._slot_map.view(np.ndarray)
-        #: Per segment record (see :data:`SEGMENT_RECORD`).
+        #: Per segment record: a row of :class:`RecordField`.
         self.records = self._record_map.view(np.ndarray)
-        self._generation = self.records["generation"]  # a strided view: the commit markers
+        self._generation = self.records[:, RecordField.GENERATION]  # the commit markers
         # Records never written are not on disk: new segments take freed records first.
         self._free: list[int] = []  # freed record indices (a stack)
         self._records_used = 0  # records [0, used) have been handed out at least once
@@ -218,18 +230,21 @@ class SegmentStorage:
         if spec is not None:
             self.set_spec(spec)
 
-    def _open_map(self, file: Path, dtype: np.dtype, n: int, fresh: bool) -> np.memmap:
+    def _open_map(
+        self, file: Path, dtype: np.dtype, shape: tuple[int, ...], fresh: bool
+    ) -> np.memmap:
         if fresh and file.exists():
             raise StorageCorruptedError(f"{file} exists but {self.path / SLOTS_FILE} does not")
         if not fresh:
             if not file.exists():
                 raise StorageCorruptedError(f"{file} is missing")
-            if file.stat().st_size != n * dtype.itemsize:
+            expected = int(np.prod(shape)) * dtype.itemsize
+            if file.stat().st_size != expected:
                 raise StorageCorruptedError(
-                    f"{file} has {file.stat().st_size} bytes, expected {n * dtype.itemsize} "
+                    f"{file} has {file.stat().st_size} bytes, expected {expected} "
                     f"for capacity {self.capacity}"
                 )
-        mm = np.memmap(file, dtype=dtype, mode="w+" if fresh else "r+", shape=(n,))
+        mm = np.memmap(file, dtype=dtype, mode="w+" if fresh else "r+", shape=shape)
         self._fds.append(os.open(file, os.O_RDWR))
         return mm
 
@@ -282,15 +297,16 @@ class SegmentStorage:
         return self._segments_of(records[self._generation[records] > 0])
 
     def _segments_of(self, records: np.ndarray) -> SegmentBatch:
-        r = self.records[records]
+        r = self.records[records].T.copy()  # one contiguous row per field
+        f = RecordField
         return SegmentBatch(
-            r["start"].astype(np.int64),
-            r["length"].astype(np.int64),
-            r["generation"].copy(),
-            r["episode_id"].copy(),
-            r["first_step"].copy(),
-            r["writer"].copy(),
-            r["sequence"].copy(),
+            r[f.START],
+            r[f.LENGTH],
+            r[f.GENERATION],
+            r[f.EPISODE_ID],
+            r[f.FIRST_STEP],
+            r[f.WRITER],
+            r[f.SEQUENCE],
         )
 
     def _records_of(self, segments: SegmentBatch) -> np.ndarray:
@@ -327,7 +343,7 @@ class SegmentStorage:
         taken = self._free[len(self._free) - reuse :]
         del self._free[len(self._free) - reuse :]
         fresh = n - reuse
-        if self._records_used + fresh > len(self.records):  # more live segments than can fit
+        if self._records_used + fresh > len(self.records) - 1:  # more live than can fit
             self._free.extend(taken)
             raise StorageCorruptedError(
                 f"no free segment record for {n} segments ({len(self.records)} records, "
@@ -389,16 +405,18 @@ class SegmentStorage:
         n = len(layout)
         n_slots = int(layout.lengths.sum()) + n
         records = self._allocate(n)
-        block = np.zeros(n, dtype=SEGMENT_RECORD)  # generation 0: not yet visible
-        block["episode_id"] = layout.episode_ids
-        block["first_step"] = layout.first_steps
+        f = RecordField
+        block = np.zeros((RECORD_WIDTH, n), dtype=np.int64)  # generation 0: not yet visible
+        block[f.EPISODE_ID] = layout.episode_ids
+        block[f.FIRST_STEP] = layout.first_steps
+        block[f.START] = layout.starts
+        block[f.LENGTH] = layout.lengths
+        block[f.TAIL] = layout.starts + layout.lengths
         if layout.writers is not None:
-            block["writer"] = layout.writers
+            block[f.WRITER] = layout.writers
         if layout.sequences is not None:
-            block["sequence"] = layout.sequences
-        block["start"] = layout.starts
-        block["length"] = layout.lengths
-        self.records[records] = block
+            block[f.SEQUENCE] = layout.sequences
+        self.records[records] = block.T
         self.slot_records[base : base + n_slots] = np.repeat(records + 1, layout.lengths + 1)
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
@@ -408,31 +426,28 @@ class SegmentStorage:
 
     def generations(self, slots: np.ndarray) -> np.ndarray:
         """The generation of each slot's segment (0 where none is published)."""
-        pointers = self.slot_records[slots]
-        return np.where(pointers > 0, self._generation[pointers.astype(np.int64) - 1], 0)
+        return np.take(self._generation, np.take(self.slot_records, slots) - 1)  # 0: zero record
 
     def slot_info(self, slots: np.ndarray) -> np.ndarray:
         """Decoded metadata rows of ``slots`` (shape ``[*slots.shape, width]``, int64; the
-        fields of :class:`SlotColumn`). A slot without a published segment decodes to zeros."""
+        fields of :class:`SlotColumn`). A slot without a published segment decodes to zeros.
+        """
         slots = np.asarray(slots, dtype=np.int64)
         flat = slots.reshape(-1)
-        records = self.slot_records[flat].astype(np.int64) - 1  # -1: none
-        r = self.records[records]  # index -1 reads the last record: masked below
-        start = r["start"].astype(np.int64)
-        length = r["length"].astype(np.int64)
-        offset = flat - start
-        out = np.empty((len(flat), _META_WIDTH), dtype=np.int64)
-        out[:, SlotColumn.GENERATION] = r["generation"]
-        out[:, SlotColumn.EPISODE_ID] = r["episode_id"]
-        np.add(r["first_step"], offset, out=out[:, SlotColumn.STEP])
-        out[:, SlotColumn.SEGMENT_START] = start
-        out[:, SlotColumn.SEGMENT_LENGTH] = length
-        out[:, SlotColumn.KIND] = np.where(offset == length, SLOT_TAIL, SLOT_STEP)
-        out[:, SlotColumn.WRITER] = r["writer"]
-        out[:, SlotColumn.SEQUENCE] = r["sequence"]
-        none = (records < 0) | (offset < 0) | (offset > length) | (out[:, 0] == 0)
-        if none.any():
-            out[none] = 0
+        # Each slot's record row (pointer 0 reads the last record, which stays zero), in
+        # SlotColumn order already but for the step and the kind. np.take: ~2x faster than
+        # fancy indexing for rows.
+        records = np.take(self.slot_records, flat) - 1
+        out = np.take(self.records, records, axis=0)
+        out[:, SlotColumn.STEP] += flat - out[:, SlotColumn.SEGMENT_START]
+        kind = out[:, SlotColumn.KIND]  # holds the tail's slot
+        np.equal(kind, flat, out=kind, casting="unsafe")  # 1 at the tail
+        kind += SLOT_STEP  # SLOT_STEP, or SLOT_TAIL = SLOT_STEP + 1
+        # A nonzero pointer always names the record that covers the slot (publication writes
+        # pointers with records, eviction clears them, recovery drops stale ones), so only
+        # unpublished records need masking.
+        if not out[:, SlotColumn.GENERATION].all():
+            out[out[:, SlotColumn.GENERATION] == 0] = 0
         return out.reshape(*slots.shape, _META_WIDTH)
 
     @property
@@ -447,7 +462,7 @@ class SegmentStorage:
         live = np.flatnonzero(gens > 0)
         live = live[np.argsort(gens[live], kind="stable")]
         r = self.records[live]
-        return ranges(r["start"].astype(np.int64), r["length"].astype(np.int64))
+        return ranges(r[:, RecordField.START], r[:, RecordField.LENGTH])
 
     def gather(self, slots: np.ndarray) -> tuple[dict[Key, torch.Tensor], dict[Key, torch.Tensor]]:
         """Read step slots: ``(values at slots, observations at slots + 1)``.
@@ -481,11 +496,13 @@ class SegmentStorage:
         write or overwrite: its record is unpublished, and slot pointers to anything but a
         complete segment are cleared.
         """
+        if self.records[-1].any():  # the zero record, read through pointer 0
+            self.records[-1] = 0
         live = np.flatnonzero(self._generation > 0)
         r = self.records[live]
-        start = r["start"].astype(np.int64)
-        length = r["length"].astype(np.int64)
+        start, length = r[:, RecordField.START], r[:, RecordField.LENGTH]
         good = (length > 0) & (start >= 0) & (start + length < self.capacity)
+        good &= r[:, RecordField.TAIL] == start + length
         slots = ranges(start[good], length[good] + 1)
         pointers = np.repeat(live[good] + 1, length[good] + 1)
         if len(slots):
