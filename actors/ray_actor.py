@@ -24,13 +24,8 @@ from millpond.actors.collector import Collector
 from millpond.actors.episode_ids import INCARNATIONS_PER_ACTOR, episode_id_base
 from millpond.actors.episode_stats import ReturnTracker
 from millpond.actors.policies import EpsilonGreedy
-from millpond.actors.processors import (
-    ExperienceProcessor,
-    PassThrough,
-    ProcessorSpec,
-    build_processors,
-    check_processors,
-)
+from millpond.actors.processor_specs import ProcessorSpec, build_processors, check_processors
+from millpond.actors.processors import ExperienceProcessor, PassThrough
 from millpond.errors import DeadlineExceededError, InvalidConfigError
 from millpond.learner.client import ReplayClient
 
@@ -53,7 +48,7 @@ class ActorConfig:
         epsilon: epsilon-greedy exploration for discrete actions.
         weight_sync_every: env steps between checks for newer published weights.
         processors: the experience processors of one actor, run in order: processor specs
-            (:class:`~millpond.actors.processors.ProcessorSpec`, or ``{"path": ...,
+            (:class:`~millpond.actors.processor_specs.ProcessorSpec`, or ``{"path": ...,
             "kwargs": ...}`` mappings), each checked here by building it once and built
             anew in every actor; or a picklable callable returning the processors.
         max_in_flight: unacknowledged segments a writer allows before it blocks.

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from millpond.actors.processors import ProcessorSpec, check_processors
+from millpond.actors.processor_specs import ProcessorSpec, check_processors
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
@@ -152,7 +152,7 @@ class ActorsSection:
             ``path`` (``"package.module:Name"`` of an
             :class:`~millpond.actors.ExperienceProcessor` class or a factory returning one)
             and ``kwargs``; a kwargs value ``{path: ..., kwargs: ...}`` is a callable (see
-            :class:`~millpond.actors.processors.ProcessorSpec`). Each is built once here to
+            :class:`~millpond.actors.processor_specs.ProcessorSpec`). Each is built once here to
             check it, and anew in every actor. Empty: every segment is stored as cut.
     """
 

@@ -29,13 +29,8 @@ from millpond.actors import (
     cut_batch,
     to_ted,
 )
-from millpond.actors.processors import (
-    ProcessorSpec,
-    build_processors,
-    check_processors,
-    key_in,
-    sparse_goal_reward,
-)
+from millpond.actors.processor_specs import ProcessorSpec, build_processors, check_processors
+from millpond.actors.processors import key_in, sparse_goal_reward
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, RateLimiterTimeoutError
 from millpond.segments import Segment

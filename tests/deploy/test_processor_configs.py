@@ -27,7 +27,8 @@ from millpond.actors import (
     ends_episode,
     to_ted,
 )
-from millpond.actors.processors import ProcessorSpec, sparse_goal_reward
+from millpond.actors.processor_specs import ProcessorSpec
+from millpond.actors.processors import sparse_goal_reward
 from millpond.actors.ray_actor import ActorConfig, EnvActor
 from millpond.deploy.launch import Launch
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
