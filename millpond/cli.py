@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
 
     launcher.build_parser(launch)
 
+    from millpond.deploy import dataset_cli
+
+    export = sub.add_parser("export", help="write a table's rows as TED (memmap) or HDF5")
+    dataset_cli.build_export_parser(export)
+    import_ = sub.add_parser("import", help="store an export into a table, exactly")
+    dataset_cli.build_import_parser(import_)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -39,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             return launcher.run(args)
         if args.command == "demo":
             return storage_demo.run(args)
+        if args.command == "export":
+            return dataset_cli.run_export(args)
+        if args.command == "import":
+            return dataset_cli.run_import(args)
     except MillpondError as e:
         print(f"millpond: error: {e}", file=sys.stderr)
         return 2

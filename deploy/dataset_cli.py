@@ -1,0 +1,347 @@
+"""``millpond export`` and ``millpond import``: a table's rows to and from a TED export.
+
+``millpond export DIR --table NAME --format ted|hdf5 OUT`` writes the stored steps of table
+NAME of the shard directory DIR (what ``millpond serve --dir DIR`` serves) as TED rows: a
+memory-mapped TensorDict directory (``TensorDict.load_memmap(OUT)``) or an HDF5 file
+(``--compression gzip|lzf``). ``millpond import IN --format ted|hdf5 DIR --table NAME``
+stores such an export into a table, created if missing, so that exporting it again gives
+the same rows bit for bit (:mod:`millpond.service.export`).
+
+Both open the table's files directly, so they refuse a table that another process holds
+open for writing (a running ``millpond serve`` on DIR): two writers of the same files would
+corrupt them. The check asks the kernel for a read lease on the table's files (Linux), which
+it grants only if no process has them open for writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from tensordict import TensorDict
+
+from millpond.config import TableConfig
+from millpond.errors import (
+    InvalidConfigError,
+    InvalidDataError,
+    MillpondError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from millpond.service.export import (
+    EXPORT_ORDERS,
+    export_table,
+    import_ted,
+    load_hdf5,
+    pack_export,
+)
+from millpond.service.shard import Shard
+from millpond.service.table import Table
+from millpond.service.table_files import holds_table
+
+FORMATS = ("ted", "hdf5")
+#: The table files a server holds open for writing as long as it serves the table.
+_HELD_FILES = ("counters.bin", "data/slots.bin", "data/segments.bin")
+
+
+# -- parsers --------------------------------------------------------------------------------
+def build_export_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="millpond export")
+    p.description = (
+        "Write a table's stored steps as TED rows: a memory-mapped TensorDict directory "
+        "(--format ted) or an HDF5 file (--format hdf5). DIR is a shard directory, as "
+        "`millpond serve --dir DIR` writes it (with --shards N, one of DIR/shard-i). The "
+        "table must not be open in a running server."
+    )
+    p.add_argument("dir", metavar="DIR", help="shard directory holding the table")
+    p.add_argument("out", metavar="OUT", help="where to write the export (must not exist)")
+    p.add_argument("--table", required=True, metavar="NAME", help="table to export")
+    p.add_argument("--format", required=True, metavar="{ted,hdf5}", help="export format")
+    p.add_argument(
+        "--compression",
+        default="none",
+        metavar="{gzip,lzf,none}",
+        help="HDF5 compression filter (default none)",
+    )
+    p.add_argument(
+        "--compression-level", type=int, metavar="N", help="gzip level, 0 to 9 (default 4)"
+    )
+    p.add_argument(
+        "--order",
+        default="publication",
+        metavar="{" + ",".join(EXPORT_ORDERS) + "}",
+        help="row order: oldest segment first (default), or each episode's rows together",
+    )
+    _add_busy_flag(p)
+    return p
+
+
+def build_import_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="millpond import")
+    p.description = (
+        "Store an export (what millpond export writes) into a table of the shard directory "
+        "DIR, creating the table (and DIR) if missing. "
+        "Exporting the table afterwards gives the same rows bit for bit. The shard must "
+        "not be open in a running server."
+    )
+    p.add_argument("input", metavar="IN", help="the export: a TED directory or an HDF5 file")
+    p.add_argument("dir", metavar="DIR", help="shard directory (created if missing)")
+    p.add_argument("--format", required=True, metavar="{ted,hdf5}", help="format of IN")
+    p.add_argument("--table", required=True, metavar="NAME", help="table to store into")
+    p.add_argument(
+        "--source",
+        metavar="NAME",
+        help="number the episodes anew in this extend source's id range "
+        "(default: keep the exported episode ids)",
+    )
+    p.add_argument(
+        "--sampler",
+        metavar="{uniform,prioritized,queue,slices}",
+        help="a new table's sampler (default uniform)",
+    )
+    p.add_argument(
+        "--capacity",
+        type=int,
+        metavar="SLOTS",
+        help="a new table's capacity in slots (default: 1.5 x the slots the rows take; a "
+        "segment of L steps takes L + 1)",
+    )
+    p.add_argument("--slice-len", type=int, metavar="N", help="a new slices table's slice_len")
+    _add_busy_flag(p)
+    return p
+
+
+def _add_busy_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--skip-busy-check",
+        action="store_true",
+        help="do not check that no other process has the table open (where that check "
+        "cannot run: not Linux, or files owned by another user); the server must be stopped",
+    )
+
+
+# -- commands -------------------------------------------------------------------------------
+def run_export(args: argparse.Namespace) -> int:
+    if args.format not in FORMATS:
+        raise InvalidConfigError(f"unknown format {args.format!r}; expected ted or hdf5")
+    compression = None if args.compression == "none" else args.compression
+    if args.format == "ted" and (compression is not None or args.compression_level is not None):
+        raise InvalidConfigError("--compression is for --format hdf5")
+    out = Path(args.out)
+    if out.exists():
+        raise InvalidConfigError(f"{out} exists: remove it or choose another path")
+    shard = _shard_dir(args.dir, create=False)
+    table_dir = _table_dir(shard, args.table)
+    if not args.skip_busy_check:
+        _check_not_open([table_dir], shard)
+    table = Table.open(table_dir)
+    try:
+        summary = export_table(
+            table,
+            out,
+            format=args.format,
+            order=args.order,
+            compression=compression,
+            compression_opts=args.compression_level,
+        )
+    except ImportError as e:  # HDF5 without h5py: the message says what to install
+        raise InvalidConfigError(str(e)) from None
+    finally:
+        table.close()
+    how = args.format if compression is None else f"{args.format}, {compression}"
+    print(
+        f"millpond: exported {summary.rows} rows of table {args.table!r} to {out} "
+        f"({how}, {_nbytes(out)} bytes)",
+        flush=True,
+    )
+    if summary.flat_breaks:
+        print(
+            f"millpond: note: {summary.flat_breaks} row(s) end a trajectory without done, so "
+            "TorchRL's FlatStorageCheckpointer would not restore this export exactly (its "
+            "default checkpointer does; see docs/service.md)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    if args.format not in FORMATS:
+        raise InvalidConfigError(f"unknown format {args.format!r}; expected ted or hdf5")
+    td = _load(Path(args.input), args.format)
+    packed = pack_export(td, source=args.source)
+    needed = packed.num_steps + len(packed)
+    shard = _shard_dir(args.dir, create=False, allow_missing=True)
+    table_dir = shard / "tables" / args.table
+    if not args.skip_busy_check and (shard / "tables").is_dir():
+        _check_not_open([d for d in (shard / "tables").iterdir() if holds_table(d)], shard)
+    if holds_table(table_dir):
+        table = Table.open(table_dir)
+        _check_same_table(table.config, args)
+    else:
+        capacity = args.capacity if args.capacity is not None else max(2, needed + needed // 2)
+        config = TableConfig(
+            name=args.table,
+            capacity=capacity,
+            sampler=args.sampler or "uniform",
+            slice_len=args.slice_len,
+        )
+        if needed > capacity:  # what import_ted refuses, before anything is created
+            raise InvalidConfigError(
+                f"the {packed.num_steps} rows need {needed} slots ({len(packed)} segments of L "
+                f"steps take L + 1 each), more than table {args.table!r} holds (capacity "
+                f"{capacity}): pass --capacity {needed} or more"
+            )
+        shard = _shard_dir(args.dir, create=True)
+        table = Table.create(table_dir, config)
+    try:
+        rows = import_ted(table, packed, timeout=0)
+        capacity = table.config.capacity
+    finally:
+        table.close()
+    print(
+        f"millpond: imported {rows} rows into table {args.table!r} of {shard} "
+        f"({len(packed)} segments, {needed} of {capacity} slots)",
+        flush=True,
+    )
+    return 0
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _shard_dir(path: str, *, create: bool, allow_missing: bool = False) -> Path:
+    """The shard directory ``path`` (created if ``create`` and missing or empty); otherwise
+    an error that says what to pass instead."""
+    p = Path(path)
+    if (p / "tables").is_dir():
+        return p
+    shards = sorted(q.name for q in p.glob("shard-*") if (q / "tables").is_dir())
+    if shards:
+        raise InvalidConfigError(
+            f"{p} holds {len(shards)} shards ({', '.join(shards)}), as `millpond serve "
+            f"--shards N` writes them: pass one shard directory, e.g. {p / shards[0]} (each "
+            "shard stores its own part of a table)"
+        )
+    if holds_table(p):
+        raise InvalidConfigError(
+            f"{p} is a table directory: pass its shard directory, {p.parent.parent}, "
+            f"with --table {p.name}"
+        )
+    empty = not p.exists() or (p.is_dir() and not any(p.iterdir()))
+    if create and empty:
+        Shard(p).close()  # lays out an empty shard: shard.json and tables/
+        return p
+    if allow_missing and empty:
+        return p
+    if not p.exists():
+        raise InvalidConfigError(
+            f"{p} does not exist: pass a shard directory (what `millpond serve --dir` serves)"
+        )
+    raise InvalidConfigError(
+        f"{p} is not a shard directory (it has no tables/): pass what `millpond serve --dir` serves"
+    )
+
+
+def _table_dir(shard: Path, name: str) -> Path:
+    table_dir = shard / "tables" / name
+    if not holds_table(table_dir):
+        known = sorted(d.name for d in (shard / "tables").iterdir() if holds_table(d))
+        raise TableNotFoundError(
+            f"no table {name!r} in {shard} (tables: {', '.join(known) or 'none'})"
+        )
+    return table_dir
+
+
+def _check_not_open(table_dirs: list[Path], shard: Path) -> None:
+    """Refuse tables another process holds open for writing (a server): a read lease is
+    granted only on a file that no process has open for writing (Linux ``F_SETLEASE``)."""
+    if not hasattr(fcntl, "F_SETLEASE"):
+        raise MillpondError(
+            "cannot check that no server holds the table (file leases are Linux-only): stop "
+            f"any `millpond serve` on {shard} and pass --skip-busy-check"
+        )
+    for table_dir in table_dirs:
+        for rel in _HELD_FILES:
+            path = table_dir / rel
+            if not path.exists():
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                with _sigio_ignored():
+                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EBUSY):
+                    raise MillpondError(
+                        f"table {table_dir.name!r} of {shard} is open in another process (a "
+                        f"running `millpond serve --dir {shard}`?): stop it first; two "
+                        "processes writing one table's files would corrupt them"
+                    ) from None
+                raise MillpondError(
+                    f"cannot check whether another process has {path} open ({e.strerror}): "
+                    f"stop any `millpond serve` on {shard} and pass --skip-busy-check"
+                ) from None
+            finally:
+                os.close(fd)
+
+
+@contextlib.contextmanager
+def _sigio_ignored() -> Iterator[None]:
+    """A lease holder gets SIGIO (default action: exit) when another process opens the file
+    for writing; the lease lasts microseconds here, and must not kill the command."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGIO, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGIO, previous)
+
+
+def _check_same_table(config: TableConfig, args: argparse.Namespace) -> None:
+    asked = {"sampler": args.sampler, "capacity": args.capacity, "slice_len": args.slice_len}
+    differs = {k: v for k, v in asked.items() if v is not None and getattr(config, k) != v}
+    if differs:
+        have = ", ".join(f"{k} {getattr(config, k)}" for k in differs)
+        raise TableExistsError(
+            f"table {config.name!r} exists with {have}; leave out "
+            + ", ".join(f"--{k.replace('_', '-')}" for k in differs)
+            + " to import into it as it is"
+        )
+
+
+def _load(path: Path, fmt: str) -> TensorDict:
+    if not path.exists():
+        raise InvalidConfigError(f"{path} does not exist")
+    if fmt == "ted":
+        if not (path.is_dir() and (path / "meta.json").exists()):
+            raise InvalidDataError(
+                f"{path} is not a memory-mapped TensorDict directory (millpond export "
+                "--format ted writes one)"
+            )
+        try:
+            return TensorDict.load_memmap(path)
+        except Exception as e:  # tensordict raises whatever its loaders meet
+            raise InvalidDataError(f"cannot load {path} as a TensorDict: {e}") from None
+    try:
+        return load_hdf5(path)
+    except ImportError as e:
+        raise InvalidConfigError(str(e)) from None
+    except (OSError, KeyError, MillpondError) as e:
+        raise InvalidDataError(
+            f"cannot load {path} as a millpond HDF5 export (millpond export --format hdf5 "
+            f"writes one): {e}"
+        ) from None
+
+
+def _nbytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
