@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +31,15 @@ _ALLOWED: dict[str, frozenset[str]] = {
 }
 
 
+_COMMENT = re.compile(r"(^|\s)#.*$")
+
+
 def load_tokens(path: str | os.PathLike) -> list[tuple[str, str]]:
-    """Read ``(role, token)`` pairs from a token file; raises :class:`InvalidConfigError`."""
+    """Read ``(role, token)`` pairs from a token file; raises :class:`InvalidConfigError`.
+
+    One ``ROLE TOKEN`` per line; ``#`` starts a comment at the start of a line or after
+    whitespace, and is part of the token anywhere else.
+    """
     p = Path(path)
     try:
         lines = p.read_text().splitlines()
@@ -39,7 +47,8 @@ def load_tokens(path: str | os.PathLike) -> list[tuple[str, str]]:
         raise InvalidConfigError(f"cannot read token file {p}: {e.strerror}") from None
     tokens = []
     for n, line in enumerate(lines, 1):
-        line = line.split("#", 1)[0].strip()
+        # A comment starts a line or follows whitespace: '#' inside a token is the token's.
+        line = _COMMENT.sub("", line).strip()
         if not line:
             continue
         parts = line.split()
