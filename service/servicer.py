@@ -298,7 +298,15 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @_edge
     def GetWeights(self, request: pb.GetWeightsRequest, context):
-        version, blob = self.weights.get(request.min_version, _timeout(request.timeout_ms) or 0.0)
+        # Waits in slices, as Sample does, so that an abandoned call frees its thread.
+        deadline = time.monotonic() + (_timeout(request.timeout_ms) or 0.0)
+        while True:
+            wait = min(_POLL_S, max(0.0, deadline - time.monotonic()))
+            version, blob = self.weights.get(request.min_version, wait)
+            if blob is not None or time.monotonic() >= deadline:
+                break
+            if not context.is_active():
+                return
         size = len(blob) if blob is not None else 0
         yield pb.GetWeightsResponse(version=version, total_size=size)
         if blob is None:

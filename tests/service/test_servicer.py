@@ -305,3 +305,26 @@ def test_bad_token_file(tmp_path, content, message):
     token_file.write_text(content)
     with pytest.raises(InvalidConfigError, match=message):
         create_server(ServerConfig(dir=str(tmp_path / "s"), token_file=str(token_file)))
+
+
+def test_abandoned_get_weights_calls_free_their_threads(tmp_path):
+    """Eight GetWeights calls waiting 30 s for weights that never come, cancelled at once:
+    the shard's four threads are free again within a wait slice, not after 30 s."""
+    running, port = create_server(ServerConfig(dir=str(tmp_path / "shard"), max_workers=4))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.ReplayStub(channel)
+    try:
+        waiting = pb.GetWeightsRequest(min_version=10, timeout_ms=30_000)
+        calls = [stub.GetWeights(waiting, timeout=60) for _ in range(8)]
+        time.sleep(1.0)  # they reach the shard and hold its threads
+        for call in calls:
+            call.cancel()
+        started = time.monotonic()
+        stub.Info(pb.InfoRequest(), timeout=10)  # queued behind the abandoned calls
+        assert time.monotonic() - started < 5.0
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        channel.close()
+        running.stop(grace=1)
