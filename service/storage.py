@@ -7,19 +7,18 @@ holds only the observation following the last step. So for every step slot ``i``
 The metadata (table format 2) is two files, sized so that small observations do not pay
 more for their bookkeeping than for themselves:
 
-* ``slots.bin``: one int32 per slot, 1 + the index of the record of the segment the slot
+* ``slots.bin``: one int32 per slot, the index of the record of the segment the slot
   belongs to (0: the slot holds no published segment). 4 bytes per slot.
 * ``segments.bin``: one record per segment, eight int64 (:class:`RecordField`, 64 bytes,
-  one cache line): generation, episode id, first step, start slot, length, tail slot,
-  writer, sequence. A record is reused as soon as its segment is evicted (new segments
-  take freed records before new ones), so the records ever written number at most the
-  segments stored at once. The file has room for the most that can be stored at once
-  (``capacity // 2``: a segment takes at least two slots), plus a last record that stays
-  zero (what pointer 0 reads), and is sparse: pages never written take no disk space.
+  one cache line): generation, episode id, step base (first step - start), start slot,
+  length, tail slot, writer, sequence. Record 0 stays zero: it is what pointer 0 reads. A
+  record is reused as soon as its segment is evicted (new segments take freed records
+  before new ones), so the records ever written number at most the segments stored at
+  once. The file has room for the most that can be stored at once (``capacity // 2``: a
+  segment takes at least two slots) and is sparse: pages never written take no disk space.
 
 Everything else a slot needs is derived: its episode id and generation from its record,
-its step as ``first_step + (slot - start)``, its kind (step or tail) from whether it is
-the tail slot. :meth:`SegmentStorage.slot_info` decodes slots into rows of the
+its step as ``step base + slot``, its kind (step or tail) from whether it is the tail slot. :meth:`SegmentStorage.slot_info` decodes slots into rows of the
 :class:`SlotColumn` fields: one gather of pointers, one of records, two fixes.
 
 The record's generation is the commit marker: it is written last, after the segment's data,
@@ -64,12 +63,13 @@ class RecordField(IntEnum):
     """The int64 fields of a segment's record in ``segments.bin`` (one 64-byte row).
 
     Their order is :class:`SlotColumn`'s, so that a slot's decoded row is its record's row
-    with two fields fixed (the step, and the kind in place of the tail slot).
+    with two fields fixed: the step (``STEP_BASE + slot``) and the kind (in place of the
+    tail slot).
     """
 
     GENERATION = 0  # the commit marker: the segment's publication number, 0 if none
     EPISODE_ID = 1
-    FIRST_STEP = 2  # index within its episode of the segment's first step
+    STEP_BASE = 2  # first step - START: a slot's step (within its episode) is STEP_BASE + slot
     START = 3  # first slot
     LENGTH = 4  # steps (the segment takes LENGTH + 1 slots)
     TAIL = 5  # the tail's slot, START + LENGTH
@@ -206,8 +206,7 @@ class SegmentStorage:
         self._fds: list[int] = []
         slots_file, records_file = self.path / SLOTS_FILE, self.path / SEGMENTS_FILE
         fresh = not slots_file.exists()
-        # A segment takes at least two slots; one more record, the last, stays zero: slot
-        # pointer 0 ("none") reads it as index -1, an unpublished record.
+        # A segment takes at least two slots; record 0 stays zero (what pointer 0 reads).
         n_records = capacity // 2 + 1
         self._slot_map = self._open_map(slots_file, np.dtype(np.int32), (capacity,), fresh)
         self._record_map = self._open_map(
@@ -222,7 +221,7 @@ class SegmentStorage:
         self._generation = self.records[:, RecordField.GENERATION]  # the commit markers
         # Records never written are not on disk: new segments take freed records first.
         self._free: list[int] = []  # freed record indices (a stack)
-        self._records_used = 0  # records [0, used) have been handed out at least once
+        self._next_record = 1  # records [1, next) have been handed out at least once
         #: Next slot to allocate from; recovered from the newest segment on reopen.
         self.cursor = 0
         if not fresh:
@@ -293,7 +292,7 @@ class SegmentStorage:
         first = np.empty(len(held), dtype=bool)
         first[0] = True
         np.not_equal(held[1:], held[:-1], out=first[1:])
-        records = held[first].astype(np.int64) - 1
+        records = held[first].astype(np.int64)
         return self._segments_of(records[self._generation[records] > 0])
 
     def _segments_of(self, records: np.ndarray) -> SegmentBatch:
@@ -304,30 +303,30 @@ class SegmentStorage:
             r[f.LENGTH],
             r[f.GENERATION],
             r[f.EPISODE_ID],
-            r[f.FIRST_STEP],
+            r[f.STEP_BASE] + r[f.START],
             r[f.WRITER],
             r[f.SEQUENCE],
         )
 
     def _records_of(self, segments: SegmentBatch) -> np.ndarray:
-        return self.slot_records[segments.starts].astype(np.int64) - 1
+        return self.slot_records[segments.starts].astype(np.int64)
 
     def unpublish(self, segments: SegmentBatch) -> None:
         """Clear the commit marker of ``segments``, then their slots; free their records."""
         if not len(segments):
             return
         records = self._records_of(segments)
-        records = records[records >= 0]
+        records = records[records > 0]
         self._generation[records] = 0
         self.slot_records[segments.all_slots()] = 0
         self._free.extend(records.tolist())
 
     def clear(self) -> None:
         """Unpublish every slot and allocate from slot 0 again."""
-        self._generation[: self._records_used] = 0
+        self._generation[: self._next_record] = 0
         held = np.flatnonzero(self.slot_records)  # only those: unwritten pages stay unwritten
         self.slot_records[held] = 0
-        self._free = list(range(self._records_used - 1, -1, -1))
+        self._free = list(range(self._next_record - 1, 0, -1))
         self.cursor = 0
 
     def reserve(self, start: int, n_slots: int) -> None:
@@ -343,14 +342,14 @@ class SegmentStorage:
         taken = self._free[len(self._free) - reuse :]
         del self._free[len(self._free) - reuse :]
         fresh = n - reuse
-        if self._records_used + fresh > len(self.records) - 1:  # more live than can fit
+        if self._next_record + fresh > len(self.records):  # more live than can fit
             self._free.extend(taken)
             raise StorageCorruptedError(
-                f"no free segment record for {n} segments ({len(self.records)} records, "
-                f"{self._records_used} in use)"
+                f"no free segment record for {n} segments ({len(self.records) - 1} records, "
+                f"{self._next_record - 1 - len(self._free)} in use)"
             )
-        taken.extend(range(self._records_used, self._records_used + fresh))
-        self._records_used += fresh
+        taken.extend(range(self._next_record, self._next_record + fresh))
+        self._next_record += fresh
         return np.array(taken, dtype=np.int64)
 
     # -- data ----------------------------------------------------------------------------
@@ -408,7 +407,7 @@ class SegmentStorage:
         f = RecordField
         block = np.zeros((RECORD_WIDTH, n), dtype=np.int64)  # generation 0: not yet visible
         block[f.EPISODE_ID] = layout.episode_ids
-        block[f.FIRST_STEP] = layout.first_steps
+        block[f.STEP_BASE] = layout.first_steps - layout.starts
         block[f.START] = layout.starts
         block[f.LENGTH] = layout.lengths
         block[f.TAIL] = layout.starts + layout.lengths
@@ -417,7 +416,7 @@ class SegmentStorage:
         if layout.sequences is not None:
             block[f.SEQUENCE] = layout.sequences
         self.records[records] = block.T
-        self.slot_records[base : base + n_slots] = np.repeat(records + 1, layout.lengths + 1)
+        self.slot_records[base : base + n_slots] = np.repeat(records, layout.lengths + 1)
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
         self._generation[records] = layout.generations
@@ -426,7 +425,7 @@ class SegmentStorage:
 
     def generations(self, slots: np.ndarray) -> np.ndarray:
         """The generation of each slot's segment (0 where none is published)."""
-        return np.take(self._generation, np.take(self.slot_records, slots) - 1)  # 0: zero record
+        return np.take(self._generation, np.take(self.slot_records, slots))  # 0: record 0
 
     def slot_info(self, slots: np.ndarray) -> np.ndarray:
         """Decoded metadata rows of ``slots`` (shape ``[*slots.shape, width]``, int64; the
@@ -434,12 +433,11 @@ class SegmentStorage:
         """
         slots = np.asarray(slots, dtype=np.int64)
         flat = slots.reshape(-1)
-        # Each slot's record row (pointer 0 reads the last record, which stays zero), in
-        # SlotColumn order already but for the step and the kind. np.take: ~2x faster than
-        # fancy indexing for rows.
-        records = np.take(self.slot_records, flat) - 1
-        out = np.take(self.records, records, axis=0)
-        out[:, SlotColumn.STEP] += flat - out[:, SlotColumn.SEGMENT_START]
+        # Each slot's record row (pointer 0 reads record 0, which stays zero), in SlotColumn
+        # order already but for the step and the kind. np.take: ~2x faster than fancy
+        # indexing for rows.
+        out = np.take(self.records, np.take(self.slot_records, flat), axis=0)
+        out[:, SlotColumn.STEP] += flat  # the step base + the slot
         kind = out[:, SlotColumn.KIND]  # holds the tail's slot
         np.equal(kind, flat, out=kind, casting="unsafe")  # 1 at the tail
         kind += SLOT_STEP  # SLOT_STEP, or SLOT_TAIL = SLOT_STEP + 1
@@ -458,7 +456,7 @@ class SegmentStorage:
 
     def published_step_slots(self) -> np.ndarray:
         """Every published step slot, in publication order (by generation, then slot)."""
-        gens = self._generation[: self._records_used]
+        gens = self._generation[: self._next_record]
         live = np.flatnonzero(gens > 0)
         live = live[np.argsort(gens[live], kind="stable")]
         r = self.records[live]
@@ -496,15 +494,15 @@ class SegmentStorage:
         write or overwrite: its record is unpublished, and slot pointers to anything but a
         complete segment are cleared.
         """
-        if self.records[-1].any():  # the zero record, read through pointer 0
-            self.records[-1] = 0
+        if self.records[0].any():  # the zero record, read through pointer 0
+            self.records[0] = 0
         live = np.flatnonzero(self._generation > 0)
         r = self.records[live]
         start, length = r[:, RecordField.START], r[:, RecordField.LENGTH]
         good = (length > 0) & (start >= 0) & (start + length < self.capacity)
         good &= r[:, RecordField.TAIL] == start + length
         slots = ranges(start[good], length[good] + 1)
-        pointers = np.repeat(live[good] + 1, length[good] + 1)
+        pointers = np.repeat(live[good], length[good] + 1)
         if len(slots):
             match = self.slot_records[slots] == pointers
             offsets = np.cumsum(length[good] + 1) - (length[good] + 1)
@@ -513,7 +511,7 @@ class SegmentStorage:
         # Slot pointers: exactly the slots of the complete segments.
         start, length, live = start[good], length[good], live[good]
         expected = np.zeros(self.capacity, dtype=np.int32)
-        expected[ranges(start, length + 1)] = np.repeat(live + 1, length + 1)
+        expected[ranges(start, length + 1)] = np.repeat(live, length + 1)
         stale = np.flatnonzero(self.slot_records != expected)
         if len(stale):
             self.slot_records[stale] = expected[stale]
@@ -524,10 +522,11 @@ class SegmentStorage:
         return segments
 
     def _rebuild_free(self) -> None:
-        """Free records: every one below the highest published, unpublished ones."""
-        live = np.flatnonzero(self._generation > 0)
-        self._records_used = int(live[-1]) + 1 if len(live) else 0
-        free = np.ones(self._records_used, dtype=bool)
+        """Free records: the unpublished ones below the highest published (record 0 aside)."""
+        live = np.flatnonzero(self._generation[1:] > 0) + 1
+        self._next_record = int(live[-1]) + 1 if len(live) else 1
+        free = np.ones(self._next_record, dtype=bool)
+        free[0] = False
         free[live] = False
         self._free = np.flatnonzero(free)[::-1].tolist()  # lowest first off the stack
 

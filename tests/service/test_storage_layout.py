@@ -53,7 +53,7 @@ def test_metadata_is_four_bytes_per_slot_plus_a_record_per_segment(tmp_path):
     data = tmp_path / "t" / "data"
     assert (data / "slots.bin").stat().st_size == 4 * capacity
     assert RECORD_WIDTH * 8 == 64
-    # Room for the most segments the ring can hold, plus the zero record pointer 0 reads.
+    # Room for the most segments the ring can hold, plus record 0 (zero: what pointer 0 reads).
     assert (data / "segments.bin").stat().st_size == 64 * (capacity // 2 + 1)
     # The records file has room for capacity // 2 segments but only its written pages count.
     assert (data / "segments.bin").stat().st_blocks * 512 <= 8192
@@ -92,10 +92,11 @@ def test_records_are_reused_so_few_are_ever_written(tmp_path):
     for e in range(600):
         t.insert(*segment(n=int(rng.integers(1, 8)), ep=e), episode_id=e)
     live_most = capacity // 2  # length-1 segments would be 2 slots each
-    assert t.storage._records_used < live_most
+    written = t.storage._next_record - 1  # records 1 .. next - 1 were ever handed out
+    assert written < live_most
     # Segments of 1-7 steps (2-8 slots, 5 on average): about 80 live, never many more.
-    assert t.storage._records_used <= 2 * len(stored_segments(t))
-    assert len(t.storage._free) == t.storage._records_used - len(stored_segments(t))
+    assert written <= 2 * len(stored_segments(t))
+    assert len(t.storage._free) == written - len(stored_segments(t))
     # Every sampled row is its own (episode, step), read through the reused records.
     s = t.sample(256)
     want = s["step"].to(torch.float32) + 1000.0 * s["episode_id"].to(torch.float32)
@@ -136,8 +137,8 @@ def test_restart_rebuilds_everything_from_the_metadata_files(tmp_path):
 
 
 def _commit(storage: SegmentStorage, record: int, start: int, length: int, gen: int) -> None:
-    storage.records[record] = [0, 1, 0, start, length, start + length, 0, 0]
-    storage.slot_records[start : start + length + 1] = record + 1
+    storage.records[record] = [0, 1, -start, start, length, start + length, 0, 0]
+    storage.slot_records[start : start + length + 1] = record
     storage.records[record, 0] = gen
 
 
@@ -147,13 +148,13 @@ def test_recovery_drops_torn_segments_and_stale_pointers(tmp_path):
     for e in range(4):
         t.insert(*segment(n=3, ep=e), episode_id=e)  # slots 0-3, 4-7, 8-11, 12-15
     s = t.storage
-    recs = s.slot_records[[0, 4, 8, 12]] - 1
+    recs = s.slot_records[[0, 4, 8, 12]]
     # A later segment's publication interrupted after its pointers, before its marker:
     s.slot_records[20:24] = 9
     # A segment whose slots were half taken over by another record (a torn overwrite):
     s.slot_records[5] = 9
     # A record marked published whose range runs past the ring:
-    s.records[7] = [99, 1, 0, 98, 5, 103, 0, 0]
+    s.records[7] = [99, 1, -98, 98, 5, 103, 0, 0]
     s.flush()
     u = Table.open(path)
     kept = stored_segments(u)
@@ -171,14 +172,14 @@ def test_recovery_drops_torn_segments_and_stale_pointers(tmp_path):
 def test_recovery_of_a_bare_storage(tmp_path):
     s = SegmentStorage(tmp_path / "d", 50, None)
     _commit(s, 3, 10, 4, gen=7)
-    _commit(s, 0, 20, 2, gen=9)
+    _commit(s, 1, 20, 2, gen=9)
     s.slot_records[21] = 0  # torn
     s.close()
     s = SegmentStorage(tmp_path / "d", 50, None)
     got = s.recover()
     assert got.starts.tolist() == [10] and got.generations.tolist() == [7]
     assert s.cursor == 15
-    assert s._records_used == 4 and sorted(s._free) == [0, 1, 2]
+    assert s._next_record == 4 and sorted(s._free) == [1, 2]
     s.close()
 
 
