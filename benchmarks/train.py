@@ -12,11 +12,19 @@ reports per config and seed:
   writer's window or the table's rate limiter is full), and the learner's time split between
   waiting for samples and learning (loss, backward, optimiser, publishing weights).
 
-Writes ``train.md`` (the table) and ``train.png`` (mean return against frames for every run)
-into ``--out``::
+``cleanrl-dqn`` runs the single-process reference of ``benchmarks/cleanrl_dqn.py``
+(CleanRL's DQN: one env, no Ray, no millpond) in this process, with the same seeds, target
+and frame budget (its epsilon schedule spans half of ``--max-frames``, as CleanRL's spans
+half of its ``total_timesteps``), so that millpond's DQN can be read against the algorithm
+it follows; it has no actors or sampling to split, and its learner steps are its gradient
+steps.
 
-    python benchmarks/train.py                      # both configs, 1 seed, ~5 min on 2 cores
+Writes ``train.md`` (the table), ``train.json`` and ``train.png`` (mean return against
+frames for every run) into ``--out``::
+
+    python benchmarks/train.py                      # ppo and dqn, 1 seed
     python benchmarks/train.py --configs ppo --seeds 3
+    python benchmarks/train.py --configs dqn cleanrl-dqn --seeds 3
 """
 
 from __future__ import annotations
@@ -38,6 +46,44 @@ CONFIGS = {
     "ppo": ROOT / "deploy" / "configs" / "cartpole-ppo.yaml",
     "dqn": ROOT / "deploy" / "configs" / "cartpole-dqn.yaml",
 }
+REFERENCES = ("cleanrl-dqn",)  # single-process references, run in this process
+
+
+def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
+    """CleanRL's DQN (``benchmarks/cleanrl_dqn.py``), stopped like a launch at the target."""
+    import torch
+    from cleanrl_dqn import Config, train
+
+    torch.set_num_threads(1)
+    log(f"{name} seed {seed}: running (target {args.target}, at most {args.max_frames} frames)")
+    last, reached_s = [0.0], []
+
+    def on_log(frame: int, t: float, episodes: int, mean: float) -> None:
+        if mean >= args.target and not reached_s:
+            reached_s.append(t)
+        if t - last[0] >= 10:
+            last[0] = t
+            print(f"  {name}/{seed} {frame} frames, {t:.0f} s, mean return {mean:.1f}", flush=True)
+
+    run = train(Config(frames=args.max_frames), seed, on_log, stop_at_return=args.target)
+    curve = run["curve"]
+    reached = next(((f, i) for i, (f, m) in enumerate(curve) if m >= args.target), None)
+    return {
+        "config": name,
+        "seed": seed,
+        "frames_to_target": reached[0] if reached else None,
+        "seconds_to_target": reached_s[0] if reached_s else None,
+        "final_return": curve[-1][1] if curve else None,
+        "frames": run["frames"],
+        "wall_s": run["wall_s"],
+        "frames_per_s": run["frames"] / run["wall_s"],
+        "actors_acting": None,
+        "actors_inserting": None,
+        "learner_sampling": None,
+        "learner_learning": None,
+        "learner_steps": run["updates"],
+        "curve": curve,
+    }
 
 
 def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
@@ -125,7 +171,7 @@ def plot(results: list[dict], target: float, path: Path) -> None:
     ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
     ax.set_xlabel("frames")
     ax.set_ylabel("mean return (last 100 episodes)")
-    ax.set_title("millpond launch on CartPole-v1")
+    ax.set_title("CartPole-v1: millpond launch (and single-process references)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -135,10 +181,10 @@ def plot(results: list[dict], target: float, path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["ppo", "dqn"])
+    p.add_argument("--configs", nargs="+", choices=[*CONFIGS, *REFERENCES], default=["ppo", "dqn"])
     p.add_argument("--seeds", type=int, default=1, help="seeds per config (0, 1, ...)")
     p.add_argument("--target", type=float, default=475.0)
-    p.add_argument("--max-frames", type=int, default=400_000)
+    p.add_argument("--max-frames", type=int, default=500_000)
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     args = p.parse_args()
@@ -147,7 +193,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="millpond-train-") as work:
         for name in args.configs:
             for seed in range(args.seeds):
-                results.append(run_one(name, seed, args, Path(work)))
+                if name in REFERENCES:
+                    results.append(run_reference(name, seed, args))
+                else:
+                    results.append(run_one(name, seed, args, Path(work)))
     text = table(results, args.target)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from millpond import ReplayClient, TableConfig
-from millpond.actors import EpsilonGreedy, make_policy
+from millpond.actors import Collector, EpsilonGreedy, make_policy
 from millpond.errors import InvalidConfigError, InvalidDataError, RateLimiterTimeoutError
 from millpond.learner.dqn import DQNConfig, DQNLearner
 from millpond.learner.networks import mlp_q
@@ -326,3 +326,33 @@ def test_n_step_needs_slices_and_priorities_need_one_step(client):
 def test_config_checks_its_values(kwargs):
     with pytest.raises(InvalidConfigError, match=next(iter(kwargs))):
         DQNConfig(**kwargs)
+
+
+def test_one_step_targets_on_a_uniform_sample_bootstrap_unless_terminated(client):
+    """A uniform table marks every sampled row ``("next", "truncated")`` unless it
+    terminated (so that TorchRL estimators stop there); the 1-step DQN target must still
+    bootstrap on those rows, from their real next observation, and not on terminated ones."""
+    gamma = 0.9
+    client.create_table(TABLES["uniform"])
+    # Episodes of at most 15 steps: the sample holds time-limit truncations and terminations.
+    with Collector(
+        "CartPole-v1",
+        num_envs=4,
+        chunk_len=128,
+        env_kwargs={"max_episode_steps": 15},
+        seed=0,
+    ) as collector:
+        write_chunk(client, "uniform", collector.collect())
+    batch = client.sample("uniform", 512)
+    terminated = batch["next", "terminated"].reshape(-1)
+    assert terminated.any() and not terminated.all()
+    assert batch["next", "truncated"].reshape(-1)[~terminated].all()
+    learner = make_learner(client, "uniform", DQNConfig(gamma=gamma, double_dqn=False))
+    with torch.no_grad():
+        for p in learner.target_network.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # a target network whose values are not zero
+        y = learner.target(batch)
+        bootstrap = learner.target_network(batch["next", "observation"]).max(-1).values
+    reward = batch["next", "reward"].reshape(-1)
+    expected = reward + gamma * torch.where(terminated, 0.0, bootstrap)
+    torch.testing.assert_close(y, expected)
