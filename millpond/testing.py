@@ -27,6 +27,7 @@ from millpond.ted import observation_keys
 
 __all__ = [
     "FLAG_KEYS",
+    "TED_ROW_KEYS",
     "CountingDictEnv",
     "SegmentRecord",
     "chunk_segments",
@@ -39,6 +40,16 @@ __all__ = [
     "state_of",
     "stored_segments",
     "stored_steps",
+]
+
+#: The keys that make a CartPole-like TED row what it is, for bitwise row comparisons.
+TED_ROW_KEYS: list[tuple[str, ...]] = [
+    ("observation",),
+    ("action",),
+    ("next", "observation"),
+    ("next", "reward"),
+    ("next", "terminated"),
+    ("next", "truncated"),
 ]
 
 #: The per-step keys under ``"next"`` that are not observations.

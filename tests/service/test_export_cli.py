@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from millpond import Shard, Table, TableConfig
 from millpond.cli import main
 from millpond.service.export import export_ted, load_hdf5
-from millpond.testing import rollout
+from millpond.testing import TED_ROW_KEYS, rollout
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -46,19 +46,9 @@ def assert_same_rows(a, b):
         ), key
 
 
-ROW_KEYS = [
-    ("observation",),
-    ("action",),
-    ("next", "observation"),
-    ("next", "reward"),
-    ("next", "terminated"),
-    ("next", "truncated"),
-]
-
-
 def rows_by_step(td, ids, steps):
-    """{(episode, step): bytes of the row's ROW_KEYS}."""
-    cols = [td[k].reshape(td.shape[0], -1).contiguous().view(torch.uint8) for k in ROW_KEYS]
+    """{(episode, step): bytes of the row's TED_ROW_KEYS}."""
+    cols = [td[k].reshape(td.shape[0], -1).contiguous().view(torch.uint8) for k in TED_ROW_KEYS]
     return {
         (e, s): tuple(c[i].numpy().tobytes() for c in cols)
         for i, (e, s) in enumerate(zip(ids, steps, strict=True))

@@ -12,16 +12,7 @@ from millpond import Table, TableConfig
 from millpond.errors import InvalidDataError
 from millpond.service.export import export_hdf5, export_ted, load_hdf5
 from millpond.ted import FRESH_EPISODE_ID_BASE, compact_ted
-from millpond.testing import rollout, stored_segments
-
-ROW_KEYS = [
-    ("observation",),
-    ("action",),
-    ("next", "observation"),
-    ("next", "reward"),
-    ("next", "terminated"),
-    ("next", "truncated"),
-]
+from millpond.testing import TED_ROW_KEYS, rollout, stored_segments
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -44,17 +35,19 @@ def cartpole_ted(lanes, steps, seed=0, max_episode_steps=None):
 
 
 #: The row keys but the episode-end flags, which a sampled batch sets where it stops.
-UNFLAGGED_KEYS = [k for k in ROW_KEYS if k not in (("next", "terminated"), ("next", "truncated"))]
+UNFLAGGED_KEYS = [
+    k for k in TED_ROW_KEYS if k not in (("next", "terminated"), ("next", "truncated"))
+]
 
 
-def row_bytes(td, keys=ROW_KEYS):
+def row_bytes(td, keys=TED_ROW_KEYS):
     """One bytes tuple per row of a TED TensorDict (any batch shape), for bitwise comparison."""
     td = td.reshape(-1)
     cols = [td[k].reshape(td.shape[0], -1).contiguous().view(torch.uint8).numpy() for k in keys]
     return [tuple(c[i].tobytes() for c in cols) for i in range(td.shape[0])]
 
 
-def rows_by_step(td, keys=ROW_KEYS):
+def rows_by_step(td, keys=TED_ROW_KEYS):
     """{(trajectory id, step within the trajectory): row bytes} for time-ordered TED data."""
     td = td if td.batch_dims == 2 else td.unsqueeze(0)
     out, counter = {}, defaultdict(int)
@@ -66,7 +59,7 @@ def rows_by_step(td, keys=ROW_KEYS):
     return out
 
 
-def exported_by_step(exported, keys=ROW_KEYS):
+def exported_by_step(exported, keys=TED_ROW_KEYS):
     ids, steps = exported["episode_id"].tolist(), exported["step"].tolist()
     return dict(zip(zip(ids, steps, strict=True), row_bytes(exported, keys), strict=True))
 
@@ -311,7 +304,7 @@ def test_exported_data_extends_back_unchanged(make_table, tmp_path):
     again = make_table(TableConfig.uniform("b", 200))
     again.extend(out)  # episode_id and step are regenerated, traj_ids give the episodes
     out2 = export_ted(again, tmp_path / "b")
-    keys = [*ROW_KEYS, ("episode_id",), ("step",)]
+    keys = [*TED_ROW_KEYS, ("episode_id",), ("step",)]
     assert sorted(row_bytes(out2, keys)) == sorted(row_bytes(out, keys))
     assert num_segments(again) == num_segments(table)
     sampled = table.sample(8)  # index and weight are dropped, rows cut where they do not chain

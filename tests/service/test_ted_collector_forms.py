@@ -17,19 +17,11 @@ from tensordict import TensorDictBase
 from millpond import Table, TableConfig
 from millpond.errors import InvalidDataError
 from millpond.service.export import export_ted
+from millpond.testing import TED_ROW_KEYS
 
 pytest.importorskip("torchrl")
 from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.envs import GymEnv, SerialEnv, StepCounter, TransformedEnv
-
-ROW_KEYS = [
-    ("observation",),
-    ("action",),
-    ("next", "observation"),
-    ("next", "reward"),
-    ("next", "terminated"),
-    ("next", "truncated"),
-]
 
 
 def lanes_env(lanes: int = 2, max_steps: int = 15) -> TransformedEnv:
@@ -51,7 +43,7 @@ def batches(seed: int, frames: int, n: int, **kwargs) -> list[TensorDictBase]:
 
 def row_bytes(td: TensorDictBase) -> list[bytes]:
     flat = td.reshape(-1)
-    cols = [flat[k].reshape(len(flat), -1).contiguous().view(torch.uint8) for k in ROW_KEYS]
+    cols = [flat[k].reshape(len(flat), -1).contiguous().view(torch.uint8) for k in TED_ROW_KEYS]
     return [b"".join(c[i].numpy().tobytes() for c in cols) for i in range(len(flat))]
 
 
