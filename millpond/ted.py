@@ -224,8 +224,8 @@ def compact_ted(
     starts, ends = rows[starts_at], rows[ends_at]  # rows of the flat [P * T] batch
     seg_ended = ended.reshape(n)[ends]
 
-    def rows_of(value: torch.Tensor) -> torch.Tensor:
-        flat = value.reshape(n, *value.shape[2:])
+    def real(flat: torch.Tensor) -> torch.Tensor:
+        """The real rows of a flat ``[P * T, ...]`` column (all of them without padding)."""
         return flat if len(rows) == n else flat[rows]
 
     tails = {k: grid[("next", *k)].reshape(n, *grid[k].shape[2:])[ends] for k in obs_keys}
@@ -258,9 +258,9 @@ def compact_ted(
             or (key[0] == "next" and key[1:] in obs_keys)
         ):
             continue
-        steps[key] = rows_of(value)
-    steps[TERMINATED] = terminated if len(rows) == n else terminated[rows]
-    steps[TRUNCATED] = truncated if len(rows) == n else truncated[rows]
+        steps[key] = real(value.reshape(n, *value.shape[2:]))
+    steps[TERMINATED] = real(terminated)
+    steps[TRUNCATED] = real(truncated)
     return PackedSegments(steps, tails, lengths.astype(np.int64), episode_ids, first_steps)
 
 

@@ -76,12 +76,21 @@ class _Cancelled(Exception):
     """The client cancelled the call (or it timed out) while the shard waited for it."""
 
 
+class _NotYet(RateLimiterTimeoutError):
+    """GetWeights: the weights asked for are not published yet (``version`` is)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"weights version {version} is older than asked")
+        self.version = version
+
+
 def _in_slices(attempt: Callable[[float], T], timeout: float | None, context) -> T:
     """``attempt(wait_s)`` again and again in slices of :data:`_POLL_S`, until it returns.
 
-    A rate-limiter wait cannot see a cancelled call: cutting it into slices does, so a
-    cancelled call frees its thread within a slice (raising :class:`_Cancelled`). The last
-    :class:`RateLimiterTimeoutError` passes once ``timeout`` (``None``: none) has run out.
+    A blocking wait (the rate limiter's, or for newer weights) cannot see a cancelled call:
+    cutting it into slices does, so a cancelled call frees its thread within a slice
+    (raising :class:`_Cancelled`). The last :class:`RateLimiterTimeoutError` passes once
+    ``timeout`` (``None``: none) has run out.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -298,15 +307,18 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @_edge
     def GetWeights(self, request: pb.GetWeightsRequest, context):
-        # Waits in slices, as Sample does, so that an abandoned call frees its thread.
-        deadline = time.monotonic() + (_timeout(request.timeout_ms) or 0.0)
-        while True:
-            wait = min(_POLL_S, max(0.0, deadline - time.monotonic()))
+        def attempt(wait: float) -> tuple[int, bytes]:
             version, blob = self.weights.get(request.min_version, wait)
-            if blob is not None or time.monotonic() >= deadline:
-                break
-            if not context.is_active():
-                return
+            if blob is None:
+                raise _NotYet(version)
+            return version, blob
+
+        try:  # in slices, as Sample waits, so that an abandoned call frees its thread
+            version, blob = _in_slices(attempt, _timeout(request.timeout_ms) or 0.0, context)
+        except _NotYet as not_yet:  # the timeout ran out first: say which version there is
+            version, blob = not_yet.version, None
+        except _Cancelled:
+            return
         size = len(blob) if blob is not None else 0
         yield pb.GetWeightsResponse(version=version, total_size=size)
         if blob is None:
