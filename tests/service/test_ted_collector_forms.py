@@ -144,3 +144,40 @@ def test_two_producers_sharing_one_source_are_refused_not_stitched(make_table) -
     table.extend(a[1])  # a's own continuation is still taken (the refusal changed nothing)
     table.extend(b[0], source="b")  # and b is welcome under a source of its own
     assert table.size == size + 80
+
+
+@pytest.mark.filterwarnings("ignore:.*already returned terminated = True")
+@pytest.mark.parametrize("replace", [True, False], ids=["next-obs-filled", "next-obs-is-reset"])
+def test_auto_resetting_env_batches_are_stored_exactly(make_table, tmp_path, replace) -> None:
+    """TorchRL's second autoreset mode: the env resets itself (``auto_reset=True``), and at a
+    done step ``("next", obs)`` is a fill value (NaN) or, unreplaced, the next episode's
+    first observation. Either way the record is stored as the collector wrote it, and no
+    slice runs across the reset."""
+    make = functools.partial(
+        GymEnv, "CartPole-v1", max_episode_steps=15, auto_reset=True, auto_reset_replace=replace
+    )
+    env = TransformedEnv(SerialEnv(2, make), StepCounter())
+    env.set_seed(5)
+    collector = Collector(env, policy=None, frames_per_batch=40, total_frames=120)
+    try:
+        data = [td.clone() for td in collector]
+    finally:
+        collector.shutdown()
+    done = torch.cat([td["next", "done"].reshape(-1) for td in data])
+    assert done.sum() >= 4, "the batches hold too few episode ends to test with"
+    table = make_table(TableConfig.slices("t", 1_000, slice_len=3, seed=0))
+    for td in data:
+        table.extend(td)
+    assert table.size == 120
+    assert stored_rows(table, tmp_path / "export") == sorted(
+        b for td in data for b in row_bytes(td)
+    )
+    for _ in range(4):
+        sample = table.sample(256)
+        inner = ~sample["next", "done"][:, :-1].squeeze(-1)
+        # Within a slice, the next observation of every step but an episode's last is the
+        # following step's observation: a slice across a reset would break it.
+        assert torch.equal(
+            sample["next", "observation"][:, :-1][inner], sample["observation"][:, 1:][inner]
+        )
+        assert not sample["next", "done"][:, :-1].any()
