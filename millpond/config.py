@@ -7,10 +7,49 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from millpond.errors import InvalidConfigError
-from millpond.spec import TableSpec
+from millpond.spec import MAX_ROW_BYTES, TableSpec
+
+__all__ = [
+    "COMPRESSIONS",
+    "MAX_CAPACITY",
+    "MAX_NAME_BYTES",
+    "MAX_ROW_BYTES",
+    "MAX_SEED",
+    "MAX_STEP",
+    "MAX_TABLE_BYTES",
+    "MAX_TIMEOUT_MS",
+    "SAMPLERS",
+    "TableConfig",
+    "check_table_bytes",
+]
 
 SAMPLERS = ("uniform", "prioritized", "queue", "slices")
 COMPRESSIONS = (None, "zstd")
+
+# Limits on what a table, a request or a step may declare: each one is checked where the
+# value enters (a config, a spec, a request), so that an absurd value is refused by name
+# instead of failing deep inside (an overflow, a file name the file system refuses, an
+# allocation of terabytes).
+
+#: The most slots a table may have: slot pointers and segment records are int32.
+MAX_CAPACITY = 2**31 - 1
+#: The longest table name, in UTF-8 bytes: it names a directory (file systems allow 255).
+MAX_NAME_BYTES = 255
+#: The most bytes a table may map: capacity x (a slot's bytes + its bookkeeping). 16 TiB,
+#: the largest file ext4 holds, and far below the 128 TiB a process can address.
+MAX_TABLE_BYTES = 2**44
+#: Bookkeeping bytes per slot besides its data (slot pointer, its share of a segment
+#: record, sampler state), counted against :data:`MAX_TABLE_BYTES`.
+SLOT_OVERHEAD_BYTES = 64
+#: The largest seed: the sampler's generator takes a non-negative 64-bit integer.
+MAX_SEED = 2**63 - 1
+#: The longest wait a request may ask for (``timeout_ms``), in milliseconds: 30 days. Longer
+#: waits overflow thread waits; 0 already means "wait forever".
+MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
+#: Step indexes stay below this (``first_step + length`` included), so that everything
+#: computed from them (a tail's step, a slice's steps, the next trajectory step) stays far
+#: inside int64.
+MAX_STEP = 2**62
 
 
 @dataclass(frozen=True)
@@ -61,7 +100,14 @@ class TableConfig:
             or self.name.startswith(".")
         ):
             raise InvalidConfigError(
-                f"table name ({self.name!r}) must be non-empty letters, digits, '_', '-' or '.'"
+                f"table name ({_short(self.name)}) must be non-empty letters, digits, '_', "
+                "'-' or '.'"
+            )
+        name_bytes = len(self.name.encode("utf-8", "surrogatepass"))
+        if name_bytes > MAX_NAME_BYTES:
+            raise InvalidConfigError(
+                f"table name ({_short(self.name)}) takes {name_bytes} bytes, more than the "
+                f"limit ({MAX_NAME_BYTES} bytes)"
             )
         if (
             isinstance(self.capacity, bool)
@@ -70,6 +116,11 @@ class TableConfig:
         ):
             raise InvalidConfigError(
                 f"capacity ({self.capacity!r}) must be an integer >= 2 (one step and its tail)"
+            )
+        if self.capacity > MAX_CAPACITY:
+            raise InvalidConfigError(
+                f"capacity ({self.capacity}) exceeds the largest a table can address "
+                f"({MAX_CAPACITY} slots: slot pointers and segment records are int32)"
             )
         if self.sampler not in SAMPLERS:
             raise InvalidConfigError(f"sampler ({self.sampler!r}) must be one of {SAMPLERS}")
@@ -118,6 +169,18 @@ class TableConfig:
             )
         if self.spec is not None and not isinstance(self.spec, TableSpec):
             raise InvalidConfigError("spec must be a TableSpec or None")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise InvalidConfigError(f"seed ({self.seed!r}) must be an integer in [0, {MAX_SEED}]")
+        if self.min_size > MAX_CAPACITY:
+            # a table never holds more steps than slots: such a table could never be sampled
+            raise InvalidConfigError(
+                f"min_size ({self.min_size}) exceeds the largest capacity ({MAX_CAPACITY})"
+            )
+        check_table_bytes(self.capacity, self.spec)
 
     @property
     def effective_error_buffer(self) -> float | None:
@@ -172,6 +235,23 @@ class TableConfig:
             return cls(**d, spec=TableSpec.from_json(spec) if spec is not None else None)
         except TypeError as e:
             raise InvalidConfigError(f"bad table config: {e}") from e
+
+
+def check_table_bytes(capacity: int, spec: TableSpec | None) -> None:
+    """Refuse (:class:`InvalidConfigError`) a table whose files would map more than
+    :data:`MAX_TABLE_BYTES`: ``capacity`` slots of ``spec``'s keys plus their bookkeeping."""
+    slot = SLOT_OVERHEAD_BYTES + (spec.slot_bytes if spec is not None else 0)
+    total = capacity * slot
+    if total > MAX_TABLE_BYTES:
+        raise InvalidConfigError(
+            f"capacity ({capacity}) x {slot} bytes per slot = {total} bytes, more than the "
+            f"largest table ({MAX_TABLE_BYTES} bytes); lower the capacity"
+        )
+
+
+def _short(text: str, limit: int = 64) -> str:
+    """``repr(text)``, cut to ``limit`` characters: errors quote names, not megabytes."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _is_real(x: object) -> bool:

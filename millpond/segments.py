@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from millpond.config import MAX_STEP
 from millpond.errors import InvalidDataError
 from millpond.spec import DONE, TERMINATED, TRUNCATED, Key, format_key, is_reserved
 
@@ -253,14 +254,32 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
         seq = _check_sequences(np.array(sequences, dtype=np.int64))
     else:
         seq = None
+    first_steps = [int(s.first_step) for s in segments]
+    check_steps(np.array(first_steps, dtype=object), lengths)
     return PackedSegments(
         cat_steps,
         cat_tails,
         lengths,
         np.array([int(s.episode_id) for s in segments], dtype=np.int64),
-        np.array([int(s.first_step) for s in segments], dtype=np.int64),
+        np.array(first_steps, dtype=np.int64),
         seq,
     )
+
+
+def check_steps(first_steps: np.ndarray, lengths: np.ndarray) -> None:
+    """Refuse segments whose steps (the tail's, ``first_step + length``, included) leave
+    ``[0, MAX_STEP]``: what is computed from a step later (a slice's steps, the next step of
+    a trajectory) must never wrap around int64."""
+    if not len(first_steps):
+        return
+    last = first_steps + lengths
+    bad = (first_steps < 0) | (last > MAX_STEP)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise InvalidDataError(
+            f"first_step ({int(first_steps[i])}) of a segment of {int(lengths[i])} steps is out "
+            f"of range: steps must lie in [0, {MAX_STEP}] (first_step + length included)"
+        )
 
 
 def _check_sequences(seq: np.ndarray) -> np.ndarray:
@@ -338,6 +357,7 @@ def pack_columns(
                 f"tail key {format_key(key)}: expected one row per segment ({len(lengths)}), "
                 f"received shape {list(t.shape)}"
             )
+    check_steps(np.asarray(first_steps, dtype=np.int64), lengths)
     return PackedSegments(
         normalize_steps(dict(steps), n, lengths),
         dict(tails),

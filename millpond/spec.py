@@ -52,6 +52,14 @@ TRUNCATED: Key = ("next", "truncated")
 DONE: Key = ("next", "done")
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+#: The longest key, its parts joined by ``.``: it names a column file (``KEY.bin``), and
+#: file systems allow 255 bytes per name.
+MAX_KEY_BYTES = 240
+#: The most parts a key may have (how deep a TensorDict nests it).
+MAX_KEY_DEPTH = 32
+#: The most bytes one step may take (one key, and every key of a slot together).
+MAX_ROW_BYTES = 2**30
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
@@ -86,6 +94,11 @@ def parse_dtype(name: str) -> torch.dtype:
         ) from None
 
 
+def _short_shape(shape: tuple[int, ...]) -> str:
+    text = str(list(shape))
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(shape)} dimensions)"
+
+
 def format_key(key: Key) -> str:
     """A key as users write it: ``'action'`` or ``('next', 'reward')``."""
     return repr(key[0]) if len(key) == 1 else repr(key)
@@ -94,11 +107,34 @@ def format_key(key: Key) -> str:
 def check_key(key: Key) -> Key:
     """Validate a key's parts (letters, digits, ``_`` and ``-``) and return it as a tuple."""
     key = (key,) if isinstance(key, str) else tuple(key)
+    check_key_size(key)
     if not key or not all(isinstance(p, str) and _KEY_PART.match(p) for p in key):
         raise InvalidDataError(
-            f"invalid key {key!r}: each part must be a non-empty string of letters, digits, '_' or '-'"
+            f"invalid key {_short_key(key)}: each part must be a non-empty string of letters, "
+            "digits, '_' or '-'"
         )
     return key
+
+
+def check_key_size(key: Key) -> None:
+    """Refuse (:class:`InvalidDataError`) a key deeper than :data:`MAX_KEY_DEPTH` parts or
+    longer than :data:`MAX_KEY_BYTES` (its parts joined by ``.``)."""
+    if len(key) > MAX_KEY_DEPTH:
+        raise InvalidDataError(
+            f"key {_short_key(key)} has {len(key)} parts, more than the limit ({MAX_KEY_DEPTH})"
+        )
+    size = sum(len(str(p).encode("utf-8", "surrogatepass")) for p in key) + len(key) - 1
+    if size > MAX_KEY_BYTES:
+        raise InvalidDataError(
+            f"key {_short_key(key)} takes {size} bytes, more than the limit "
+            f"({MAX_KEY_BYTES} bytes, its parts joined by '.')"
+        )
+
+
+def _short_key(key: tuple) -> str:
+    """A key for an error message, cut short: errors quote keys, not megabytes."""
+    text = repr(key)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(key)} parts)"
 
 
 @dataclass(frozen=True)
@@ -114,6 +150,26 @@ class FieldSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
     role: str = STEP
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise InvalidConfigError(f"dtype ({self.dtype!r}) must be a torch dtype")
+        shape = self.shape
+        if not isinstance(shape, tuple) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in shape
+        ):
+            raise InvalidConfigError(f"shape ({shape!r}) must be a tuple of integers")
+        if any(s < 0 for s in shape):
+            raise InvalidConfigError(f"shape {list(shape)} has a negative dimension")
+        # Zero dimensions count as 1, so that an empty shape cannot hide overflowing ones.
+        span = torch.empty((), dtype=self.dtype).element_size()
+        for s in shape:
+            span *= max(s, 1)
+        if span > MAX_ROW_BYTES:
+            raise InvalidConfigError(
+                f"shape {_short_shape(shape)} of {dtype_name(self.dtype)} takes {span} bytes "
+                f"per step, more than the limit ({MAX_ROW_BYTES} bytes)"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +206,11 @@ class TableSpec:
                 raise InvalidConfigError(f"key {format_key(key)} is reserved for sampled output")
         if not any(f.role == OBSERVATION for f in self.fields.values()):
             raise InvalidConfigError("a table spec needs at least one observation key")
+        if self.slot_bytes > MAX_ROW_BYTES:
+            raise InvalidConfigError(
+                f"a step of this spec takes {self.slot_bytes} bytes (every key together), "
+                f"more than the limit ({MAX_ROW_BYTES} bytes)"
+            )
 
     @property
     def observation_keys(self) -> list[Key]:
@@ -166,6 +227,11 @@ class TableSpec:
     @property
     def step_bytes(self) -> int:
         return sum(f.nbytes for f in self.fields.values() if f.role == STEP)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's data (every key: a tail slot holds fewer, never more)."""
+        return self.observation_bytes + self.step_bytes
 
     @classmethod
     def from_example(

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from millpond.errors import InvalidDataError
+from millpond.errors import InvalidDataError, ResourceExhaustedError
 from millpond.protos import millpond_pb2 as pb
-from millpond.spec import Key, dtype_name, format_key, parse_dtype
+from millpond.spec import FieldSpec, Key, check_key_size, dtype_name, format_key, parse_dtype
 
 _LITTLE = sys.byteorder == "little"
+#: The most bytes a tensor may declare when no budget bounds it (a client decoding a
+#: sample): far beyond any real tensor, far below what overflows int64 arithmetic.
+MAX_TENSOR_BYTES = 2**62
 _zstd_c = None
 _zstd_d = None
 
@@ -77,9 +80,45 @@ def _fill_tensor(msg: pb.Tensor, key: Key, t: torch.Tensor, compress: bool) -> N
     msg.compression = compression
 
 
-def proto_to_tensor(msg: pb.Tensor) -> tuple[Key, torch.Tensor]:
-    """Decode one :class:`pb.Tensor`, validating dtype, shape and byte count."""
+class Budget:
+    """The bytes the tensors of one message may still decode to.
+
+    A declared shape is what the decoder allocates (and what zstd may inflate to), so it is
+    charged here before anything is allocated: one small message cannot make the receiver
+    hold more than ``limit`` bytes of tensors, however much its shapes claim.
+    """
+
+    def __init__(self, limit: int, what: str = "the message limit") -> None:
+        self.limit = limit
+        self.used = 0
+        self.what = what
+
+    def take(self, nbytes: int, name: str, described: str) -> None:
+        if self.used + nbytes > self.limit:
+            raise ResourceExhaustedError(
+                f"tensor {name}: {described} takes {nbytes} bytes decoded; with the "
+                f"message's other tensors ({self.used} bytes) that is more than {self.what} "
+                f"({self.limit} bytes); send fewer steps per message"
+            )
+        self.used += nbytes
+
+
+#: ``expect(key, dtype, shape)``: raises if a declared tensor cannot be what the receiver
+#: takes (a table's spec), before its data is decoded.
+Expect = Callable[[Key, torch.dtype, tuple[int, ...]], None]
+
+
+def proto_to_tensor(
+    msg: pb.Tensor, budget: Budget | None = None, expect: Expect | None = None
+) -> tuple[Key, torch.Tensor]:
+    """Decode one :class:`pb.Tensor`, validating dtype, shape and byte count.
+
+    Everything the message declares is checked before anything is allocated: the key's
+    size, the dtype, the shape (against ``budget`` and ``expect`` when given), and a zstd
+    frame's declared content size against the shape.
+    """
     key = tuple(msg.key)
+    check_key_size(key)
     name = format_key(key) if key else "<no key>"
     if not key or not all(key):
         raise InvalidDataError(f"tensor {name}: empty key")
@@ -89,20 +128,32 @@ def proto_to_tensor(msg: pb.Tensor) -> tuple[Key, torch.Tensor]:
         raise InvalidDataError(f"tensor {name}: {e}") from None
     shape = tuple(msg.shape)
     if any(s < 0 for s in shape):
-        raise InvalidDataError(f"tensor {name}: negative dimension in shape {list(shape)}")
+        raise InvalidDataError(f"tensor {name}: negative dimension in shape {_brief(shape)}")
     itemsize = dtype.itemsize
+    # Zero dimensions count as 1 here, so that an empty tensor cannot carry dimensions whose
+    # product overflows (torch computes it).
+    span = itemsize
+    for s in shape:
+        span *= max(s, 1)
+    limit = MAX_TENSOR_BYTES if budget is None else budget.limit
+    if span > limit:
+        raise (InvalidDataError if budget is None else ResourceExhaustedError)(
+            f"tensor {name}: shape {_brief(shape)} of {msg.dtype} spans {span} bytes, more "
+            f"than {'the largest tensor' if budget is None else budget.what} ({limit} bytes)"
+        )
     expected = math.prod(shape) * itemsize
+    if expect is not None:
+        expect(key, dtype, shape)
+    if budget is not None:
+        budget.take(expected, name, f"shape {_brief(shape)} of {msg.dtype}")
     data = msg.data
     if msg.compression == pb.COMPRESSION_ZSTD:
-        try:
-            data = _decompressor().decompress(data, max_output_size=expected)
-        except Exception as e:
-            raise InvalidDataError(f"tensor {name}: corrupt zstd data ({e})") from None
+        data = _decompress(data, expected, name)
     elif msg.compression != pb.COMPRESSION_NONE:
         raise InvalidDataError(f"tensor {name}: unknown compression {msg.compression}")
     if len(data) != expected:
         raise InvalidDataError(
-            f"tensor {name}: {len(data)} bytes for {msg.dtype}{list(shape)}, expected {expected}"
+            f"tensor {name}: {len(data)} bytes for {msg.dtype}{_brief(shape)}, expected {expected}"
         )
     if expected == 0:
         return key, torch.empty(shape, dtype=dtype)
@@ -110,6 +161,37 @@ def proto_to_tensor(msg: pb.Tensor) -> tuple[Key, torch.Tensor]:
     if not _LITTLE and itemsize > 1:
         buf = torch.from_numpy(buf.numpy().view(f"<u{itemsize}").byteswap().view(np.uint8))
     return key, buf.view(dtype).reshape(shape)
+
+
+def _decompress(data: bytes, expected: int, name: str) -> bytes:
+    """zstd ``data`` that must inflate to exactly ``expected`` bytes, never more.
+
+    ``max_output_size`` bounds only frames that do not declare their size: a frame that
+    declares one is inflated to it whatever the bound, so the declared size is read first.
+    """
+    if not data:
+        return data
+    if expected == 0:  # and zstd's max_output_size=0 would mean "no bound"
+        raise InvalidDataError(f"tensor {name}: {len(data)} compressed bytes for an empty tensor")
+    try:
+        import zstandard
+
+        declared = zstandard.frame_content_size(data)
+    except Exception as e:
+        raise InvalidDataError(f"tensor {name}: corrupt zstd data ({e})") from None
+    if declared not in (-1, expected):
+        raise InvalidDataError(
+            f"tensor {name}: the zstd frame declares {declared} bytes, the shape {expected}"
+        )
+    try:
+        return _decompressor().decompress(data, max_output_size=expected)
+    except Exception as e:
+        raise InvalidDataError(f"tensor {name}: corrupt zstd data ({e})") from None
+
+
+def _brief(shape: tuple[int, ...]) -> str:
+    text = str(list(shape))
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(shape)} dimensions)"
 
 
 def to_tensor_map(
@@ -142,21 +224,41 @@ def to_tensor_map(
     return msg
 
 
-def from_tensor_map_flat(msg: pb.TensorMap) -> tuple[dict[Key, torch.Tensor], list[int]]:
-    """Decode a :class:`pb.TensorMap` into ``({key tuple: tensor}, batch_size)``."""
+def from_tensor_map_flat(
+    msg: pb.TensorMap,
+    budget: Budget | None = None,
+    spec: Mapping[Key, FieldSpec] | None = None,
+    what: str = "steps",
+) -> tuple[dict[Key, torch.Tensor], list[int]]:
+    """Decode a :class:`pb.TensorMap` into ``({key tuple: tensor}, batch_size)``.
+
+    With a ``budget``, the tensors' decoded bytes are charged to it before they are
+    allocated. With ``spec`` (a table's fields), a tensor of a key of ``spec`` whose dtype or
+    per-step shape (after the batch dimensions) differs is refused before it is decoded;
+    ``what`` names the part of the message in that error.
+    """
     batch = list(msg.batch_size)
     if any(b < 0 for b in batch):
-        raise InvalidDataError(f"negative batch size {batch}")
+        raise InvalidDataError(f"negative batch size {_brief(tuple(batch))}")
+
+    def expect(key: Key, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        if list(shape[: len(batch)]) != batch:
+            raise InvalidDataError(
+                f"tensor {format_key(key)}: shape {_brief(shape)} does not start with the "
+                f"batch size {_brief(tuple(batch))}"
+            )
+        f = spec.get(key) if spec is not None else None
+        if f is not None and (dtype != f.dtype or shape[len(batch) :] != f.shape):
+            raise InvalidDataError(
+                f"key {format_key(key)} in {what}: expected dtype and shape {f.describe()} per step, "
+                f"received {dtype_name(dtype)}{_brief(shape[len(batch) :])}"
+            )
+
     out: dict[Key, torch.Tensor] = {}
     for t in msg.tensors:
-        key, value = proto_to_tensor(t)
+        key, value = proto_to_tensor(t, budget, expect)
         if key in out:
             raise InvalidDataError(f"tensor {format_key(key)} appears twice")
-        if list(value.shape[: len(batch)]) != batch:
-            raise InvalidDataError(
-                f"tensor {format_key(key)}: shape {list(value.shape)} does not start with the "
-                f"batch size {batch}"
-            )
         out[key] = value
     return out, batch
 

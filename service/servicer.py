@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import grpc
 
+from millpond.config import MAX_NAME_BYTES, MAX_TIMEOUT_MS, check_table_bytes
 from millpond.errors import (
     InvalidDataError,
     RateLimiterTimeoutError,
@@ -30,12 +31,23 @@ from millpond.protos.weights import chunks as weight_chunks
 from millpond.segments import PackedSegments, Segment, concat, pack, pack_columns
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
+from millpond.spec import DONE, TERMINATED, TRUNCATED, FieldSpec, Key, TableSpec
 
 log = logging.getLogger("millpond.server")
 T = TypeVar("T")
 
 # Blocking waits are cut into slices this long, to notice a cancelled call.
 _POLL_S = 0.5
+#: The largest weights a shard takes by default (``ReplayServicer(max_weights_bytes=)``).
+DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30
+# Error details travel in a header: a message quoting a megabyte name would not arrive.
+_MAX_DETAILS = 2000
+# Bytes every sampled row carries besides the spec's keys, at the least: its slot,
+# generation, episode id and step (int64 each) and the done/terminated/truncated flags.
+_SAMPLED_ROW_BYTES = 36
+# Episode-end flags are normalised on insert (any integer dtype, [L] or [L, 1]): the
+# spec's bool [] is not what a writer must send.
+_FLAG_KEYS = frozenset({DONE, TERMINATED, TRUNCATED})
 
 
 def _edge(method: Callable) -> Callable:
@@ -45,6 +57,8 @@ def _edge(method: Callable) -> Callable:
         if isinstance(exc, grpc.RpcError) or not context.is_active():
             return  # the client went away (or the server is stopping): nobody to answer
         code, message, error_name = status_of(exc)
+        if len(message) > _MAX_DETAILS:
+            message = f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"
         if code == grpc.StatusCode.INTERNAL:
             log.exception("%s failed", method.__name__)
         if error_name is not None:
@@ -105,9 +119,25 @@ def _in_slices(attempt: Callable[[float], T], timeout: float | None, context) ->
 
 
 def _timeout(ms: int) -> float | None:
-    if ms < 0:
-        raise InvalidDataError(f"timeout_ms ({ms}) must be >= 0")
+    """``timeout_ms`` in seconds (``None``: 0, wait forever), at most :data:`MAX_TIMEOUT_MS`
+    (longer waits overflow the thread waits they end up in)."""
+    if not 0 <= ms <= MAX_TIMEOUT_MS:
+        raise InvalidDataError(
+            f"timeout_ms ({ms}) must be in [0, {MAX_TIMEOUT_MS}] (0: no timeout; the most "
+            "is 30 days)"
+        )
     return ms / 1000 if ms else None
+
+
+def _check_name(name: str) -> str:
+    """A table name of a request, refused by name when longer than any table's can be."""
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        raise InvalidDataError(
+            f"table name ({name[:64]!r}...) takes {size} bytes, more than the limit "
+            f"({MAX_NAME_BYTES} bytes)"
+        )
+    return name
 
 
 def _size_bound(batch) -> int:
@@ -126,11 +156,24 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     """Serves one :class:`Shard` and its :class:`WeightStore`."""
 
     def __init__(
-        self, shard: Shard, weights: WeightStore, max_message_bytes: int = 256 << 20
+        self,
+        shard: Shard,
+        weights: WeightStore,
+        max_message_bytes: int = 256 << 20,
+        *,
+        max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
     ) -> None:
+        """``max_message_bytes``: the channel's message limit, which also bounds the decoded
+        tensors of one insert message and the bytes of one sampled batch.
+        ``max_weights_bytes``: the largest weights PublishWeights takes (announced in
+        ``total_size`` and refused before anything is buffered)."""
         self.shard = shard
         self.weights = weights
         self.max_message_bytes = max_message_bytes
+        self.max_weights_bytes = max_weights_bytes
+
+    def _table(self, name: str):
+        return self.shard.table(_check_name(name))
 
     @_edge
     def CreateTable(self, request: pb.CreateTableRequest, context) -> pb.CreateTableResponse:
@@ -147,13 +190,25 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             table_name = request.table or table_name
             if not table_name:
                 raise InvalidDataError("the first insert message must name the table")
-            table = self.shard.table(table_name)
-            groups = [self._packed(p) for p in request.packed]
+            table = self._table(table_name)
+            timeout = _timeout(request.timeout_ms)
+            # One budget for the whole message: its declared shapes are what decoding
+            # allocates, so they are held to the message limit before anything is decoded.
+            budget = codec.Budget(self.max_message_bytes, "the message limit")
+            spec = _wire_spec(table.spec)
             if request.segments:
-                groups.insert(0, pack([self._segment(s) for s in request.segments]))
+                segments = [self._segment(s, budget, spec) for s in request.segments]
+                groups = [pack(segments)]
+            else:
+                groups = []
+            groups += [self._packed(p, budget, spec) for p in request.packed]
             if groups:
                 packed = concat(groups)
-                self._insert(table, packed, _timeout(request.timeout_ms), writer_id, context)
+                if table.spec is None:  # the first insert sets the spec: it must fit the table
+                    check_table_bytes(
+                        table.config.capacity, TableSpec.from_example(packed.steps, packed.tails)
+                    )
+                self._insert(table, packed, timeout, writer_id, context)
             sequences = [s.sequence for s in request.segments]
             for p in request.packed:
                 sequences.extend(p.sequences)
@@ -177,9 +232,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         _in_slices(lambda wait: table.insert_packed(packed, wait, writer_id), timeout, context)
 
     @staticmethod
-    def _packed(msg: pb.PackedSegments) -> PackedSegments:
-        steps, batch = codec.from_tensor_map_flat(msg.steps)
-        tails, tail_batch = codec.from_tensor_map_flat(msg.tails)
+    def _packed(
+        msg: pb.PackedSegments, budget: codec.Budget, spec: dict[Key, FieldSpec] | None
+    ) -> PackedSegments:
+        steps, batch = codec.from_tensor_map_flat(msg.steps, budget, spec, "steps")
+        tails, tail_batch = codec.from_tensor_map_flat(msg.tails, budget, spec, "tail")
         n, rows = len(msg.lengths), sum(msg.lengths)
         if batch != [rows]:
             raise InvalidDataError(
@@ -203,9 +260,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         )
 
     @staticmethod
-    def _segment(msg: pb.Segment) -> Segment:
-        steps, batch = codec.from_tensor_map_flat(msg.steps)
-        tail, tail_batch = codec.from_tensor_map_flat(msg.tail)
+    def _segment(
+        msg: pb.Segment, budget: codec.Budget, spec: dict[Key, FieldSpec] | None
+    ) -> Segment:
+        steps, batch = codec.from_tensor_map_flat(msg.steps, budget, spec, "steps")
+        tail, tail_batch = codec.from_tensor_map_flat(msg.tail, budget, spec, "tail")
         if len(batch) != 1:
             raise InvalidDataError(f"segment steps must have batch size [L], received {batch}")
         if tail_batch not in ([], [1]):
@@ -218,12 +277,13 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @_edge
     def Sample(self, request: pb.SampleRequest, context):
-        table = self.shard.table(request.table)
+        table = self._table(request.table)
         if request.batch_size < 1:
             raise InvalidDataError(f"batch_size ({request.batch_size}) must be a positive integer")
         if request.num_batches < 0:
             raise InvalidDataError(f"num_batches ({request.num_batches}) must be >= 0")
         timeout = _timeout(request.timeout_ms)
+        self._check_batch_size(table, request.batch_size)
         sent = 0
         while request.num_batches == 0 or sent < request.num_batches:
             batch = self._sample_one(table, request.batch_size, timeout, context)
@@ -250,6 +310,40 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             yield response
             sent += 1
 
+    def _check_batch_size(self, table, batch_size: int) -> None:
+        """Refuse a batch that can never be sent, before sampling allocates it.
+
+        Its steps must fit the table (more than its capacity is never a useful batch, and
+        is what would be allocated) and their least bytes on the wire (from the spec) the
+        message limit. Rows of uniform and prioritized batches carry their next observation
+        too; consecutive rows of slices and queue batches carry each other's.
+        """
+        config = table.config
+        k = config.slice_len or 1
+        steps = batch_size * k
+        what = f"batch_size ({batch_size})" + (
+            f" x slice_len ({k}) = {steps} steps" if k > 1 else ""
+        )
+        if steps > config.capacity:
+            raise InvalidDataError(
+                f"{what} exceeds the capacity of table {config.name!r} ({config.capacity} slots)"
+            )
+        spec = table.spec
+        if spec is None:  # nothing stored yet: the message limit is checked on each batch
+            return
+        obs, row = spec.observation_bytes, spec.slot_bytes + _SAMPLED_ROW_BYTES
+        if config.sampler in ("uniform", "prioritized"):
+            least = steps * (row + obs)
+        else:
+            least = steps * row + (batch_size if k > 1 else 1) * obs
+        if least > self.max_message_bytes:
+            per_step = -(-least // steps)
+            raise ResourceExhaustedError(
+                f"{what} takes at least {least} bytes ({per_step} per step), more than the "
+                f"message limit ({self.max_message_bytes} bytes): batch_size must be at most "
+                f"{max(1, batch_size * self.max_message_bytes // least)}"
+            )
+
     @staticmethod
     def _sample_one(table, batch_size: int, timeout: float | None, context):
         """One batch, or ``None`` when the call was cancelled while it waited."""
@@ -260,7 +354,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @_edge
     def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context):
-        table = self.shard.table(request.table)
+        table = self._table(request.table)
         applied = table.update_priorities(
             list(request.slots), list(request.generations), list(request.priorities)
         )
@@ -268,7 +362,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @_edge
     def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        tables = [self.shard.table(request.table)] if request.table else self.shard.tables.values()
+        tables = [self._table(request.table)] if request.table else self.shard.tables.values()
         return pb.InfoResponse(
             tables=[info_to_proto(t.info(), t.config) for t in tables],
             weights_version=self.weights.version,
@@ -281,7 +375,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @_edge
     def Reset(self, request: pb.ResetRequest, context) -> pb.ResetResponse:
-        self.shard.table(request.table).reset()
+        self._table(request.table).reset()
         return pb.ResetResponse()
 
     @_edge
@@ -294,6 +388,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 version, total = request.version, request.total_size
                 if total < 0:
                     raise InvalidDataError(f"total_size ({total}) must be >= 0")
+                if total > self.max_weights_bytes:
+                    raise ResourceExhaustedError(
+                        f"total_size ({total}) exceeds the largest weights this shard takes "
+                        f"({self.max_weights_bytes} bytes)"
+                    )
             received += len(request.chunk)
             if received > total:
                 raise InvalidDataError(f"weights larger than the announced {total} bytes")
@@ -325,3 +424,10 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             return
         for chunk in weight_chunks(blob):
             yield pb.GetWeightsResponse(chunk=chunk)
+
+
+def _wire_spec(spec: TableSpec | None) -> dict[Key, FieldSpec] | None:
+    """The fields of ``spec`` whose dtype and shape an insert must send as stored."""
+    if spec is None:
+        return None
+    return {k: f for k, f in spec.fields.items() if k not in _FLAG_KEYS}
