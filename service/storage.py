@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from tensordict import MemoryMappedTensor
 
+from millpond.config import MAX_CAPACITY  # slot pointers and records are int32
 from millpond.errors import InvalidConfigError, InvalidDataError, StorageCorruptedError
 from millpond.service.atomic_json import atomic_write_json
 from millpond.spec import OBSERVATION, Key, TableSpec
@@ -54,8 +55,6 @@ SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
 SLOTS_FILE = "slots.bin"
 SEGMENTS_FILE = "segments.bin"
 
-#: Slot pointers, record starts and lengths must fit int32.
-MAX_CAPACITY = 2**31 - 1
 _MAX_STEP = np.iinfo(np.int64).max
 
 
