@@ -272,8 +272,7 @@ def check_steps(first_steps: np.ndarray, lengths: np.ndarray) -> None:
     a trajectory) must never wrap around int64."""
     if not len(first_steps):
         return
-    last = first_steps + lengths
-    bad = (first_steps < 0) | (last > MAX_STEP)
+    bad = (first_steps < 0) | (first_steps > MAX_STEP - lengths)  # no sum: it could wrap
     if bad.any():
         i = int(np.argmax(bad))
         raise InvalidDataError(
