@@ -8,13 +8,22 @@ from pathlib import Path
 
 
 def atomic_write_json(path: Path, obj: object) -> None:
-    """Write JSON so that readers see the old or the new file, never a mix (tmp, fsync, rename)."""
+    """Write JSON so that readers see the old or the new file, never a mix (tmp, fsync, rename).
+
+    A failed write (a full disk: ``OSError`` ``ENOSPC``, which the service answers as
+    RESOURCE_EXHAUSTED) removes its temporary file, so that it holds no space, and leaves
+    the old file as it was.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -10,6 +10,8 @@ memory-mapped files of its own under the table's directory, and flushes them its
 from __future__ import annotations
 
 import collections
+import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from millpond.errors import InvalidDataError
 from millpond.service._sum_tree import SumMinTree
+from millpond.service.disk_space import Reservation, create_sparse, reserve
 from millpond.service.storage import SegmentBatch, ranges
 from millpond.service.table_files import COUNTERS_FILE, Counter
 
@@ -88,6 +91,11 @@ class Sampler:
 
     def flush(self) -> None:
         """Write this sampler's files to disk (a checkpoint); without files, nothing."""
+
+    def reserve_space(self, end: int) -> None:
+        """Reserve the disk blocks of this sampler's files for slots below ``end``, before an
+        insert publishes there (:class:`ResourceExhaustedError` on a full disk); without
+        files, nothing."""
 
     def blocks_eviction(self, segments: SegmentBatch) -> bool:
         """Whether overwriting ``segments`` must wait (a queue never drops unread steps)."""
@@ -188,10 +196,19 @@ class PrioritizedSampler(Sampler):
         self.alpha = alpha
         self.beta = beta
         self._file: np.ndarray = np.zeros(capacity + 1, dtype=np.float64)
+        self._space: Reservation | None = None
         if directory is not None:
             path = directory / PRIORITIES_FILE
-            mode = "r+" if path.exists() else "w+"
-            self._file = np.memmap(path, dtype=np.float64, mode=mode, shape=(capacity + 1,))
+            size = (capacity + 1) * 8
+            if not path.exists() or path.stat().st_size == 0:  # 0: its creation failed
+                create_sparse(path, size, directory)
+            self._file = np.memmap(path, dtype=np.float64, mode="r+", shape=(capacity + 1,))
+            fd = os.open(path, os.O_RDWR)
+            weakref.finalize(self, os.close, fd)  # the table has no close for its sampler
+            # The largest priority, at the end, is written now: its block first.
+            reserve(fd, capacity * 8, 8, directory, PRIORITIES_FILE)
+            self._space = Reservation(directory, capacity, "slots")
+            self._space.add(fd, 8, PRIORITIES_FILE)
         self.priorities = self._file[:capacity]
         self._max = self._file[capacity : capacity + 1]
         if self._max[0] < 1.0:
@@ -234,6 +251,10 @@ class PrioritizedSampler(Sampler):
     def flush(self) -> None:
         if isinstance(self._file, np.memmap):
             self._file.flush()
+
+    def reserve_space(self, end: int) -> None:
+        if self._space is not None:
+            self._space.ensure(end)
 
     @property
     def max_priority(self) -> float:

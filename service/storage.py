@@ -47,6 +47,7 @@ from tensordict import MemoryMappedTensor
 from millpond.config import MAX_CAPACITY  # slot pointers and records are int32
 from millpond.errors import InvalidConfigError, InvalidDataError, StorageCorruptedError
 from millpond.service.atomic_json import atomic_write_json
+from millpond.service.disk_space import Reservation, create_sparse
 from millpond.spec import OBSERVATION, Key, TableSpec
 
 #: Values of the :attr:`SlotColumn.KIND` column.
@@ -207,10 +208,17 @@ class SegmentStorage:
         fresh = not slots_file.exists()
         # A segment takes at least two slots; record 0 stays zero (what pointer 0 reads).
         n_records = capacity // 2 + 1
+        # Disk blocks are reserved before pages are first written (see reserve_space).
+        self.table_dir = self.path.parent if self.path.name == "data" else self.path
+        self._slot_space = Reservation(self.table_dir, capacity, "slots")
+        self._record_space = Reservation(self.table_dir, n_records, "segment records")
+        self._claimed_records = 0  # segments reserved for and not yet published
         self._slot_map = self._open_map(slots_file, np.dtype(np.int32), (capacity,), fresh)
+        self._slot_space.add(self._fds[-1], 4, SLOTS_FILE)
         self._record_map = self._open_map(
             records_file, np.dtype(np.int64), (n_records, RECORD_WIDTH), fresh
         )
+        self._record_space.add(self._fds[-1], RECORD_WIDTH * 8, SEGMENTS_FILE)
         # Plain ndarray views of the same pages: numpy's memmap subclass adds microseconds of
         # __array_finalize__ to every indexing, which dominates small samples and inserts.
         #: Per slot: 1 + the index of its segment's record, 0 if none.
@@ -242,7 +250,9 @@ class SegmentStorage:
                     f"{file} has {file.stat().st_size} bytes, expected {expected} "
                     f"for capacity {self.capacity}"
                 )
-        mm = np.memmap(file, dtype=dtype, mode="w+" if fresh else "r+", shape=shape)
+        if fresh:  # all holes: np.memmap's "w+" would write its last byte
+            create_sparse(file, int(np.prod(shape)) * dtype.itemsize, self.table_dir)
+        mm = np.memmap(file, dtype=dtype, mode="r+", shape=shape)
         self._fds.append(os.open(file, os.O_RDWR))
         return mm
 
@@ -254,25 +264,37 @@ class SegmentStorage:
         cols_dir = self.path / "columns"
         cols_dir.mkdir(exist_ok=True)
         index = {"columns": []}
-        for key, f in spec.fields.items():
-            filename = cols_dir / column_filename(key)
-            shape = torch.Size([self.capacity, *f.shape])
-            expected = self.capacity * f.nbytes
-            if filename.exists():
-                if filename.stat().st_size != expected:
+        columns: dict[Key, torch.Tensor] = {}
+        fds: list[tuple[int, int, str]] = []
+        try:
+            for key, f in spec.fields.items():
+                filename = cols_dir / column_filename(key)
+                shape = torch.Size([self.capacity, *f.shape])
+                expected = self.capacity * f.nbytes
+                if not filename.exists():
+                    # A hole, not MemoryMappedTensor.empty: that writes the last byte, which
+                    # takes a block now (and fails on a full disk with a half-made file).
+                    create_sparse(filename, expected, self.table_dir)
+                elif filename.stat().st_size != expected:
                     raise StorageCorruptedError(
                         f"column file {filename} has {filename.stat().st_size} bytes, "
                         f"expected {expected}"
                     )
                 mm = MemoryMappedTensor.from_filename(filename, dtype=f.dtype, shape=shape)
-            else:
-                mm = MemoryMappedTensor.empty(shape, dtype=f.dtype, filename=filename)
-            # A plain tensor view on the same pages: torch's own ops without the subclass
-            # dispatch, which costs more than the copy for small rows.
-            self.columns[key] = mm.as_subclass(torch.Tensor)
-            self._fds.append(os.open(filename, os.O_RDWR))
-            index["columns"].append({"key": list(key), "file": filename.name})
-        atomic_write_json(cols_dir / "index.json", index)
+                # A plain tensor view on the same pages: torch's own ops without the subclass
+                # dispatch, which costs more than the copy for small rows.
+                columns[key] = mm.as_subclass(torch.Tensor)
+                fds.append((os.open(filename, os.O_RDWR), f.nbytes, filename.name))
+                index["columns"].append({"key": list(key), "file": filename.name})
+            atomic_write_json(cols_dir / "index.json", index)
+        except BaseException:
+            for fd, _, _ in fds:  # a later set_spec (the disk freed) starts over
+                os.close(fd)
+            raise
+        for fd, nbytes, name in fds:
+            self._fds.append(fd)
+            self._slot_space.add(fd, nbytes, name)
+        self.columns = columns
         self.spec = spec
         self._row_copy = {key: f.nbytes >= _ROW_COPY_BYTES for key, f in spec.fields.items()}
 
@@ -322,11 +344,30 @@ class SegmentStorage:
 
     def clear(self) -> None:
         """Unpublish every slot and allocate from slot 0 again."""
-        self._generation[: self._next_record] = 0
+        if self._next_record > 1:  # record 0 alone may lie in a page never written
+            self._generation[: self._next_record] = 0
+        self._claimed_records = 0
         held = np.flatnonzero(self.slot_records)  # only those: unwritten pages stay unwritten
         self.slot_records[held] = 0
         self._free = list(range(self._next_record - 1, 0, -1))
         self.cursor = 0
+
+    def reserve_space(self, start: int, n_slots: int, n_segments: int) -> None:
+        """Reserve the disk blocks that writing ``n_segments`` segments into slots
+        ``[start, start + n_slots)`` and publishing them will store into.
+
+        Call it under the table's lock before anything else of the insert changes: a full
+        disk raises :class:`ResourceExhaustedError` here, the storage as it was. Blocks are
+        reserved in chunks ahead of use (:class:`~.disk_space.Reservation`), so most calls
+        do nothing. Records are handed out freed ones first, so the fresh ones a publication
+        takes are at most ``claimed - free`` past the last handed out, counting every block
+        reserved and not yet published (a block whose write fails keeps its claim: that only
+        reserves a little early).
+        """
+        self._slot_space.ensure(start + n_slots)
+        claimed = self._claimed_records + n_segments
+        self._record_space.ensure(self._next_record + max(0, claimed - len(self._free)))
+        self._claimed_records = claimed
 
     def reserve(self, start: int, n_slots: int) -> None:
         """Claim ``[start, start + n_slots)`` for a write; its slots must hold no live segment."""
@@ -403,6 +444,7 @@ class SegmentStorage:
         n = len(layout)
         n_slots = int(layout.lengths.sum()) + n
         records = self._allocate(n)
+        self._claimed_records = max(0, self._claimed_records - n)
         f = RecordField
         block = np.zeros((RECORD_WIDTH, n), dtype=np.int64)  # generation 0: not yet visible
         block[f.EPISODE_ID] = layout.episode_ids
