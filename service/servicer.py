@@ -56,6 +56,9 @@ def _edge(method: Callable) -> Callable:
     def fail(exc: BaseException, context: grpc.ServicerContext) -> None:
         if isinstance(exc, grpc.RpcError) or not context.is_active():
             return  # the client went away (or the server is stopping): nobody to answer
+        if isinstance(exc, MemoryError):  # what a request asked for does not fit: say so
+            log.warning("%s: out of memory: %s", method.__name__, exc)
+            exc = ResourceExhaustedError(f"out of memory serving {method.__name__}: {exc}")
         code, message, error_name = status_of(exc)
         if len(message) > _MAX_DETAILS:
             message = f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"

@@ -15,7 +15,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tensordict import TensorDict
 
 from millpond import TableConfig
-from millpond.config import MAX_CAPACITY, MAX_NAME_BYTES, MAX_STEP, MAX_TABLE_BYTES, MAX_TIMEOUT_MS
+from millpond.config import (
+    MAX_CAPACITY,
+    MAX_NAME_BYTES,
+    MAX_PRIORITIZED_CAPACITY,
+    MAX_STEP,
+    MAX_TABLE_BYTES,
+    MAX_TIMEOUT_MS,
+)
 from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
@@ -142,6 +149,19 @@ def test_capacity_beyond_the_storage(served, capacity):
     stub, channel, shard = served
     refused(lambda: create(stub, name="huge", capacity=capacity), "capacity", str(MAX_CAPACITY))
     assert not (shard / "tables" / "huge").exists()
+    still_serving(stub, channel)
+
+
+def test_prioritized_capacity_beyond_its_memory(served):
+    stub, channel, shard = served
+    capacity = MAX_PRIORITIZED_CAPACITY + 1
+    refused(
+        lambda: create(stub, name="prio", capacity=capacity, sampler="prioritized"),
+        "capacity",
+        str(capacity),
+        str(MAX_PRIORITIZED_CAPACITY),
+    )
+    assert not (shard / "tables" / "prio").exists()
     still_serving(stub, channel)
 
 
