@@ -171,6 +171,16 @@ def test_full_disk_refuses_inserts_and_the_shard_keeps_serving(server, small_dis
         assert info["size"] == len(stored) * SEGMENT_LEN
         assert info["bytes_on_disk"] < TMPFS_BYTES
         check_samples(client, table, stored)
+        # On a disk without a free block, creating a table is refused the same way.
+        filler = small_disk / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        with pytest.raises(ResourceExhaustedError, match="disk full"):
+            client.create_table(TableConfig(name=f"{table}_2", capacity=CAPACITY))
+        assert proc.poll() is None
+        filler.unlink()
+        assert client.info(table)["size"] == len(stored) * SEGMENT_LEN
 
         # Space freed: inserts resume, and everything stored so far is still there.
         ballast.unlink()
