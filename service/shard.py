@@ -5,20 +5,33 @@ Layout::
     DIR/shard.json            format marker
     DIR/tables/NAME/          one directory per table (see :class:`Table`)
 
-Opening an existing directory resumes every table in it.
+Opening an existing directory resumes every table in it. A table directory that cannot be
+opened (its ``meta.json`` missing while it holds data, edited, or garbled; a file missing;
+not writable) is refused by name: the shard serves its other tables, logs the refusal, and
+every call naming that table, creating it included, raises the same
+:class:`StorageCorruptedError` until the operator repairs or moves the directory. Nothing in
+a refused directory is written.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
 
 from millpond.config import TableConfig
-from millpond.errors import TableExistsError, TableNotFoundError
+from millpond.errors import (
+    MillpondError,
+    StorageCorruptedError,
+    TableExistsError,
+    TableNotFoundError,
+)
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.table import Table
-from millpond.service.table_files import holds_table
+from millpond.service.table_files import holds_data, holds_table, os_error, refuse_without_meta
+
+log = logging.getLogger(__name__)
 
 
 class Shard:
@@ -34,13 +47,41 @@ class Shard:
         self.fsync = fsync
         self._lock = threading.Lock()
         self._tables: dict[str, Table] = {}
-        (self.path / "tables").mkdir(parents=True, exist_ok=True)
-        if not (self.path / "shard.json").exists():
-            atomic_write_json(self.path / "shard.json", {"format": 1})
-        for table_dir in sorted((self.path / "tables").iterdir()):
+        #: Tables whose directory cannot be opened, by name: what every call naming them gets.
+        self._refused: dict[str, StorageCorruptedError] = {}
+        tables = self.path / "tables"
+        try:
+            tables.mkdir(parents=True, exist_ok=True)
+            if not (self.path / "shard.json").exists():
+                atomic_write_json(self.path / "shard.json", {"format": 1})
+            writable = all(os.access(d, os.W_OK | os.X_OK) for d in (self.path, tables))
+            table_dirs = sorted(p for p in tables.iterdir() if p.is_dir())
+        except OSError as e:
+            raise os_error(e, f"cannot open the shard in {self.path}") from None
+        if not writable:
+            raise StorageCorruptedError(
+                f"shard directory {self.path} is not writable (permission denied or a "
+                "read-only filesystem): make it and its tables/ writable by the user running "
+                "millpond, or serve a copy of it"
+            )
+        for table_dir in table_dirs:
+            self._open_table(table_dir)
+
+    def _open_table(self, table_dir: Path) -> None:
+        name = table_dir.name
+        try:
             if holds_table(table_dir):
-                table = Table.open(table_dir, fsync=fsync)
+                table = Table.open(table_dir, fsync=self.fsync, name=name)
                 self._tables[table.name] = table
+            elif holds_data(table_dir):
+                raise refuse_without_meta(table_dir)
+            # Otherwise: the remains of a create that failed, removed by the next create.
+        except (MillpondError, OSError) as e:
+            text = str(e) if isinstance(e, MillpondError) else f"{table_dir}: {e}"
+            if not text.startswith(f"table {name!r}"):
+                text = f"table {name!r} is not served: {text}"
+            self._refused[name] = StorageCorruptedError(text)
+            log.error("%s", text)
 
     def create_table(self, config: TableConfig, *, exist_ok: bool = True) -> Table:
         """Create a table, or return the existing one if its config is the same.
@@ -48,6 +89,7 @@ class Shard:
         A table of that name with a different config raises :class:`TableExistsError`.
         """
         with self._lock:
+            self._check_refused(config.name)
             existing = self._tables.get(config.name)
             if existing is not None:
                 if exist_ok and _same_config(existing.config, config):
@@ -62,6 +104,7 @@ class Shard:
 
     def table(self, name: str) -> Table:
         """The table called ``name``; raises :class:`TableNotFoundError` if there is none."""
+        self._check_refused(name)
         try:
             return self._tables[name]
         except KeyError:
@@ -69,6 +112,16 @@ class Shard:
             raise TableNotFoundError(f"no table {name!r} on this shard (tables: {known})") from None
 
     __getitem__ = table
+
+    def _check_refused(self, name: str) -> None:
+        refusal = self._refused.get(name)
+        if refusal is not None:
+            raise StorageCorruptedError(str(refusal))
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Tables whose directory could not be opened: name -> why, and what to do."""
+        return {name: str(e) for name, e in self._refused.items()}
 
     @property
     def tables(self) -> dict[str, Table]:

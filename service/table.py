@@ -24,7 +24,12 @@ from tensordict import TensorDict, TensorDictBase
 
 from millpond.checks import as_int64
 from millpond.config import TableConfig
-from millpond.errors import ClosedError, InvalidDataError, RateLimiterTimeoutError
+from millpond.errors import (
+    ClosedError,
+    InvalidConfigError,
+    InvalidDataError,
+    RateLimiterTimeoutError,
+)
 from millpond.routing import writer_hash
 from millpond.sample_format import assemble_ted
 from millpond.segments import PackedSegments, Segment, pack
@@ -37,8 +42,20 @@ from millpond.service.samplers import (
     UniformSampler,
 )
 from millpond.service.slice_sampler import SliceSampler
-from millpond.service.storage import SLOT_STEP, SegmentBatch, SegmentStorage, SlotColumn
-from millpond.service.table_files import TableFiles, new_table_dir, read_config
+from millpond.service.storage import (
+    MAX_CAPACITY,
+    SLOT_STEP,
+    SegmentBatch,
+    SegmentStorage,
+    SlotColumn,
+)
+from millpond.service.table_files import (
+    TableFiles,
+    check_files,
+    new_table_dir,
+    os_error,
+    read_config,
+)
 from millpond.spec import OBSERVATION, STEP, Key, TableSpec
 from millpond.ted import OpenEpisodes, compact_ted, episode_base
 
@@ -67,31 +84,74 @@ class Table:
         self._writer_locks: dict[int, threading.Lock] = {}
         self._files = TableFiles(path, fresh=fresh)
         self.storage = SegmentStorage(path / "data", config.capacity, config.spec, fsync=fsync)
-        c = config
-        self.rate_limiter = RateLimiter(
-            c.min_size, c.samples_per_insert, c.effective_error_buffer, self._files.limiter_counters
-        )
-        self.sampler = _make_sampler(config, path)
-        if fresh:
-            self._write_meta()
-        else:
-            recovered = self._files.recover(self.storage, self.sampler)
-            self._writer_hwm = recovered.writer_sequences
-            # The last next observations are not recovered: a reopened table takes a
-            # trajectory's continuation on its id alone.
-            self._extend_state = {ep: (n, None) for ep, n in recovered.open_episodes.items()}
+        try:
+            c = config
+            self.rate_limiter = RateLimiter(
+                c.min_size,
+                c.samples_per_insert,
+                c.effective_error_buffer,
+                self._files.limiter_counters,
+            )
+            self.sampler = _make_sampler(config, path)
+            if fresh:
+                self._write_meta()
+            else:
+                recovered = self._files.recover(self.storage, self.sampler)
+                self._writer_hwm = recovered.writer_sequences
+                # The last next observations are not recovered: a reopened table takes a
+                # trajectory's continuation on its id alone.
+                self._extend_state = {ep: (n, None) for ep, n in recovered.open_episodes.items()}
+        except BaseException:
+            self.storage.close()  # its descriptors; the maps go with the object
+            raise
 
     # -- construction --------------------------------------------------------------------
     @classmethod
     def create(cls, path: str | os.PathLike, config: TableConfig, *, fsync: bool = False) -> Table:
-        """A new, empty table in directory ``path`` (which must not hold a table already)."""
-        return cls(new_table_dir(path), config, fsync=fsync, fresh=True)
+        """A new, empty table in directory ``path`` (which must not hold a table already).
+
+        A create that fails leaves nothing behind (so the name can be created again), and
+        an OSError is raised as the millpond error it means: disk full or out of memory
+        (:class:`ResourceExhaustedError`), a name too long (:class:`InvalidConfigError`),
+        a directory not writable (:class:`StorageCorruptedError`).
+        """
+        path = Path(path)
+        if config.capacity > MAX_CAPACITY:  # before anything is on disk
+            raise InvalidConfigError(
+                f"table {config.name!r}: capacity ({config.capacity}) exceeds the largest the "
+                f"storage can address ({MAX_CAPACITY} slots: slot pointers and segment records "
+                "are int32)"
+            )
+        what = f"cannot create table {config.name!r}"
+        try:
+            new_table_dir(path)
+        except OSError as e:
+            raise os_error(e, what) from None
+        try:
+            return cls(path, config, fsync=fsync, fresh=True)
+        except BaseException as e:
+            shutil.rmtree(path, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise os_error(e, what) from None
+            raise
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, fsync: bool = False) -> Table:
-        """Resume the table stored in ``path``: data, priorities, queue position and counters."""
+    def open(
+        cls, path: str | os.PathLike, *, fsync: bool = False, name: str | None = None
+    ) -> Table:
+        """Resume the table stored in ``path``: data, priorities, queue position and counters.
+
+        Files that are missing, unreadable, or not the ones ``meta.json`` describes (nor,
+        given a ``name``, that table's) raise :class:`StorageCorruptedError` naming the file
+        and the fix; nothing is rewritten.
+        """
         path = Path(path)
-        return cls(path, read_config(path), fsync=fsync, fresh=False)
+        try:
+            config = read_config(path, name)
+            check_files(path, config)
+            return cls(path, config, fsync=fsync, fresh=False)
+        except OSError as e:
+            raise os_error(e, f"cannot open the table in {path}") from None
 
     def _write_meta(self) -> None:
         self._files.write_meta(self.config, self._writer_hwm)
@@ -244,6 +304,11 @@ class Table:
                         self._queue_full_writers -= 1
                 else:
                     self._wait(deadline, message)
+            # Disk blocks first: a full disk refuses the insert here, the table unchanged.
+            # Evicting writes only into slots and records already written (the victims'),
+            # which have their blocks, so nothing after this point can meet a full disk.
+            self.storage.reserve_space(start, n_slots, len(packed))
+            self.sampler.reserve_space(start + n_slots)
             if len(victims):
                 self._evictions += 1
             self.storage.unpublish(victims)

@@ -11,12 +11,22 @@ Layout of one table's directory::
 
 A table is there once ``meta.json`` is; everything in memory that the files do not hold
 (the sampler's index, open episodes, writer marks) is rebuilt from them by :meth:`recover`.
+
+``meta.json`` carries the SHA-256 of its config, and opening checks that the other files
+are the ones that config describes (the column files and their index, the sampler's file,
+``counters.bin``): an edited or misplaced ``meta.json`` is refused rather than read as a
+different table, since the same bytes under another dtype or sampler would be served as
+wrong rows. A directory without ``meta.json`` is the remains of a create that failed
+(``meta.json`` is written last) unless it holds stored segments: see :func:`holds_data`.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
+import shutil
 from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -24,9 +34,16 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from millpond.config import TableConfig
-from millpond.errors import StorageCorruptedError
+from millpond.errors import (
+    InvalidConfigError,
+    MillpondError,
+    ResourceExhaustedError,
+    StorageCorruptedError,
+    TableExistsError,
+)
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.storage import (
+    RECORD_WIDTH,
     SEGMENTS_FILE,
     SLOTS_FILE,
     SegmentBatch,
@@ -44,6 +61,9 @@ FORMAT = 2
 META_FILE = "meta.json"
 WRITERS_FILE = "writers.json"
 COUNTERS_FILE = "counters.bin"
+COLUMN_INDEX = "data/columns/index.json"
+#: The key of ``meta.json`` that holds the SHA-256 of its config (see :func:`config_digest`).
+CONFIG_DIGEST = "config_sha256"
 _N_COUNTERS = 8  # room for more counters without a new format
 
 
@@ -60,37 +80,237 @@ def holds_table(path: Path) -> bool:
     return (path / META_FILE).exists()
 
 
+def _restore_or_move(path: Path, file: str) -> str:
+    return (
+        f"restore {file} from a backup of this table, or move the directory {path} out of "
+        "the shard's tables/ (the shard serves its other tables meanwhile)"
+    )
+
+
+def holds_data(path: Path) -> bool:
+    """Whether the table directory ``path`` holds a stored segment, or ever numbered one.
+
+    Reads only the allocated extents of the (sparse) ``segments.bin``, so a huge empty table
+    costs nothing. A directory without ``meta.json`` for which this is false is what a create
+    that failed before writing it leaves, and can be removed.
+    """
+    counters = path / COUNTERS_FILE
+    if counters.exists() and counters.stat().st_size >= (Counter.NEXT_GENERATION + 1) * 8:
+        c = np.fromfile(counters, dtype=np.int64, count=Counter.NEXT_GENERATION + 1)
+        if c[Counter.NEXT_GENERATION] > 1:
+            return True
+    records = path / "data" / SEGMENTS_FILE
+    if not records.exists():
+        return False
+    width = RECORD_WIDTH * 8
+    chunk = width * (1 << 16)
+    with open(records, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+                end = os.lseek(fd, start, os.SEEK_HOLE)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only holes left
+                    return False
+                start, end = pos, size  # no SEEK_DATA on this filesystem: read it all
+            start -= start % width
+            end = min(size, -(-end // width) * width)  # whole records
+            f.seek(start)
+            for offset in range(start, end, chunk):
+                buf = f.read(min(chunk, end - offset))
+                n = len(buf) // width
+                generations = np.frombuffer(buf, dtype=np.int64, count=n * RECORD_WIDTH)
+                if generations[::RECORD_WIDTH].any():
+                    return True
+            pos = end
+    return False
+
+
+def refuse_without_meta(path: Path) -> StorageCorruptedError:
+    """The refusal of a table directory that holds data but no ``meta.json``."""
+    return StorageCorruptedError(
+        f"table {path.name!r} is not served: {path} holds stored segments but no {META_FILE} "
+        f"(the table's config). {_restore_or_move(path, META_FILE).capitalize()}; until then "
+        "every call naming the table is refused, creating it included, and nothing there is "
+        "touched"
+    )
+
+
 def new_table_dir(path: str | os.PathLike) -> Path:
-    """``path``, created if missing, for a new table; :class:`FileExistsError` if it holds one."""
+    """``path``, created if missing, for a new table.
+
+    :class:`TableExistsError` if it holds a table, :class:`StorageCorruptedError` if it holds
+    a table's data without its ``meta.json``; the remains of a failed create are removed.
+    """
     path = Path(path)
     if holds_table(path):
-        raise FileExistsError(f"{path} already holds a table")
-    path.mkdir(parents=True, exist_ok=True)
+        raise TableExistsError(f"{path} already holds a table")
+    if path.exists():
+        if holds_data(path):
+            raise refuse_without_meta(path)
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
     return path
 
 
-def read_config(path: Path) -> TableConfig:
-    """The config of the table stored in ``path`` (:class:`StorageCorruptedError` if none)."""
+def config_digest(config: dict) -> str:
+    """The SHA-256 of a config's JSON form, keys sorted: what ``meta.json`` vouches with."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read_config(path: Path, name: str | None = None) -> TableConfig:
+    """The config of the table stored in ``path``.
+
+    :class:`StorageCorruptedError`, naming ``meta.json`` and the fix, if it is missing,
+    unreadable, edited (its config does not match its digest) or, given the ``name`` the
+    table must have (a shard's directory names its table), another table's.
+    """
     meta_file = path / META_FILE
+    fix = _restore_or_move(path, META_FILE)
     if not meta_file.exists():
-        raise StorageCorruptedError(f"{path} holds no table (missing {META_FILE})")
+        raise StorageCorruptedError(f"{path} holds no table (missing {META_FILE}): {fix}")
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = json.loads(meta_file.read_bytes())
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+            raise ValueError("expected an object with a 'config' object")
+        fmt = meta.get("format")
+        if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt < FORMAT:
+            raise StorageCorruptedError(
+                f"{meta_file}: the table was written in on-disk format {fmt}, and this "
+                f"millpond reads format {FORMAT} only (the format changed: since format 2 the "
+                "slot metadata is a 4-byte pointer per slot plus a record per segment, not 64 "
+                "bytes per slot). Export it with the millpond that wrote it "
+                "(millpond.service.export) and insert it into a new table, or create the "
+                "table anew."
+            )
+        if fmt != FORMAT:
+            raise ValueError(f"unknown format {fmt!r}")
+        digest = meta.get(CONFIG_DIGEST)
+        # meta.json written before the digest existed has none; the next write adds it.
+        if digest is not None and digest != config_digest(meta["config"]):
+            raise StorageCorruptedError(
+                f"{meta_file} was edited: its config does not match the {CONFIG_DIGEST} it "
+                f"was written with. A table's config cannot change in place (the files are "
+                f"laid out for it): {fix}; to change the config, export the table and import "
+                "it into a new one"
+            )
         config = TableConfig.from_json(meta["config"])
-    except (ValueError, KeyError) as e:
-        raise StorageCorruptedError(f"{meta_file} is unreadable: {e}") from e
-    fmt = meta.get("format")
-    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt < FORMAT:
+    except StorageCorruptedError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, MillpondError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise StorageCorruptedError(f"{meta_file} is unreadable ({reason}): {fix}") from None
+    if name is not None and config.name != name:
         raise StorageCorruptedError(
-            f"{meta_file}: the table was written in on-disk format {fmt}, and this millpond "
-            f"reads format {FORMAT} only (the format changed: since format 2 the slot metadata "
-            "is a 4-byte pointer per slot plus a record per segment, not 64 bytes per slot). "
-            "Export it with the millpond that wrote it (millpond.service.export) and insert "
-            "it into a new table, or create the table anew."
+            f"{meta_file} describes table {config.name!r}, not the table {name!r} of its "
+            f"directory (copied from another table?): {fix}"
         )
-    if fmt != FORMAT:
-        raise StorageCorruptedError(f"{meta_file}: unknown format {fmt!r}")
     return config
+
+
+def check_files(path: Path, config: TableConfig) -> None:
+    """Refuse (:class:`StorageCorruptedError`, naming the file) table files that are not the
+    ones ``config`` describes, before anything opens (and so creates or rewrites) them."""
+    from millpond.service.samplers import PRIORITIES_FILE  # imports this module
+
+    for d in (path, path / "data"):
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise StorageCorruptedError(
+                f"{d} is not writable (permission denied or a read-only filesystem): make it "
+                "writable by the user running millpond, or move the table out of the shard"
+            )
+    fix = _restore_or_move(path, "it")
+    counters = path / COUNTERS_FILE
+    if not counters.exists():
+        raise StorageCorruptedError(
+            f"{counters} is missing (the table's generation and rate-limiter counters): {fix}"
+        )
+    if counters.stat().st_size != _N_COUNTERS * 8:
+        raise StorageCorruptedError(
+            f"{counters} has {counters.stat().st_size} bytes, expected {_N_COUNTERS * 8}: {fix}"
+        )
+    priorities = path / PRIORITIES_FILE
+    if config.sampler == "prioritized":
+        expected = (config.capacity + 1) * 8
+        if not priorities.exists():
+            raise StorageCorruptedError(
+                f"{priorities} is missing, and {path / META_FILE} describes a prioritized "
+                f"table: {fix}"
+            )
+        if priorities.stat().st_size != expected:
+            raise StorageCorruptedError(
+                f"{priorities} has {priorities.stat().st_size} bytes, expected {expected} "
+                f"for capacity {config.capacity}: {fix}"
+            )
+    elif priorities.exists():
+        raise StorageCorruptedError(
+            f"{path} holds {PRIORITIES_FILE}, which only a prioritized table has, and "
+            f"{path / META_FILE} describes a {config.sampler} table: "
+            f"{_restore_or_move(path, META_FILE)}"
+        )
+    _check_columns(path, config, fix)
+
+
+def _check_columns(path: Path, config: TableConfig, fix: str) -> None:
+    index_file = path / COLUMN_INDEX
+    columns = index_file.parent
+    if config.spec is None:
+        stray = sorted(p.name for p in columns.glob("*.bin")) if columns.exists() else []
+        if stray:
+            raise StorageCorruptedError(
+                f"{path / META_FILE} declares no keys, but {columns} holds column files "
+                f"({', '.join(stray[:3])}): {_restore_or_move(path, META_FILE)}"
+            )
+        return
+    try:
+        index = json.loads(index_file.read_bytes())
+        stored = {tuple(c["key"]): c["file"] for c in index["columns"]}
+    except FileNotFoundError:
+        raise StorageCorruptedError(f"{index_file} is missing: {fix}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise StorageCorruptedError(f"{index_file} is unreadable ({reason}): {fix}") from None
+    expected = {key: column_filename(key) for key in config.spec.fields}
+    if stored != expected:
+        raise StorageCorruptedError(
+            f"{index_file} lists the columns {sorted(stored)}, and {path / META_FILE} the keys "
+            f"{sorted(expected)}: {fix}"
+        )
+    for name in expected.values():
+        if not (columns / name).exists():
+            raise StorageCorruptedError(f"column file {columns / name} is missing: {fix}")
+
+
+def os_error(e: OSError, what: str) -> MillpondError:
+    """An OSError met while creating or opening a table, as the millpond error it means."""
+    where = f"{e.filename}: " if e.filename else ""
+    detail = f"{where}{e.strerror or e}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ResourceExhaustedError(
+            f"{what}: disk full ({detail}); free space on the shard's disk or choose a smaller "
+            "capacity"
+        )
+    if e.errno == errno.ENOMEM:
+        return ResourceExhaustedError(
+            f"{what}: out of memory mapping the table's files ({detail}); choose a smaller "
+            "capacity, or raise the process's address-space and map limits"
+        )
+    if e.errno == errno.ENAMETOOLONG:
+        return InvalidConfigError(
+            f"{what}: the path is too long for the filesystem ({detail}); choose a shorter "
+            "table name or shard directory"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageCorruptedError(
+            f"{what}: {e.filename or 'the shard directory'} is not writable "
+            f"(permission denied: {e.strerror}); make the shard directory writable by the "
+            "user running millpond"
+        )
+    return StorageCorruptedError(f"{what}: {detail}")
 
 
 #: The parts of a table directory that :func:`disk_usage` tells apart.
@@ -191,11 +411,13 @@ class TableFiles:
             self.path / WRITERS_FILE, {str(k): v for k, v in writer_sequences.items()}
         )
         c = self._counters
+        config_json = json.loads(json.dumps(config.to_json()))  # as a reader will see it
         atomic_write_json(
             self.path / META_FILE,
             {
                 "format": FORMAT,
-                "config": config.to_json(),
+                "config": config_json,
+                CONFIG_DIGEST: config_digest(config_json),
                 "counters": {
                     "inserts": int(c[Counter.INSERTS]),
                     "samples": int(c[Counter.SAMPLES]),
@@ -229,10 +451,16 @@ class TableFiles:
         if not writers_file.exists():
             return {}
         try:
-            saved = json.loads(writers_file.read_text())
+            saved = json.loads(writers_file.read_bytes())
             return {int(k): int(v) for k, v in saved.items()}
-        except (ValueError, AttributeError) as e:
-            raise StorageCorruptedError(f"{writers_file} is unreadable: {e}") from e
+        except (ValueError, AttributeError, TypeError) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise StorageCorruptedError(
+                f"{writers_file} is unreadable ({reason}): restore it from a backup of this "
+                "table, or delete it (each writer's mark is then rebuilt from its segments "
+                "still stored; a writer re-sending segments already evicted could store them "
+                "twice)"
+            ) from None
 
 
 def _open_episodes(storage: SegmentStorage, segments: SegmentBatch) -> dict[int, int]:
