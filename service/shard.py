@@ -6,8 +6,8 @@ Layout::
     DIR/tables/NAME/          one directory per table (see :class:`Table`)
 
 Opening an existing directory resumes every table in it. A table directory that cannot be
-opened (its ``meta.json`` missing while it holds data, edited, or garbled; a file missing;
-not writable) is refused by name: the shard serves its other tables, logs the refusal, and
+opened (its ``meta.json`` edited or garbled, or missing along with its copy while the
+directory holds data; a file missing; not writable) is refused by name: the shard serves its other tables, logs the refusal, and
 every call naming that table, creating it included, raises the same
 :class:`StorageCorruptedError` until the operator repairs or moves the directory. Nothing in
 a refused directory is written.
@@ -29,7 +29,13 @@ from millpond.errors import (
 )
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.table import Table
-from millpond.service.table_files import holds_data, holds_table, os_error, refuse_without_meta
+from millpond.service.table_files import (
+    holds_data,
+    holds_table,
+    os_error,
+    refuse_without_meta,
+    restorable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +76,7 @@ class Shard:
     def _open_table(self, table_dir: Path) -> None:
         name = table_dir.name
         try:
-            if holds_table(table_dir):
+            if holds_table(table_dir) or restorable(table_dir):
                 table = Table.open(table_dir, fsync=self.fsync, name=name)
                 self._tables[table.name] = table
             elif holds_data(table_dir):

@@ -10,6 +10,7 @@ The table's directory (its files, opening and recovery) is :mod:`.table_files`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import threading
@@ -50,14 +51,21 @@ from millpond.service.storage import (
     SlotColumn,
 )
 from millpond.service.table_files import (
+    CONFIG_COPY,
+    COUNTERS_FILE,
+    META_FILE,
     TableFiles,
     check_files,
     new_table_dir,
     os_error,
     read_config,
+    read_config_copy,
+    restorable,
 )
 from millpond.spec import OBSERVATION, STEP, Key, TableSpec
 from millpond.ted import OpenEpisodes, compact_ted, episode_base
+
+log = logging.getLogger(__name__)
 
 
 class Table:
@@ -147,9 +155,19 @@ class Table:
         """
         path = Path(path)
         try:
-            config = read_config(path, name)
+            restore = restorable(path)
+            config = (read_config_copy if restore else read_config)(path, name)
             check_files(path, config)
-            return cls(path, config, fsync=fsync, fresh=False)
+            table = cls(path, config, fsync=fsync, fresh=False)
+            if restore:
+                table._write_meta()
+                log.warning(
+                    "%s was missing: rebuilt from %s, with the counters of %s",
+                    path / META_FILE,
+                    path / CONFIG_COPY,
+                    path / COUNTERS_FILE,
+                )
+            return table
         except OSError as e:
             raise os_error(e, f"cannot open the table in {path}") from None
 

@@ -2,12 +2,14 @@
 
 Layout of one table's directory::
 
-    meta.json       format, config and a copy of the counters (rewritten atomically)
+    meta.json       format, config (and its SHA-256), a copy of the counters (rewritten
+                    atomically)
     writers.json    highest stored sequence of each writer, for idempotent re-sends
     counters.bin    int64[8], see :class:`Counter`
     priorities.bin  prioritized tables: raw priorities (the sampler's own file)
     data/           the segments (:class:`~millpond.service.storage.SegmentStorage`):
-                    columns/, slots.bin (4 bytes per slot), segments.bin (a record per segment)
+                    columns/, slots.bin (4 bytes per slot), segments.bin (a record per segment),
+                    config.json (a copy of meta.json's config, rewritten when it changes)
 
 A table is there once ``meta.json`` is; everything in memory that the files do not hold
 (the sampler's index, open episodes, writer marks) is rebuilt from them by :meth:`recover`.
@@ -16,8 +18,10 @@ A table is there once ``meta.json`` is; everything in memory that the files do n
 are the ones that config describes (the column files and their index, the sampler's file,
 ``counters.bin``): an edited or misplaced ``meta.json`` is refused rather than read as a
 different table, since the same bytes under another dtype or sampler would be served as
-wrong rows. A directory without ``meta.json`` is the remains of a create that failed
-(``meta.json`` is written last) unless it holds stored segments: see :func:`holds_data`.
+wrong rows. A lost ``meta.json`` is rebuilt from ``data/config.json`` (the counters live in
+``counters.bin``, and generations continue past the newest stored, so nothing collides). A
+directory with neither is the remains of a create that failed (``meta.json`` is written
+last) unless it holds stored segments (:func:`holds_data`); then it is refused.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ META_FILE = "meta.json"
 WRITERS_FILE = "writers.json"
 COUNTERS_FILE = "counters.bin"
 COLUMN_INDEX = "data/columns/index.json"
+CONFIG_COPY = "data/config.json"
 #: The key of ``meta.json`` that holds the SHA-256 of its config (see :func:`config_digest`).
 CONFIG_DIGEST = "config_sha256"
 _N_COUNTERS = 8  # room for more counters without a new format
@@ -81,10 +86,18 @@ def holds_table(path: Path) -> bool:
 
 
 def _restore_or_move(path: Path, file: str) -> str:
+    rebuild = ""
+    if file == META_FILE and (path / CONFIG_COPY).exists():
+        rebuild = f"delete {file} to rebuild it from {CONFIG_COPY} (the config last stored), "
     return (
-        f"restore {file} from a backup of this table, or move the directory {path} out of "
-        "the shard's tables/ (the shard serves its other tables meanwhile)"
+        f"{rebuild}restore {file} from a backup of this table, or move the directory {path} "
+        "out of the shard's tables/ (the shard serves its other tables meanwhile)"
     )
+
+
+def restorable(path: Path) -> bool:
+    """Whether ``path`` lost its ``meta.json`` but holds data and the config's copy."""
+    return not holds_table(path) and (path / CONFIG_COPY).exists() and holds_data(path)
 
 
 def holds_data(path: Path) -> bool:
@@ -133,7 +146,8 @@ def refuse_without_meta(path: Path) -> StorageCorruptedError:
     """The refusal of a table directory that holds data but no ``meta.json``."""
     return StorageCorruptedError(
         f"table {path.name!r} is not served: {path} holds stored segments but no {META_FILE} "
-        f"(the table's config). {_restore_or_move(path, META_FILE).capitalize()}; until then "
+        f"(the table's config) nor its copy {CONFIG_COPY}. "
+        f"{_restore_or_move(path, META_FILE).capitalize()}; until then "
         "every call naming the table is refused, creating it included, and nothing there is "
         "touched"
     )
@@ -173,6 +187,17 @@ def read_config(path: Path, name: str | None = None) -> TableConfig:
     fix = _restore_or_move(path, META_FILE)
     if not meta_file.exists():
         raise StorageCorruptedError(f"{path} holds no table (missing {META_FILE}): {fix}")
+    return _parse_meta(meta_file, fix, name)
+
+
+def read_config_copy(path: Path, name: str | None = None) -> TableConfig:
+    """The config in ``data/config.json``, to rebuild a lost ``meta.json`` from; checked as
+    :func:`read_config` checks ``meta.json``."""
+    fix = _restore_or_move(path, META_FILE)
+    return _parse_meta(path / CONFIG_COPY, fix, name)
+
+
+def _parse_meta(meta_file: Path, fix: str, name: str | None) -> TableConfig:
     try:
         meta = json.loads(meta_file.read_bytes())
         if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
@@ -369,6 +394,7 @@ class TableFiles:
 
     def __init__(self, path: Path, *, fresh: bool) -> None:
         self.path = path
+        self._copy_digest: str | None = None  # of the config in CONFIG_COPY, once written
         self._counters = np.memmap(
             path / COUNTERS_FILE, dtype=np.int64, mode="w+" if fresh else "r+", shape=(_N_COUNTERS,)
         )
@@ -412,12 +438,18 @@ class TableFiles:
         )
         c = self._counters
         config_json = json.loads(json.dumps(config.to_json()))  # as a reader will see it
+        digest = config_digest(config_json)
+        if digest != self._copy_digest:
+            # Apart from meta.json, so that losing it loses no config; only when it changes.
+            copy = {"format": FORMAT, "config": config_json, CONFIG_DIGEST: digest}
+            atomic_write_json(self.path / CONFIG_COPY, copy)
+            self._copy_digest = digest
         atomic_write_json(
             self.path / META_FILE,
             {
                 "format": FORMAT,
                 "config": config_json,
-                CONFIG_DIGEST: config_digest(config_json),
+                CONFIG_DIGEST: digest,
                 "counters": {
                     "inserts": int(c[Counter.INSERTS]),
                     "samples": int(c[Counter.SAMPLES]),

@@ -76,8 +76,32 @@ def shard_dir(tmp_path) -> Path:
 
 
 # -- (6) a table directory without meta.json ------------------------------------------------
+def test_lost_meta_json_is_rebuilt_exactly_from_its_copy(shard_dir, caplog):
+    table_dir = shard_dir / "tables" / "a"
+    meta_before = json.loads((table_dir / "meta.json").read_text())
+    (table_dir / "meta.json").unlink()
+    with caplog.at_level(logging.WARNING), Shard(shard_dir) as shard:
+        assert sorted(shard.tables) == ["a", "b"]
+        a = shard["a"]
+        assert any("rebuilt" in r.getMessage() for r in caplog.records)
+        assert json.loads((table_dir / "meta.json").read_text()) == meta_before
+        old = stored_segments(a)
+        assert len(old) == 30 and a.info()["inserts"] == 120
+        new = fill(a, 31, 30)
+        assert new.min() == max(old.values()) + 1
+    with Shard(shard_dir) as shard:
+        assert len(stored_segments(shard["a"])) == 60
+        assert shard["a"].info()["inserts"] == 240
+
+
+def lose_meta(table_dir: Path) -> None:
+    """meta.json and its copy gone: nothing left says what the files hold."""
+    (table_dir / "meta.json").unlink()
+    (table_dir / "data" / "config.json").unlink()
+
+
 def test_table_without_meta_but_with_data_is_refused_by_name(shard_dir, caplog):
-    (shard_dir / "tables" / "a" / "meta.json").unlink()
+    lose_meta(shard_dir / "tables" / "a")
     before = tree_digest(shard_dir / "tables" / "a")
     with caplog.at_level(logging.ERROR), Shard(shard_dir) as shard:
         assert sorted(shard.tables) == ["b"]  # the other table is served
@@ -119,7 +143,7 @@ def test_meta_missing_then_restored_keeps_every_acknowledged_segment(shard_dir):
     """The loss the refusal prevents: re-creating the table used to restart generations."""
     meta = shard_dir / "tables" / "a" / "meta.json"
     saved = meta.read_bytes()
-    meta.unlink()
+    lose_meta(shard_dir / "tables" / "a")
     with Shard(shard_dir) as shard, pytest.raises(StorageCorruptedError):
         shard.create_table(TableConfig.uniform("a", 400, seed=0))
     meta.write_bytes(saved)  # the fix the message names
@@ -220,6 +244,14 @@ def test_edited_meta_json_is_refused(shard_dir, change):
         Table.open(table_dir)
     message = str(e.value)
     assert "meta.json" in message and "edited" in message and "backup" in message
+    assert "rebuild it from data/config.json" in message
+    # The fix it names: without the edited meta.json, the table opens as it was written.
+    (table_dir / "meta.json").unlink()
+    table = Table.open(table_dir)
+    assert table.config.sampler == "uniform" and table.config.capacity == 400
+    assert len(stored_segments(table)) == 30
+    table.close()
+    edit_meta(table_dir, change)
     with Shard(shard_dir) as shard:  # the shard serves the rest and refuses this one
         assert sorted(shard.tables) == ["b"]
         with pytest.raises(StorageCorruptedError, match="meta.json"):
@@ -399,3 +431,41 @@ def test_serve_on_a_read_only_shard_exits_with_one_line(read_only_copy):
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("millpond: error:")]
     assert len(errors) == 1 and "writable" in errors[0], done.stderr
+
+
+def test_serve_refuses_a_damaged_table_by_name_and_serves_the_rest(shard_dir):
+    import grpc
+
+    from millpond.protos import millpond_pb2 as pb
+    from millpond.protos import millpond_pb2_grpc as pb_grpc
+
+    lose_meta(shard_dir / "tables" / "a")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "millpond.cli", "serve", "--port", "0", "--dir", str(shard_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = None
+        for line in proc.stdout:
+            if line.startswith("ADDRESSES "):
+                address = line.split()[1]
+                break
+        assert address is not None, proc.stderr.read()
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.ReplayStub(channel)
+            assert [t.config.name for t in stub.Info(pb.InfoRequest(), timeout=10).tables] == ["b"]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Info(pb.InfoRequest(table="a"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.DATA_LOSS
+            assert "meta.json" in e.value.details() and "backup" in e.value.details()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+        stderr = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert "Traceback" not in stderr
+    logged = [line for line in stderr.splitlines() if "ERROR" in line]
+    assert len(logged) == 1 and "tables/a" in logged[0] and "meta.json" in logged[0], stderr
