@@ -7,10 +7,11 @@ Layout::
 
 Opening an existing directory resumes every table in it. A table directory that cannot be
 opened (its ``meta.json`` edited or garbled, or missing along with its copy while the
-directory holds data; a file missing; not writable) is refused by name: the shard serves its other tables, logs the refusal, and
-every call naming that table, creating it included, raises the same
-:class:`StorageCorruptedError` until the operator repairs or moves the directory. Nothing in
-a refused directory is written.
+directory holds data; a file missing; not writable) is refused by name: the shard serves
+its other tables, logs the refusal, and every call naming that table, creating it
+included, raises the same :class:`StorageCorruptedError` until the operator repairs or
+moves the directory (and restarts the shard). Nothing in a refused directory is deleted
+or overwritten.
 """
 
 from __future__ import annotations
@@ -82,8 +83,14 @@ class Shard:
             elif holds_data(table_dir):
                 raise refuse_without_meta(table_dir)
             # Otherwise: the remains of a create that failed, removed by the next create.
-        except (MillpondError, OSError) as e:
-            text = str(e) if isinstance(e, MillpondError) else f"{table_dir}: {e}"
+        except Exception as e:
+            if isinstance(e, MillpondError):
+                text = str(e)
+            elif isinstance(e, OSError):
+                text = str(os_error(e, f"cannot open the table in {table_dir}"))
+            else:  # not a refusal the table files name: a bug, so the traceback is logged
+                log.exception("opening %s", table_dir)
+                text = f"{table_dir} cannot be opened: {type(e).__name__}: {e}"
             if not text.startswith(f"table {name!r}"):
                 text = f"table {name!r} is not served: {text}"
             self._refused[name] = StorageCorruptedError(text)

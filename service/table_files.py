@@ -466,9 +466,9 @@ class TableFiles:
         come from ``writers.json`` and the stored segments (whichever is newer), and the
         next generation moves past the newest stored one.
         """
+        writers = self._read_writers()  # first: a garbled file refuses before any repair
         segments = storage.recover()
         sampler.recover(segments)
-        writers = self._read_writers()
         if len(segments) and segments.writers is not None and segments.sequences is not None:
             for w, q in zip(segments.writers.tolist(), segments.sequences.tolist()):
                 if w and q > writers.get(w, 0):
