@@ -242,13 +242,15 @@ def check_files(path: Path, config: TableConfig) -> None:
     ones ``config`` describes, before anything opens (and so creates or rewrites) them."""
     from millpond.service.samplers import PRIORITIES_FILE  # imports this module
 
+    fix = _restore_or_move(path, "it")
     for d in (path, path / "data"):
+        if not d.is_dir():
+            raise StorageCorruptedError(f"{d} is missing (the table's segments): {fix}")
         if not os.access(d, os.W_OK | os.X_OK):
             raise StorageCorruptedError(
                 f"{d} is not writable (permission denied or a read-only filesystem): make it "
                 "writable by the user running millpond, or move the table out of the shard"
             )
-    fix = _restore_or_move(path, "it")
     counters = path / COUNTERS_FILE
     if not counters.exists():
         raise StorageCorruptedError(

@@ -106,6 +106,7 @@ def test_table_without_meta_but_with_data_is_refused_by_name(shard_dir, caplog):
     with caplog.at_level(logging.ERROR), Shard(shard_dir) as shard:
         assert sorted(shard.tables) == ["b"]  # the other table is served
         assert shard["b"].size == 5 * 4
+        assert list(shard.refused) == ["a"] and "meta.json" in shard.refused["a"]
         logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert any("meta.json" in m and "tables/a" in m for m in logged), logged
         for call in (
@@ -314,6 +315,14 @@ def test_missing_column_file_is_refused_not_recreated_empty(shard_dir):
     with pytest.raises(StorageCorruptedError, match="action.bin"):
         Table.open(table_dir)
     assert not (table_dir / "data" / "columns" / "action.bin").exists()
+
+
+def test_missing_data_directory_is_refused_by_name(shard_dir):
+    table_dir = shard_dir / "tables" / "a"
+    shutil.rmtree(table_dir / "data")
+    with pytest.raises(StorageCorruptedError, match="data is missing"):
+        Table.open(table_dir)
+    assert not (table_dir / "data").exists()
 
 
 def test_missing_counters_bin_is_refused_by_name(shard_dir):
