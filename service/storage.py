@@ -34,6 +34,7 @@ publication and lets the copies run outside its lock.
 
 from __future__ import annotations
 
+import logging
 import os
 import urllib.parse
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from tensordict import MemoryMappedTensor
 
 from millpond.config import MAX_CAPACITY  # slot pointers and records are int32
 from millpond.errors import InvalidConfigError, InvalidDataError, StorageCorruptedError
+from millpond.service import checksums as cks
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.disk_space import Reservation, create_sparse
 from millpond.spec import OBSERVATION, Key, TableSpec
@@ -55,6 +57,9 @@ SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
 
 SLOTS_FILE = "slots.bin"
 SEGMENTS_FILE = "segments.bin"
+CHECKSUMS_FILE = cks.CHECKSUMS_FILE
+
+log = logging.getLogger(__name__)
 
 _MAX_STEP = np.iinfo(np.int64).max
 
@@ -110,6 +115,8 @@ class SegmentBatch:
         first_steps: index within its episode of each segment's first step.
         writers: hash of the writer that sent each segment (0: anonymous).
         sequences: each segment's number in its writer's stream (for idempotent re-sends).
+        crcs: the data CRC of each segment (:mod:`.checksums`), set by
+            :meth:`SegmentStorage.write` for :meth:`SegmentStorage.publish`.
     """
 
     starts: np.ndarray
@@ -119,6 +126,7 @@ class SegmentBatch:
     first_steps: np.ndarray
     writers: np.ndarray | None = None
     sequences: np.ndarray | None = None
+    crcs: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -144,6 +152,7 @@ class SegmentBatch:
             self.first_steps[mask],
             None if self.writers is None else self.writers[mask],
             None if self.sequences is None else self.sequences[mask],
+            None if self.crcs is None else self.crcs[mask],
         )
 
     @classmethod
@@ -219,6 +228,18 @@ class SegmentStorage:
             records_file, np.dtype(np.int64), (n_records, RECORD_WIDTH), fresh
         )
         self._record_space.add(self._fds[-1], RECORD_WIDTH * 8, SEGMENTS_FILE)
+        # A format-2 table written before checksums has none: recover() computes them.
+        self._unchecked = not fresh and not (self.path / CHECKSUMS_FILE).exists()
+        self._checksum_map = self._open_map(
+            self.path / CHECKSUMS_FILE, np.dtype(np.uint64), (n_records,), fresh or self._unchecked
+        )
+        self._record_space.add(self._fds[-1], 8, CHECKSUMS_FILE)
+        #: Per segment record: its checksum (see :mod:`.checksums`).
+        self.checksums = self._checksum_map.view(np.ndarray)
+        self._column_bytes: list[tuple[np.ndarray, int]] = []
+        #: Segments that recovery dropped for a checksum or a record that does not hold up:
+        #: ``(episode id, first slot, length)`` each.
+        self.corrupted: list[tuple[int, int, int]] = []
         # Plain ndarray views of the same pages: numpy's memmap subclass adds microseconds of
         # __array_finalize__ to every indexing, which dominates small samples and inserts.
         #: Per slot: 1 + the index of its segment's record, 0 if none.
@@ -239,7 +260,7 @@ class SegmentStorage:
     def _open_map(
         self, file: Path, dtype: np.dtype, shape: tuple[int, ...], fresh: bool
     ) -> np.memmap:
-        if fresh and file.exists():
+        if fresh and file.exists() and file.name != CHECKSUMS_FILE:
             raise StorageCorruptedError(f"{file} exists but {self.path / SLOTS_FILE} does not")
         if not fresh:
             if not file.exists():
@@ -295,6 +316,12 @@ class SegmentStorage:
             self._fds.append(fd)
             self._slot_space.add(fd, nbytes, name)
         self.columns = columns
+        self._column_bytes = [
+            (t.reshape(-1).view(torch.uint8).numpy().reshape(self.capacity, -1), int(role))
+            for t, role in zip(
+                columns.values(), (f.role == OBSERVATION for f in spec.fields.values())
+            )
+        ]
         self.spec = spec
         self._row_copy = {key: f.nbytes >= _ROW_COPY_BYTES for key, f in spec.fields.items()}
 
@@ -433,6 +460,8 @@ class SegmentStorage:
             block.index_copy_(0, step_rel, src)
             if f.role == OBSERVATION:
                 block.index_copy_(0, tail_rel, tails[key])
+        # Of what the files hold now: a copy that went wrong is caught too.
+        layout.crcs = cks.data_crcs(self._column_bytes, layout.starts, layout.lengths)
 
     def publish(self, layout: SegmentBatch) -> None:
         """Write the records and slot pointers of ``layout``, commit markers last.
@@ -457,6 +486,11 @@ class SegmentStorage:
         if layout.sequences is not None:
             block[f.SEQUENCE] = layout.sequences
         self.records[records] = block.T
+        block[f.GENERATION] = layout.generations  # what the checksum vouches for
+        crcs = layout.crcs
+        if crcs is None:
+            crcs = cks.data_crcs(self._column_bytes, layout.starts, layout.lengths)
+        self.checksums[records] = cks.combine(crcs, block.T)
         self.slot_records[base : base + n_slots] = np.repeat(records, layout.lengths + 1)
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
@@ -528,28 +562,56 @@ class SegmentStorage:
 
     # -- recovery and durability ---------------------------------------------------------
     def recover(self) -> SegmentBatch:
-        """Find the complete published segments (oldest first) and clear torn ones.
+        """Find the complete, intact published segments (oldest first); clear the others.
 
-        A segment is complete when its record has a generation, a range inside the ring, and
-        each of its L+1 slots points at it. Anything else is the remains of an interrupted
-        write or overwrite: its record is unpublished, and slot pointers to anything but a
-        complete segment are cleared.
+        A segment is complete when its record has a generation, sane fields (a range inside
+        the ring, its tail at its end, an episode id and steps >= 0), and each of its L+1
+        slots points at it; intact when its checksum matches its data and record. A
+        published segment that is not both (never the remains of a killed process, which
+        publishes the generation last and clears it first) has had its files damaged: it is
+        unpublished, counted in :attr:`corrupted` and logged, never served. Slot pointers to
+        anything but a kept segment are cleared.
+
+        A table without ``checksums.bin`` (written before checksums) gets its checksums
+        computed from its data as it is, and a log line says so.
         """
         if self.records[0].any():  # the zero record, read through pointer 0
             self.records[0] = 0
         live = np.flatnonzero(self._generation > 0)
         r = self.records[live]
-        start, length = r[:, RecordField.START], r[:, RecordField.LENGTH]
+        f = RecordField
+        start, length = r[:, f.START], r[:, f.LENGTH]
         good = (length > 0) & (start >= 0) & (start + length < self.capacity)
-        good &= r[:, RecordField.TAIL] == start + length
+        good &= r[:, f.TAIL] == start + length
+        good &= r[:, f.EPISODE_ID] >= 0
+        # first step = STEP_BASE + START >= 0, and its segment's steps within int64
+        good &= (r[:, f.STEP_BASE] >= -start) & (r[:, f.STEP_BASE] <= _MAX_STEP - start - length)
         slots = ranges(start[good], length[good] + 1)
         pointers = np.repeat(live[good], length[good] + 1)
         if len(slots):
             match = self.slot_records[slots] == pointers
             offsets = np.cumsum(length[good] + 1) - (length[good] + 1)
             good[good] = np.logical_and.reduceat(match, offsets)
-        self._generation[live[~good]] = 0
-        # Slot pointers: exactly the slots of the complete segments.
+        if self._column_bytes and good.any():
+            kept = np.flatnonzero(good)
+            sums = cks.combine(
+                cks.data_crcs(self._column_bytes, start[kept], length[kept]), r[kept]
+            )
+            if self._unchecked:
+                self._record_space.ensure(int(live[kept].max()) + 1)
+                self.checksums[live[kept]] = sums
+                log.warning(
+                    "table dir %s has no %s (written before checksums): computed the "
+                    "checksums of its %d segments from the data as it is",
+                    self.table_dir,
+                    CHECKSUMS_FILE,
+                    len(kept),
+                )
+            else:
+                good[kept] = self.checksums[live[kept]] == sums
+        self._unchecked = False
+        self._drop_corrupted(live[~good], r[~good])
+        # Slot pointers: exactly the slots of the kept segments.
         start, length, live = start[good], length[good], live[good]
         expected = np.zeros(self.capacity, dtype=np.int32)
         expected[ranges(start, length + 1)] = np.repeat(live, length + 1)
@@ -561,6 +623,53 @@ class SegmentStorage:
         segments = self._segments_of(live[order])
         self.cursor = int(segments.starts[-1] + segments.lengths[-1] + 1) if len(segments) else 0
         return segments
+
+    def _drop_corrupted(self, records: np.ndarray, rows: np.ndarray) -> None:
+        """Unpublish damaged segments, count and log them."""
+        if not len(records):
+            return
+        self._generation[records] = 0
+        f = RecordField
+        dropped = [
+            (int(e), int(s), int(n))
+            for e, s, n in zip(rows[:, f.EPISODE_ID], rows[:, f.START], rows[:, f.LENGTH])
+        ]
+        self.corrupted.extend(dropped)
+        shown = ", ".join(f"episode {e} in slots {s}-{s + n}" for e, s, n in dropped[:10])
+        more = f" and {len(dropped) - 10} more" if len(dropped) > 10 else ""
+        log.warning(
+            "table dir %s: dropped %d damaged segments (a checksum or record that does not "
+            "match: the files were changed outside millpond, or a machine crash without "
+            "fsync): %s%s. The rest of the table is served; restore the table from a copy "
+            "to get them back.",
+            self.table_dir,
+            len(dropped),
+            shown,
+            more,
+        )
+
+    def verify(self, slots: np.ndarray) -> np.ndarray:
+        """Whether the data of each slot's segment still matches its checksum.
+
+        ``slots``: any shape, slots of published segments (sampled ones, say). Returns a
+        bool array of the same shape, ``False`` where the segment's rows or record changed
+        since it was published, or where the slot holds no published segment. Reads every
+        row of each distinct segment, so it costs what reading those segments whole costs.
+        Call it under the table's lock, or check the generations afterwards (a segment
+        overwritten meanwhile fails).
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        pointers = np.take(self.slot_records, slots.reshape(-1)).astype(np.int64)
+        records, inverse = np.unique(pointers, return_inverse=True)
+        rows = self.records[records]
+        ok = (records > 0) & (rows[:, RecordField.GENERATION] > 0)
+        if ok.any():
+            r = rows[ok]
+            crcs = cks.data_crcs(
+                self._column_bytes, r[:, RecordField.START], r[:, RecordField.LENGTH]
+            )
+            ok[ok] = self.checksums[records[ok]] == cks.combine(crcs, r)
+        return ok[inverse].reshape(slots.shape)
 
     def _rebuild_free(self) -> None:
         """Free records: the unpublished ones below the highest published (record 0 aside)."""
@@ -591,3 +700,4 @@ class SegmentStorage:
             os.close(fd)
         self._fds = []
         self.columns = {}
+        self._column_bytes = []
