@@ -333,9 +333,9 @@ def os_error(e: OSError, what: str) -> MillpondError:
         )
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return StorageCorruptedError(
-            f"{what}: {e.filename or 'the shard directory'} is not writable "
-            f"(permission denied: {e.strerror}); make the shard directory writable by the "
-            "user running millpond"
+            f"{what}: {e.filename or 'the shard directory'} is not writable or not readable "
+            f"({e.strerror}: permission denied or a read-only filesystem); make the shard "
+            "directory readable and writable by the user running millpond"
         )
     return StorageCorruptedError(f"{what}: {detail}")
 
