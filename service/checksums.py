@@ -4,14 +4,20 @@ Each segment's checksum is one uint64 in ``data/checksums.bin``, indexed like it
 ``segments.bin`` (a separate, sparse file: a format-2 table written before checksums has
 none, and gets one computed from its data as it is when it is next opened). It covers
 
-* the segment's data: a CRC-32 of its rows in every column, in the spec's order (step and
-  tail rows of observations, step rows of the other keys). A segment's rows lie back to
-  back in each column file, so that is one ``zlib.crc32`` call per column over the mapped
-  pages, with no copy, and it checks what the file holds, not what was meant for it;
+* the segment's data: its rows in every column, in the spec's order (step and tail rows of
+  observations, step rows of the other keys). A segment's rows lie back to back in each
+  column file, so each column is one range of bytes of the mapped file, read in place
+  (what the file holds, not what was meant for it). A short range gets its ``zlib.crc32``;
+  a long one (:data:`WIDE_BYTES` or more) a sum of its 8-byte words times odd position
+  weights, modulo 2**64, which numpy computes ~3.5x faster than zlib's CRC (an Atari-sized
+  segment: 70 us against 240 us per MiB-sized range); any change of one word changes it,
+  and so does a swap of two words (unless their difference times twice their distance is
+  a multiple of 2**64). One CRC-32 runs over the columns in order: over a short range's
+  bytes, over a long range's 8-byte sum;
 * its record: a sum of the eight fields times odd constants, modulo 2**64, so that a
   change of any one field changes it (vectorised over segments, cheap under the lock).
 
-The checksum is ``(data CRC << 32) ^ record sum``. The data CRC is computed by the writer
+The checksum is that data CRC xor the record sum. The data CRC is computed by the writer
 after its copy, outside the table's lock; the record part when the segment is published.
 """
 
@@ -44,13 +50,52 @@ _MIX = np.array(
 ColumnBytes = Sequence[tuple[np.ndarray, int]]
 
 
-def data_crcs(columns: ColumnBytes, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+#: Byte ranges at least this long are summed with weights rather than CRC'd (numpy's call
+#: costs more than zlib's CRC for short ones).
+WIDE_BYTES = 4096
+_weights = np.zeros(0, dtype=np.uint64)
+
+
+def _position_weights(n: int) -> np.ndarray:
+    """``2 i + 1`` for ``i < n``, as uint64 (cached, grown as needed; threads may race to
+    grow it, each then uses the array it made)."""
+    global _weights
+    weights = _weights
+    if len(weights) < n:
+        weights = np.arange(1, 2 * max(n, 2 * len(weights)), 2, dtype=np.uint64)
+        _weights = weights
+    return weights[:n]
+
+
+def _wide_value(data: np.ndarray) -> bytes:
+    """The word-weighted sum of a long byte range, as 8 bytes (leftover bytes xor'd in)."""
+    flat = data.reshape(-1)
+    n = flat.nbytes // 8
+    value = int(np.dot(flat[: n * 8].view(np.uint64), _position_weights(n)))
+    if flat.nbytes % 8:
+        value ^= zlib.crc32(flat[n * 8 :])
+    return value.to_bytes(8, "little")
+
+
+def range_value(data: np.ndarray, crc: int = 0) -> int:
+    """``crc`` (the value so far) continued with one contiguous byte range (uint8 array):
+    its bytes if short, its word-weighted sum if long (see the module docstring)."""
+    if data.nbytes < WIDE_BYTES:
+        return zlib.crc32(data, crc)
+    return zlib.crc32(_wide_value(data), crc)
+
+
+def data_sums(columns: ColumnBytes, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The data CRC of each segment (``starts``, ``lengths``), as uint64."""
     out = np.empty(len(starts), dtype=np.uint64)
     for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
         crc = 0
         for rows, extra in columns:
-            crc = zlib.crc32(rows[s : s + n + extra], crc)
+            block = rows[s : s + n + extra]
+            if block.nbytes < WIDE_BYTES:
+                crc = zlib.crc32(block, crc)
+            else:
+                crc = zlib.crc32(_wide_value(block), crc)
         out[i] = crc
     return out
 
@@ -60,6 +105,6 @@ def record_sums(records: np.ndarray) -> np.ndarray:
     return (records.view(np.uint64) * _MIX).sum(axis=1, dtype=np.uint64)
 
 
-def combine(crcs: np.ndarray, records: np.ndarray) -> np.ndarray:
-    """Checksums of segments from their data CRCs and their ``[n, 8]`` records."""
-    return (crcs.astype(np.uint64) << np.uint64(32)) ^ record_sums(records)
+def combine(values: np.ndarray, records: np.ndarray) -> np.ndarray:
+    """Checksums of segments from their data values and their ``[n, 8]`` records."""
+    return values.astype(np.uint64) ^ record_sums(records)

@@ -115,7 +115,7 @@ class SegmentBatch:
         first_steps: index within its episode of each segment's first step.
         writers: hash of the writer that sent each segment (0: anonymous).
         sequences: each segment's number in its writer's stream (for idempotent re-sends).
-        crcs: the data CRC of each segment (:mod:`.checksums`), set by
+        sums: the data value of each segment (:mod:`.checksums`), set by
             :meth:`SegmentStorage.write` for :meth:`SegmentStorage.publish`.
     """
 
@@ -126,7 +126,7 @@ class SegmentBatch:
     first_steps: np.ndarray
     writers: np.ndarray | None = None
     sequences: np.ndarray | None = None
-    crcs: np.ndarray | None = None
+    sums: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -152,7 +152,7 @@ class SegmentBatch:
             self.first_steps[mask],
             None if self.writers is None else self.writers[mask],
             None if self.sequences is None else self.sequences[mask],
-            None if self.crcs is None else self.crcs[mask],
+            None if self.sums is None else self.sums[mask],
         )
 
     @classmethod
@@ -461,7 +461,7 @@ class SegmentStorage:
             if f.role == OBSERVATION:
                 block.index_copy_(0, tail_rel, tails[key])
         # Of what the files hold now: a copy that went wrong is caught too.
-        layout.crcs = cks.data_crcs(self._column_bytes, layout.starts, layout.lengths)
+        layout.sums = cks.data_sums(self._column_bytes, layout.starts, layout.lengths)
 
     def publish(self, layout: SegmentBatch) -> None:
         """Write the records and slot pointers of ``layout``, commit markers last.
@@ -487,10 +487,10 @@ class SegmentStorage:
             block[f.SEQUENCE] = layout.sequences
         self.records[records] = block.T
         block[f.GENERATION] = layout.generations  # what the checksum vouches for
-        crcs = layout.crcs
-        if crcs is None:
-            crcs = cks.data_crcs(self._column_bytes, layout.starts, layout.lengths)
-        self.checksums[records] = cks.combine(crcs, block.T)
+        sums = layout.sums
+        if sums is None:
+            sums = cks.data_sums(self._column_bytes, layout.starts, layout.lengths)
+        self.checksums[records] = cks.combine(sums, block.T)
         self.slot_records[base : base + n_slots] = np.repeat(records, layout.lengths + 1)
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
@@ -595,7 +595,7 @@ class SegmentStorage:
         if self._column_bytes and good.any():
             kept = np.flatnonzero(good)
             sums = cks.combine(
-                cks.data_crcs(self._column_bytes, start[kept], length[kept]), r[kept]
+                cks.data_sums(self._column_bytes, start[kept], length[kept]), r[kept]
             )
             if self._unchecked:
                 self._record_space.ensure(int(live[kept].max()) + 1)
@@ -665,10 +665,10 @@ class SegmentStorage:
         ok = (records > 0) & (rows[:, RecordField.GENERATION] > 0)
         if ok.any():
             r = rows[ok]
-            crcs = cks.data_crcs(
+            sums = cks.data_sums(
                 self._column_bytes, r[:, RecordField.START], r[:, RecordField.LENGTH]
             )
-            ok[ok] = self.checksums[records[ok]] == cks.combine(crcs, r)
+            ok[ok] = self.checksums[records[ok]] == cks.combine(sums, r)
         return ok[inverse].reshape(slots.shape)
 
     def _rebuild_free(self) -> None:
