@@ -3,6 +3,14 @@
 Nothing here decides anything about data: every rule lives in :class:`Table`. A bad
 request is answered with a status (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED,
 DEADLINE_EXCEEDED, ...) and never changes what is stored or stops the server.
+
+What a request declares is bounded before anything is allocated for it: the tensors of one
+insert message decode to at most the message limit (their shapes are charged first, and
+checked against the table's spec), a sampled batch must fit the table's capacity and, from
+its spec, the message limit, PublishWeights' ``total_size`` must not pass
+``max_weights_bytes``, and every ``timeout_ms`` is at most
+:data:`~millpond.config.MAX_TIMEOUT_MS`. Each refusal names the field, its value and the
+limit.
 """
 
 from __future__ import annotations
