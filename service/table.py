@@ -283,8 +283,9 @@ class Table:
             with self._cond:
                 if self.storage.spec is None:
                     inferred = TableSpec.from_example(packed.steps, packed.tails)
+                    config = self.config.with_spec(inferred)  # checks the table's bytes first
                     self.storage.set_spec(inferred)
-                    self.config = self.config.with_spec(inferred)
+                    self.config = config
                     self._write_meta()
                 spec = self.storage.spec
         assert spec is not None

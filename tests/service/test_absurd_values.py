@@ -23,6 +23,7 @@ from millpond.config import (
     MAX_TABLE_BYTES,
     MAX_TIMEOUT_MS,
 )
+from millpond.errors import InvalidConfigError
 from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
@@ -181,6 +182,21 @@ def test_table_bytes_beyond_what_can_be_mapped(served):
     info = stub.Info(pb.InfoRequest(table="vast")).tables[0]
     assert info.inserts == 0 and not info.config.spec
     still_serving(stub, channel)
+
+
+def test_a_first_insert_too_large_for_the_table_is_refused_before_its_files(make_table):
+    table = make_table(TableConfig.uniform("vast", MAX_CAPACITY))
+    steps = TensorDict(
+        {
+            "observation": torch.zeros(2, 4096),
+            "next": {"terminated": torch.zeros(2, 1, dtype=torch.bool)},
+        },
+        [2],
+    )
+    with pytest.raises(InvalidConfigError, match=str(MAX_TABLE_BYTES)):
+        table.insert(steps, TensorDict({"observation": torch.zeros(4096)}, []), episode_id=1)
+    assert table.spec is None and table.config.spec is None
+    assert not (table.path / "data" / "columns").exists()
 
 
 @pytest.mark.parametrize(
