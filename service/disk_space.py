@@ -123,3 +123,23 @@ class Reservation:
                 what = f"{self.what} {start}-{end - 1} (in {name} and the other files)"
                 raise disk_full(self.table_dir, (end - start) * self.unit_bytes, what, e) from e
         self.reserved = end
+
+
+def data_end(fd: int) -> int:
+    """The offset past the last region of ``fd`` that has blocks (the rest is holes).
+
+    On tmpfs even reading a hole through a memory map takes a page, so that a read beyond
+    this (a SIGBUS on a full disk) must be avoided. Where the filesystem cannot tell
+    (``SEEK_DATA`` unsupported), the file's size.
+    """
+    size = os.fstat(fd).st_size
+    end = pos = 0
+    while pos < size:
+        try:
+            pos = os.lseek(fd, os.lseek(fd, pos, os.SEEK_DATA), os.SEEK_HOLE)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # no data past pos
+                break
+            return size
+        end = pos
+    return end

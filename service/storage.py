@@ -17,6 +17,17 @@ more for their bookkeeping than for themselves:
   once. The file has room for the most that can be stored at once (``capacity // 2``: a
   segment takes at least two slots) and is sparse: pages never written take no disk space.
 
+* ``checksums.bin``: one uint64 per record, the checksum of its segment's rows and record
+  (:mod:`.checksums`), sparse too. Recovery drops (and counts in
+  :attr:`SegmentStorage.corrupted`) a segment whose checksum does not match, so damaged
+  bytes are never served; a table written before checksums gets them on its next open.
+
+The files are sparse, and storing through a map into a page that has no block yet makes the
+kernel find one: on a full disk that is SIGBUS, the death of the process. So every insert
+first reserves the blocks it will store into (:meth:`SegmentStorage.reserve_space`, in
+chunks ahead of use, see :mod:`.disk_space`); a full disk then refuses the insert with
+:class:`~millpond.errors.ResourceExhaustedError` before anything changes.
+
 Everything else a slot needs is derived: its episode id and generation from its record,
 its step as ``step base + slot``, its kind (step or tail) from whether it is the tail slot. :meth:`SegmentStorage.slot_info` decodes slots into rows of the
 :class:`SlotColumn` fields: one gather of pointers, one of records, two fixes.
@@ -34,6 +45,7 @@ publication and lets the copies run outside its lock.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import urllib.parse
@@ -49,7 +61,7 @@ from millpond.config import MAX_CAPACITY  # slot pointers and records are int32
 from millpond.errors import InvalidConfigError, InvalidDataError, StorageCorruptedError
 from millpond.service import checksums as cks
 from millpond.service.atomic_json import atomic_write_json
-from millpond.service.disk_space import Reservation, create_sparse
+from millpond.service.disk_space import Reservation, create_sparse, data_end
 from millpond.spec import OBSERVATION, Key, TableSpec
 
 #: Values of the :attr:`SlotColumn.KIND` column.
@@ -182,6 +194,13 @@ def check_step_range(episode_ids: np.ndarray, first_steps: np.ndarray, lengths: 
         )
 
 
+def _read_json(file: Path) -> object:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def column_filename(key: Key) -> str:
     return ".".join(urllib.parse.quote(p, safe="") for p in key) + ".bin"
 
@@ -224,10 +243,14 @@ class SegmentStorage:
         self._claimed_records = 0  # segments reserved for and not yet published
         self._slot_map = self._open_map(slots_file, np.dtype(np.int32), (capacity,), fresh)
         self._slot_space.add(self._fds[-1], 4, SLOTS_FILE)
+        # Reads through the maps stay below what has blocks (or is reserved): on tmpfs,
+        # reading a hole takes a page too, a SIGBUS on a full disk. Beyond: zeros.
+        self._slots_on_disk = -(-data_end(self._fds[-1]) // 4)
         self._record_map = self._open_map(
             records_file, np.dtype(np.int64), (n_records, RECORD_WIDTH), fresh
         )
         self._record_space.add(self._fds[-1], RECORD_WIDTH * 8, SEGMENTS_FILE)
+        self._records_on_disk = -(-data_end(self._fds[-1]) // (RECORD_WIDTH * 8))
         # A format-2 table written before checksums has none: recover() computes them.
         self._unchecked = not fresh and not (self.path / CHECKSUMS_FILE).exists()
         self._checksum_map = self._open_map(
@@ -277,6 +300,24 @@ class SegmentStorage:
         self._fds.append(os.open(file, os.O_RDWR))
         return mm
 
+    def _slot_bound(self) -> int:
+        """Slots below this may hold pointers; those above are holes (zeros)."""
+        return max(self._slots_on_disk, self._slot_space.reserved)
+
+    def _record_bound(self) -> int:
+        """Records below this may have been written; those above are holes (zeros)."""
+        return max(self._records_on_disk, self._record_space.reserved)
+
+    def _pointers(self, slots: np.ndarray) -> np.ndarray:
+        """The record pointers of ``slots`` (flat int64), without reading holes."""
+        bound = self._slot_bound()
+        if not len(slots) or int(slots.max()) < bound:
+            return np.take(self.slot_records, slots)
+        inside = slots < bound
+        out = np.zeros(len(slots), dtype=self.slot_records.dtype)
+        out[inside] = np.take(self.slot_records, slots[inside])
+        return out
+
     # -- columns -------------------------------------------------------------------------
     def set_spec(self, spec: TableSpec) -> None:
         """Create (or open) the column files of ``spec``."""
@@ -307,7 +348,9 @@ class SegmentStorage:
                 columns[key] = mm.as_subclass(torch.Tensor)
                 fds.append((os.open(filename, os.O_RDWR), f.nbytes, filename.name))
                 index["columns"].append({"key": list(key), "file": filename.name})
-            atomic_write_json(cols_dir / "index.json", index)
+            index_file = cols_dir / "index.json"
+            if _read_json(index_file) != index:  # not on every open: a full disk refuses it
+                atomic_write_json(index_file, index)
         except BaseException:
             for fd, _, _ in fds:  # a later set_spec (the disk freed) starts over
                 os.close(fd)
@@ -332,7 +375,7 @@ class SegmentStorage:
 
     def published_in(self, start: int, n_slots: int) -> SegmentBatch:
         """The published segments that overlap slots ``[start, start + n_slots)``."""
-        pointers = self.slot_records[start : start + n_slots]
+        pointers = self.slot_records[start : min(start + n_slots, self._slot_bound())]
         held = pointers[pointers != 0]
         if not len(held):
             return SegmentBatch.empty()
@@ -374,7 +417,8 @@ class SegmentStorage:
         if self._next_record > 1:  # record 0 alone may lie in a page never written
             self._generation[: self._next_record] = 0
         self._claimed_records = 0
-        held = np.flatnonzero(self.slot_records)  # only those: unwritten pages stay unwritten
+        # Only those: unwritten pages stay unwritten.
+        held = np.flatnonzero(self.slot_records[: self._slot_bound()])
         self.slot_records[held] = 0
         self._free = list(range(self._next_record - 1, 0, -1))
         self.cursor = 0
@@ -511,7 +555,7 @@ class SegmentStorage:
         # Each slot's record row (pointer 0 reads record 0, which stays zero), in SlotColumn
         # order already but for the step and the kind. np.take: ~2x faster than fancy
         # indexing for rows.
-        out = np.take(self.records, np.take(self.slot_records, flat), axis=0)
+        out = np.take(self.records, self._pointers(flat), axis=0)
         out[:, SlotColumn.STEP] += flat  # the step base + the slot
         kind = out[:, SlotColumn.KIND]  # holds the tail's slot
         np.equal(kind, flat, out=kind, casting="unsafe")  # 1 at the tail
@@ -575,13 +619,14 @@ class SegmentStorage:
         A table without ``checksums.bin`` (written before checksums) gets its checksums
         computed from its data as it is, and a log line says so.
         """
-        if self.records[0].any():  # the zero record, read through pointer 0
+        n_records, n_slots = self._record_bound(), self._slot_bound()
+        if n_records and self.records[0].any():  # the zero record, read through pointer 0
             self.records[0] = 0
-        live = np.flatnonzero(self._generation > 0)
+        live = np.flatnonzero(self._generation[:n_records] > 0)
         r = self.records[live]
         f = RecordField
         start, length = r[:, f.START], r[:, f.LENGTH]
-        good = (length > 0) & (start >= 0) & (start + length < self.capacity)
+        good = (length > 0) & (start >= 0) & (start + length < n_slots)
         good &= r[:, f.TAIL] == start + length
         good &= r[:, f.EPISODE_ID] >= 0
         # first step = STEP_BASE + START >= 0, and its segment's steps within int64
@@ -615,7 +660,7 @@ class SegmentStorage:
         start, length, live = start[good], length[good], live[good]
         expected = np.zeros(self.capacity, dtype=np.int32)
         expected[ranges(start, length + 1)] = np.repeat(live, length + 1)
-        stale = np.flatnonzero(self.slot_records != expected)
+        stale = np.flatnonzero(self.slot_records[:n_slots] != expected[:n_slots])
         if len(stale):
             self.slot_records[stale] = expected[stale]
         self._rebuild_free()
@@ -630,23 +675,9 @@ class SegmentStorage:
             return
         self._generation[records] = 0
         f = RecordField
-        dropped = [
-            (int(e), int(s), int(n))
-            for e, s, n in zip(rows[:, f.EPISODE_ID], rows[:, f.START], rows[:, f.LENGTH])
-        ]
+        dropped = list(zip(*(rows[:, c].tolist() for c in (f.EPISODE_ID, f.START, f.LENGTH))))
         self.corrupted.extend(dropped)
-        shown = ", ".join(f"episode {e} in slots {s}-{s + n}" for e, s, n in dropped[:10])
-        more = f" and {len(dropped) - 10} more" if len(dropped) > 10 else ""
-        log.warning(
-            "table dir %s: dropped %d damaged segments (a checksum or record that does not "
-            "match: the files were changed outside millpond, or a machine crash without "
-            "fsync): %s%s. The rest of the table is served; restore the table from a copy "
-            "to get them back.",
-            self.table_dir,
-            len(dropped),
-            shown,
-            more,
-        )
+        cks.log_dropped(log, self.table_dir, dropped)
 
     def verify(self, slots: np.ndarray) -> np.ndarray:
         """Whether the data of each slot's segment still matches its checksum.
@@ -659,7 +690,7 @@ class SegmentStorage:
         overwritten meanwhile fails).
         """
         slots = np.asarray(slots, dtype=np.int64)
-        pointers = np.take(self.slot_records, slots.reshape(-1)).astype(np.int64)
+        pointers = self._pointers(slots.reshape(-1)).astype(np.int64)
         records, inverse = np.unique(pointers, return_inverse=True)
         rows = self.records[records]
         ok = (records > 0) & (rows[:, RecordField.GENERATION] > 0)
@@ -673,7 +704,7 @@ class SegmentStorage:
 
     def _rebuild_free(self) -> None:
         """Free records: the unpublished ones below the highest published (record 0 aside)."""
-        live = np.flatnonzero(self._generation[1:] > 0) + 1
+        live = np.flatnonzero(self._generation[1 : self._record_bound()] > 0) + 1
         self._next_record = int(live[-1]) + 1 if len(live) else 1
         free = np.ones(self._next_record, dtype=bool)
         free[0] = False

@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDict
 
 from millpond import MillpondError, ReplayClient, ResourceExhaustedError, TableConfig
+from millpond.service.table import Table
 from millpond.testing import pattern
 
 TMPFS_BYTES = 4 * 1024 * 1024
@@ -192,3 +193,65 @@ def test_full_disk_refuses_inserts_and_the_shard_keeps_serving(server, small_dis
     finally:
         client.close(timeout_s=5)
     assert proc.poll() is None
+
+
+def _fill(path: Path) -> None:
+    """Take every free block of the filesystem of ``path`` (a file of that name)."""
+    with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_a_refused_insert_changes_nothing_and_the_table_reopens_on_a_full_disk(small_disk, sampler):
+    path = small_disk / "t"
+    config = TableConfig(name="t", capacity=CAPACITY, sampler=sampler, seed=3)
+    table = Table.create(path, config)
+    ballast = small_disk / "ballast"
+    ballast.write_bytes(os.urandom(BALLAST_BYTES))
+    stored = []
+    try:
+        with pytest.raises(ResourceExhaustedError, match="disk full") as refused:
+            for ep in range(1, CAPACITY):
+                before = (table.info(), table.storage.cursor, table.storage._next_record)
+                table.insert(*segment(ep), episode_id=ep)
+                stored.append(ep)
+        assert "table dir" in str(refused.value) and "bytes needed" in str(refused.value)
+        after = (table.info(), table.storage.cursor, table.storage._next_record)
+        assert after == before, "the refused insert changed the table"
+        assert table.size == len(stored) * SEGMENT_LEN and stored
+        with pytest.raises(ResourceExhaustedError, match="disk full"):  # and again
+            table.insert(*segment(10**6), episode_id=10**6)
+        _check_table(table, stored)
+    finally:
+        table.close()
+    _fill(small_disk / "filler")
+    table = Table.open(path)  # recovery writes nothing into holes
+    try:
+        assert table.storage.corrupted == []
+        _check_table(table, stored)
+        with pytest.raises(ResourceExhaustedError, match="disk full"):
+            table.insert(*segment(10**6), episode_id=10**6)
+    finally:
+        (small_disk / "filler").unlink()  # closing rewrites meta.json
+        table.close()
+    ballast.unlink()
+    table = Table.open(path)
+    try:
+        table.insert(*segment(10**6), episode_id=10**6)
+        _check_table(table, [*stored, 10**6])
+    finally:
+        table.close()
+
+
+def _check_table(table: Table, episodes: list[int]) -> None:
+    slots = table.storage.published_step_slots()
+    assert len(slots) == len(episodes) * SEGMENT_LEN
+    now, nxt = table.storage.gather(slots)
+    obs = now[("observation",)]
+    head = obs[:, :16].contiguous().view(torch.int64)
+    eps, steps = head[:, 0], head[:, 1]
+    assert sorted(set(eps.tolist())) == sorted(episodes)
+    assert torch.equal(obs, pattern(eps, steps, OBS_SHAPE))
+    assert torch.equal(nxt[("observation",)], pattern(eps, steps + 1, OBS_SHAPE))
+    assert table.storage.verify(slots).all()
