@@ -50,10 +50,9 @@ MAX_SEED = 2**63 - 1
 #: The longest wait a request may ask for (``timeout_ms``), in milliseconds: 30 days. Longer
 #: waits overflow thread waits; 0 already means "wait forever".
 MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
-#: Step indexes stay below this (``first_step + length`` included), so that everything
-#: computed from them (a tail's step, a slice's steps, the next trajectory step) stays far
-#: inside int64.
-MAX_STEP = 2**62
+#: The largest step index: a segment's steps, its tail's (``first_step + length``)
+#: included, are int64.
+MAX_STEP = 2**63 - 1
 
 
 @dataclass(frozen=True)

@@ -255,29 +255,30 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
     else:
         seq = None
     first_steps = [int(s.first_step) for s in segments]
-    check_steps(np.array(first_steps, dtype=object), lengths)
+    episode_ids = [int(s.episode_id) for s in segments]
+    check_steps(np.array(episode_ids, dtype=object), np.array(first_steps, dtype=object), lengths)
     return PackedSegments(
         cat_steps,
         cat_tails,
         lengths,
-        np.array([int(s.episode_id) for s in segments], dtype=np.int64),
+        np.array(episode_ids, dtype=np.int64),
         np.array(first_steps, dtype=np.int64),
         seq,
     )
 
 
-def check_steps(first_steps: np.ndarray, lengths: np.ndarray) -> None:
+def check_steps(episode_ids: np.ndarray, first_steps: np.ndarray, lengths: np.ndarray) -> None:
     """Refuse segments whose steps (the tail's, ``first_step + length``, included) leave
-    ``[0, MAX_STEP]``: what is computed from a step later (a slice's steps, the next step of
-    a trajectory) must never wrap around int64."""
+    ``[0, MAX_STEP]``, by name, before anything computes with them."""
     if not len(first_steps):
         return
     bad = (first_steps < 0) | (first_steps > MAX_STEP - lengths)  # no sum: it could wrap
     if bad.any():
         i = int(np.argmax(bad))
         raise InvalidDataError(
-            f"first_step ({int(first_steps[i])}) of a segment of {int(lengths[i])} steps is out "
-            f"of range: steps must lie in [0, {MAX_STEP}] (first_step + length included)"
+            f"first_step {int(first_steps[i])} of episode {int(episode_ids[i])} is out of "
+            f"range: the steps of its segment of {int(lengths[i])} (first_step + length "
+            f"included) must lie in [0, {MAX_STEP}]"
         )
 
 
@@ -356,7 +357,7 @@ def pack_columns(
                 f"tail key {format_key(key)}: expected one row per segment ({len(lengths)}), "
                 f"received shape {list(t.shape)}"
             )
-    check_steps(np.asarray(first_steps, dtype=np.int64), lengths)
+    check_steps(np.asarray(episode_ids), np.asarray(first_steps, dtype=np.int64), lengths)
     return PackedSegments(
         normalize_steps(dict(steps), n, lengths),
         dict(tails),
