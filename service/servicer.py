@@ -65,13 +65,15 @@ def _edge(method: Callable) -> Callable:
         if isinstance(exc, grpc.RpcError) or not context.is_active():
             return  # the client went away (or the server is stopping): nobody to answer
         if isinstance(exc, MemoryError):  # what a request asked for does not fit: say so
-            log.warning("%s: out of memory: %s", method.__name__, exc)
             exc = ResourceExhaustedError(f"out of memory serving {method.__name__}: {exc}")
         code, message, error_name = status_of(exc)
         if len(message) > _MAX_DETAILS:
             message = f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"
         if code == grpc.StatusCode.INTERNAL:
             log.exception("%s failed", method.__name__)
+        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # a client asking for more than this shard allows: worth an operator's eye, once
+            log.warning("%s refused: %s", method.__name__, message)
         if error_name is not None:
             context.set_trailing_metadata(((ERROR_KEY, error_name),))
         context.abort(code, message)
