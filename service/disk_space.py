@@ -73,9 +73,8 @@ class Reservation:
         limit: number of units the files hold.
         what: what a unit is, for error messages (``"slots"``, ``"segment records"``).
 
-    Files join with :meth:`add`, each with its bytes per unit. The watermark starts at 0 for
-    every opened table: reserving blocks that exist already is cheap, so a reopened table
-    just reserves again from the start.
+    Files join with :meth:`add`, each with its bytes per unit; :meth:`resume` then moves
+    the watermark past what they hold already.
     """
 
     def __init__(self, table_dir: Path, limit: int, what: str) -> None:
@@ -88,6 +87,13 @@ class Reservation:
     def add(self, fd: int, unit_bytes: int, name: str) -> None:
         self._files.append((fd, unit_bytes, name))
         self.reserved = 0  # the new file has nothing reserved yet
+
+    def resume(self) -> None:
+        """Start the watermark where the first hole of any file is (an opened table's
+        files have blocks from unit 0 on, as far as its ring was written), so that the
+        first insert does not reserve that part again."""
+        ends = [_first_hole(fd) // unit for fd, unit, _ in self._files if unit]
+        self.reserved = min(min(ends, default=0), self.limit)
 
     @property
     def unit_bytes(self) -> int:
@@ -143,3 +149,11 @@ def data_end(fd: int) -> int:
             return size
         end = pos
     return end
+
+
+def _first_hole(fd: int) -> int:
+    """The offset of the first hole of ``fd`` (0 where the filesystem cannot tell)."""
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE)
+    except OSError:
+        return 0

@@ -209,6 +209,7 @@ class PrioritizedSampler(Sampler):
             reserve(fd, capacity * 8, 8, directory, PRIORITIES_FILE)
             self._space = Reservation(directory, capacity, "slots")
             self._space.add(fd, 8, PRIORITIES_FILE)
+            self._space.resume()
         self.priorities = self._file[:capacity]
         self._max = self._file[capacity : capacity + 1]
         if self._max[0] < 1.0:

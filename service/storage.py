@@ -275,10 +275,12 @@ class SegmentStorage:
         self._next_record = 1  # records [1, next) have been handed out at least once
         #: Next slot to allocate from; recovered from the newest segment on reopen.
         self.cursor = 0
-        if not fresh:
-            self._rebuild_free()
         if spec is not None:
             self.set_spec(spec)
+        self._slot_space.resume()
+        self._record_space.resume()
+        if not fresh:
+            self._rebuild_free()
 
     def _open_map(
         self, file: Path, dtype: np.dtype, shape: tuple[int, ...], fresh: bool
@@ -359,6 +361,7 @@ class SegmentStorage:
             self._fds.append(fd)
             self._slot_space.add(fd, nbytes, name)
         self.columns = columns
+        self._slot_space.resume()
         self._column_bytes = [
             (t.reshape(-1).view(torch.uint8).numpy().reshape(self.capacity, -1), int(role))
             for t, role in zip(
