@@ -54,8 +54,8 @@ DONE: Key = ("next", "done")
 _KEY_PART = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 #: The longest key, its parts joined by ``.``: it names a column file (``KEY.bin``), and
-#: file systems allow 255 bytes per name.
-MAX_KEY_BYTES = 240
+#: file systems allow 255 bytes per name (so no table ever stored a longer key).
+MAX_KEY_BYTES = 255 - len(".bin")
 #: The most parts a key may have (how deep a TensorDict nests it).
 MAX_KEY_DEPTH = 32
 #: The most bytes one step may take (one key, and every key of a slot together).

@@ -128,7 +128,7 @@ def test_long_table_names(served, name):
 @pytest.mark.parametrize(
     "key",
     [("o" * (MAX_KEY_BYTES + 1),), ("o" * 300,), ("o",) * (MAX_KEY_DEPTH + 1), ("ab",) * 100],
-    ids=["241", "300", "deep", "long-and-deep"],
+    ids=["one-too-long", "300", "deep", "long-and-deep"],
 )
 def test_long_or_deep_keys(served, key):
     stub, channel, _ = served
@@ -142,6 +142,16 @@ def test_long_or_deep_keys(served, key):
     details = refused(lambda: insert(stub, "keyless", msg), "key")
     assert str(MAX_KEY_BYTES) in details or str(MAX_KEY_DEPTH) in details
     assert not stub.Info(pb.InfoRequest(table="keyless")).tables[0].config.spec
+    still_serving(stub, channel)
+
+
+def test_the_longest_keys_are_stored(served):
+    stub, channel, shard = served
+    keys = [("o" * MAX_KEY_BYTES,), ("a" * 125, "b" * 125)]
+    fields = [pb.FieldSpec(key=list(k), dtype="uint8", shape=[2], role="observation") for k in keys]
+    create(stub, name="longest-keys", capacity=10, spec=fields)
+    files = {p.name for p in (shard / "tables" / "longest-keys" / "data" / "columns").iterdir()}
+    assert {"o" * MAX_KEY_BYTES + ".bin", "a" * 125 + "." + "b" * 125 + ".bin"} <= files
     still_serving(stub, channel)
 
 
