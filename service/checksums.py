@@ -10,10 +10,11 @@ none, and gets one computed from its data as it is when it is next opened). It c
   (what the file holds, not what was meant for it). A short range gets its ``zlib.crc32``;
   a long one (:data:`WIDE_BYTES` or more) a sum of its 8-byte words times odd position
   weights, modulo 2**64, which numpy computes ~3.5x faster than zlib's CRC (an Atari-sized
-  segment: 70 us against 240 us per MiB-sized range); any change of one word changes it,
-  and so does a swap of two words (unless their difference times twice their distance is
-  a multiple of 2**64). One CRC-32 runs over the columns in order: over a short range's
-  bytes, over a long range's 8-byte sum;
+  segment: 70 us against 240 us per MiB-sized range). Any change within one word changes
+  it, and so do a moved or swapped page and most changes of several words; its blind spot
+  is a pair of changes whose weighted differences cancel modulo 2**64, such as bit 63 of
+  two words flipped in opposite directions (a CRC-32 has none for two flips). One CRC-32
+  runs over the columns in order: over a short range's bytes, over a long range's sum;
 * its record: a sum of the eight fields times odd constants, modulo 2**64, so that a
   change of any one field changes it (vectorised over segments, cheap under the lock).
 
@@ -23,8 +24,10 @@ after its copy, outside the table's lock; the record part when the segment is pu
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -108,3 +111,19 @@ def record_sums(records: np.ndarray) -> np.ndarray:
 def combine(values: np.ndarray, records: np.ndarray) -> np.ndarray:
     """Checksums of segments from their data values and their ``[n, 8]`` records."""
     return values.astype(np.uint64) ^ record_sums(records)
+
+
+def log_dropped(log: logging.Logger, table_dir: Path, dropped: list[tuple[int, int, int]]) -> None:
+    """Warn of the segments recovery dropped: ``(episode id, first slot, length)`` each."""
+    shown = ", ".join(f"episode {e} in slots {s}-{s + n}" for e, s, n in dropped[:10])
+    more = f" and {len(dropped) - 10} more" if len(dropped) > 10 else ""
+    log.warning(
+        "table dir %s: dropped %d damaged segments, never served (a checksum, record or "
+        "slot pointer that does not hold up: the files changed outside millpond, or a "
+        "machine crashed without --fsync): %s%s. The rest of the table is served; to get "
+        "them back, restore the table directory from a copy.",
+        table_dir,
+        len(dropped),
+        shown,
+        more,
+    )
