@@ -13,7 +13,6 @@ __all__ = [
     "COMPRESSIONS",
     "MAX_CAPACITY",
     "MAX_NAME_BYTES",
-    "MAX_PRIORITIZED_CAPACITY",
     "MAX_ROW_BYTES",
     "MAX_SEED",
     "MAX_STEP",
@@ -34,9 +33,6 @@ COMPRESSIONS = (None, "zstd")
 
 #: The most slots a table may have: slot pointers and segment records are int32.
 MAX_CAPACITY = 2**31 - 1
-#: The most slots a prioritized table may have: its sum tree lives in memory, 32 bytes per
-#: slot (capacity rounded up to a power of two), 8 GiB at this capacity.
-MAX_PRIORITIZED_CAPACITY = 2**28
 #: The longest table name, in UTF-8 bytes: it names a directory (file systems allow 255).
 MAX_NAME_BYTES = 255
 #: The most bytes a table may map: capacity x (a slot's bytes + its bookkeeping). 16 TiB,
@@ -127,11 +123,6 @@ class TableConfig:
             )
         if self.sampler not in SAMPLERS:
             raise InvalidConfigError(f"sampler ({self.sampler!r}) must be one of {SAMPLERS}")
-        if self.sampler == "prioritized" and self.capacity > MAX_PRIORITIZED_CAPACITY:
-            raise InvalidConfigError(
-                f"capacity ({self.capacity}) exceeds the largest prioritized table "
-                f"({MAX_PRIORITIZED_CAPACITY} slots: its sum tree is held in memory)"
-            )
         if not isinstance(self.min_size, int) or self.min_size < 0:
             raise InvalidConfigError(f"min_size ({self.min_size!r}) must be a non-negative integer")
         spi = self.samples_per_insert

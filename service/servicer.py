@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -190,9 +191,10 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @_edge
     def CreateTable(self, request: pb.CreateTableRequest, context) -> pb.CreateTableResponse:
-        table = self.shard.create_table(
-            config_from_proto(request.config), exist_ok=request.exist_ok
-        )
+        config = config_from_proto(request.config)
+        if config.name not in self.shard.tables:
+            _check_memory(config)
+        table = self.shard.create_table(config, exist_ok=request.exist_ok)
         return pb.CreateTableResponse(config=config_to_proto(table.config))
 
     @_edge
@@ -444,3 +446,22 @@ def _wire_spec(spec: TableSpec | None) -> dict[Key, FieldSpec] | None:
     if spec is None:
         return None
     return {k: f for k, f in spec.fields.items() if k not in _FLAG_KEYS}
+
+
+def _check_memory(config) -> None:
+    """Refuse a new prioritized table whose sum tree would take more than half this
+    machine's memory: it is held in memory and filled at once (its files are not), so
+    creating it would have the shard killed rather than a request refused."""
+    if config.sampler != "prioritized":
+        return
+    leaves = 1 << max(0, (config.capacity - 1).bit_length())
+    need = 2 * 2 * leaves * 8  # a sum tree and a min tree, float64, two nodes per leaf
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return  # no way to tell on this platform
+    if need > have // 2:
+        raise ResourceExhaustedError(
+            f"capacity ({config.capacity}) of a prioritized table needs {need} bytes of memory "
+            f"for its sum tree, more than half of this machine's ({have} bytes)"
+        )
