@@ -250,8 +250,8 @@ def from_tensor_map_flat(
         f = spec.get(key) if spec is not None else None
         if f is not None and (dtype != f.dtype or shape[len(batch) :] != f.shape):
             raise InvalidDataError(
-                f"key {format_key(key)} in {what}: expected dtype and shape {f.describe()} per step, "
-                f"received {dtype_name(dtype)}{_brief(shape[len(batch) :])}"
+                f"key {format_key(key)} in {what}: expected dtype and shape {f.describe()} "
+                f"per step, received {dtype_name(dtype)}{_brief(shape[len(batch) :])}"
             )
 
     out: dict[Key, torch.Tensor] = {}
