@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from millpond.errors import InvalidConfigError, InvalidDataError
@@ -155,10 +156,12 @@ class FieldSpec:
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidConfigError(f"dtype ({self.dtype!r}) must be a torch dtype")
         shape = self.shape
-        if not isinstance(shape, tuple) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in shape
+        if not isinstance(shape, tuple | list) or not all(
+            isinstance(s, int | np.integer) and not isinstance(s, bool) for s in shape
         ):
             raise InvalidConfigError(f"shape ({shape!r}) must be a tuple of integers")
+        shape = tuple(int(s) for s in shape)
+        object.__setattr__(self, "shape", shape)  # one form, so that equal specs compare equal
         if any(s < 0 for s in shape):
             raise InvalidConfigError(f"shape {list(shape)} has a negative dimension")
         # Zero dimensions count as 1, so that an empty shape cannot hide overflowing ones.
