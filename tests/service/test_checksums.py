@@ -180,6 +180,13 @@ def test_a_flipped_slot_pointer_drops_its_segment(copy, original):
     reopen(copy, 18, where)
 
 
+def test_a_flipped_checksum_drops_its_segment(copy, original):
+    _, where = original
+    record = _record_of(copy, where[11][0])
+    flip(copy / "data" / CHECKSUMS_FILE, record * 8 + 3)
+    reopen(copy, 11, where)
+
+
 def test_a_table_without_checksums_gets_them_on_open(copy, original, caplog):
     _, where = original
     (copy / "data" / CHECKSUMS_FILE).unlink()
