@@ -41,6 +41,7 @@ from millpond.learner._info import combine_info
 from millpond.learner._masses import ShardMasses
 from millpond.learner._shards import ShardSet
 from millpond.learner._split import SplitSampler
+from millpond.learner.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
 from millpond.learner.writer import Writer
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto
@@ -232,6 +233,7 @@ class ReplayClient:
         writer_id: str | None = None,
         max_in_flight: int = 64,
         shard: int | None = None,
+        timeout_s: float | None = DEFAULT_WRITER_TIMEOUT_S,
     ) -> Writer:
         """A :class:`Writer` pinned to shard ``shard``, by default to shard
         ``writer_hash(writer_id) % num_shards``.
@@ -241,6 +243,11 @@ class ReplayClient:
         so give an explicit id only to one writer at a time, and not again after a restart.
         Pin writers explicitly (e.g. actor ``i`` to shard ``i % num_shards``) to spread a
         few writers evenly; a restarted writer must keep its shard to keep its numbering.
+
+        ``timeout_s`` bounds every wait of the writer for its shard (a write blocked on
+        ``max_in_flight``, ``flush``, ``close`` and so leaving a ``with`` block): past it
+        :class:`DeadlineExceededError` names the shard, the writer and what is still
+        unacknowledged. ``None`` waits for ever.
         """
         _check_table(table)
         if writer_id is None:
@@ -273,6 +280,7 @@ class ReplayClient:
             max_message_bytes=self.max_message_mb * 1024 * 1024,
             table_config=lambda: self._masses.configs.get(table),
             on_stored=lambda: self._masses.mark_stale(pinned, table),
+            timeout_s=timeout_s,
         )
         self._writers.add(writer)
         return writer
@@ -298,7 +306,8 @@ class ReplayClient:
             if state.writer is None:
                 state.generation += 1
                 writer_id = f"{self._client_id}-extend-{table}-{state.generation}"
-                state.writer = self.writer(table, writer_id)
+                # The client's timeout, not the writer default: extend waits as sample does.
+                state.writer = self.writer(table, writer_id, timeout_s=self.timeout_s)
             writer = state.writer
             saved = dict(state.episodes)
             queued = False

@@ -59,6 +59,12 @@ REQUEST_BYTES = 1024 * 1024 - _MESSAGE_OVERHEAD
 #: longer travel one per request (each request costs the shard and the client far more than
 #: a small segment's bytes), while two requests in flight keep the shard busy.
 REQUESTS_IN_FLIGHT = 2
+#: How long a writer waits for its shard by default: for room in ``max_in_flight`` in a
+#: write, for the acknowledgements in :meth:`Writer.flush` and :meth:`Writer.close`. A shard
+#: that accepts the stream and then never answers (wedged, or its rate limiter holding
+#: inserts back with nobody sampling) would otherwise block an actor, and the ``with`` block
+#: around its writer, forever.
+DEFAULT_TIMEOUT_S = 60.0
 _SEQUENCE_BYTES = 11  # a sequence number's bytes, set after a message's size is taken
 
 
@@ -101,6 +107,12 @@ class Writer:
             if unknown); its spec is enforced here, and its ``compression`` applied to
             observations on the wire.
         on_stored: called (from the background thread) after acknowledgements arrive.
+        timeout_s: the longest any call waits for the shard (:data:`DEFAULT_TIMEOUT_S`
+            unless given): a write for room in ``max_in_flight``, :meth:`flush` and
+            :meth:`close` for the acknowledgements. Past it they raise
+            :class:`DeadlineExceededError`, naming the shard, the writer and the segments
+            still unacknowledged. ``None``: wait for ever (a rate limiter may legitimately
+            hold inserts back while a learner is slow).
     """
 
     def __init__(
@@ -114,6 +126,7 @@ class Writer:
         max_message_bytes: int = 256 * 1024 * 1024,
         table_config: Callable[[], TableConfig | None] = lambda: None,
         on_stored: Callable[[], None] = lambda: None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
         if not isinstance(writer_id, str) or not writer_id:
             raise InvalidConfigError(f"writer_id ({writer_id!r}) must be a non-empty string")
@@ -125,6 +138,11 @@ class Writer:
             raise InvalidConfigError(
                 f"max_in_flight ({max_in_flight!r}) must be a positive integer"
             )
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s < 0
+        ):
+            raise InvalidConfigError(f"timeout_s ({timeout_s!r}) must be a number >= 0 or None")
+        self._timeout_s = None if timeout_s is None else float(timeout_s)
         self._shard = shard
         self._table = table
         self._writer_id = writer_id
@@ -183,6 +201,11 @@ class Writer:
     def shard_index(self) -> int:
         """The index of the shard this writer is pinned to, in the client's list."""
         return self._shard.index
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The longest a write, :meth:`flush` or :meth:`close` waits for the shard."""
+        return self._timeout_s
 
     @property
     def sent(self) -> int:
@@ -328,9 +351,12 @@ class Writer:
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every written segment is acknowledged.
 
-        Raises :class:`DeadlineExceededError` after ``timeout_s`` seconds (the segments stay
-        queued and are still sent), or the error that stopped the writer.
+        Raises :class:`DeadlineExceededError` after ``timeout_s`` seconds (``None``: the
+        writer's :attr:`timeout_s`; the segments stay queued and are still sent), or the
+        error that stopped the writer.
         """
+        if timeout_s is None:
+            timeout_s = self._timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             while self._unacked and self._error is None:
@@ -341,19 +367,19 @@ class Writer:
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise DeadlineExceededError(
-                        f"flush: {self._pending} segments of writer {self._writer_id!r} "
-                        f"still unacknowledged by shard {self._shard.address} after {timeout_s} s"
-                    )
+                    raise DeadlineExceededError(self._stuck("flush", timeout_s, self._pending))
                 self._cv.wait(remaining)
             self._raise_error_locked()
 
     def close(self, timeout_s: float | None = None) -> None:
         """Flush, end the stream and stop the background thread.
 
-        After ``timeout_s`` seconds the stream is cancelled, unacknowledged segments are
-        dropped, and :class:`DeadlineExceededError` is raised. Closing twice is harmless.
+        After ``timeout_s`` seconds (``None``: the writer's :attr:`timeout_s`) the stream is
+        cancelled, unacknowledged segments are dropped, and :class:`DeadlineExceededError`
+        is raised. Closing twice is harmless.
         """
+        if timeout_s is None:
+            timeout_s = self._timeout_s
         with self._cv:
             if self._closed:
                 return
@@ -367,8 +393,7 @@ class Writer:
                 self._closed = True
                 lost = self._pending
             raise DeadlineExceededError(
-                f"close: writer {self._writer_id!r} gave up after {timeout_s} s with {lost} "
-                f"segments unacknowledged by shard {self._shard.address}"
+                self._stuck("close", timeout_s, lost) + "; they are dropped"
             )
         with self._cv:
             self._closed = True
@@ -378,6 +403,13 @@ class Writer:
                     f"writer {self._writer_id!r} closed with {self._pending} segments "
                     "unacknowledged"
                 )
+
+    def _stuck(self, what: str, timeout_s: float | None, unacked: int) -> str:
+        return (
+            f"{what}: after {timeout_s} s, {unacked} segments of writer {self._writer_id!r} "
+            f"still unacknowledged by shard {self._shard.address} (the shard is down, wedged, "
+            "or its rate limiter holds inserts back)"
+        )
 
     def __enter__(self) -> Writer:
         return self
@@ -459,16 +491,37 @@ class Writer:
 
     def _enqueue_many(self, messages: Sequence[_Queued]) -> list[int]:
         """Queue messages in order, waking the sender once per batch (not once per message);
-        returns the sequences of their segments."""
+        returns the sequences of their segments.
+
+        Waits for room at most :attr:`timeout_s` since the last acknowledgement; messages
+        queued before that stay queued (the error says how many segments of the call)."""
         sequences: list[int] = []
+        timeout_s = self._timeout_s
         with self._cv:
             for queued in messages:
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                acked = self._acked
                 while True:
                     self._raise_if_unusable_locked()
                     if self._pending < self._max_in_flight:
                         break
+                    if self._acked != acked:  # the shard answers: wait again in full
+                        acked = self._acked
+                        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        self._cv.notify_all()
+                        raise DeadlineExceededError(
+                            self._stuck("write", timeout_s, self._pending)
+                            + f"; {len(sequences)} of this call's segments were queued"
+                            + (
+                                ""
+                                if not sequences
+                                else f" (sequences {sequences[0]}..{sequences[-1]})"
+                            )
+                        )
                     self._cv.notify_all()  # let the sender take what is queued so far
-                    self._cv.wait()
+                    self._cv.wait(remaining)
                 queued.number(self._next_sequence)
                 self._next_sequence += queued.count
                 self._unacked[queued.last] = queued
