@@ -9,8 +9,11 @@ checkpoint, exit 0. Restarting on the same DIR resumes every table.
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,23 +126,87 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"
-    if config.tls_cert is not None:
-        try:
-            key = Path(config.tls_key).read_bytes()  # type: ignore[arg-type]
-            cert = Path(config.tls_cert).read_bytes()
-        except OSError as e:
-            shard.close()
-            raise InvalidConfigError(f"cannot read TLS files: {e}") from None
-        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if config.tls_cert is not None:
+            credentials = tls_credentials(config.tls_cert, config.tls_key)  # type: ignore[arg-type]
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except InvalidConfigError:
+        shard.close()
+        raise
+    except RuntimeError as e:  # gRPC says only "Failed to bind": the TLS files were checked
+        shard.close()
+        raise InvalidConfigError(f"cannot bind {address} (in use?): {e}") from None
     if port == 0:
         shard.close()
-        raise InvalidConfigError(f"cannot bind {address}")
+        raise InvalidConfigError(f"cannot bind {address} (in use?)")
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return ShardServer(server, port, shard, health_servicer), port
+
+
+_PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.DOTALL)
+_KEY_LABELS = (b"PRIVATE KEY", b"RSA PRIVATE KEY", b"EC PRIVATE KEY")
+
+
+def tls_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
+    """Server credentials from PEM files, each checked first.
+
+    gRPC reports a bad key or certificate only as "Failed to bind", which sends an operator
+    after the port; here the message names the file and what is wrong with it.
+    """
+    cert = _read_pem(cert_path, "certificate", (b"CERTIFICATE",))
+    key = _read_pem(key_path, "private key", _KEY_LABELS)
+    credentials = grpc.ssl_server_credentials([(key, cert)])
+    # The pair is tried on a throwaway loopback port: a key that does not belong to the
+    # certificate (or that gRPC refuses otherwise) must not read as a busy address.
+    probe = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    try:
+        probe.add_secure_port("127.0.0.1:0", credentials)
+    except RuntimeError:
+        raise InvalidConfigError(
+            f"TLS key {key_path} and certificate {cert_path} are PEM but gRPC refuses them "
+            "together: does the key belong to the certificate (the first one in the file)?"
+        ) from None
+    finally:
+        probe.stop(None)
+    return credentials
+
+
+def _read_pem(path: str, what: str, labels: tuple[bytes, ...]) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise InvalidConfigError(f"cannot read TLS {what} {path}: {e.strerror}") from None
+    blocks = _PEM_BLOCK.findall(data)
+    wanted = " or ".join(repr(label.decode()) for label in labels)
+    if not blocks:
+        raise InvalidConfigError(
+            f"TLS {what} {path} is not valid PEM: no complete '-----BEGIN ...-----' / "
+            "'-----END ...-----' block"
+        )
+    if not any(label in labels for label, _ in blocks):
+        found = ", ".join(sorted({label.decode() for label, _ in blocks}))
+        encrypted = any(label == b"ENCRYPTED PRIVATE KEY" for label, _ in blocks)
+        hint = " (the key is encrypted: gRPC takes unencrypted keys)" if encrypted else ""
+        raise InvalidConfigError(
+            f"TLS {what} {path} is not valid PEM for a {what}: it holds {found}, not {wanted}{hint}"
+        )
+    for label, body in blocks:
+        if b"Proc-Type:" in body:
+            raise InvalidConfigError(
+                f"TLS {what} {path} is encrypted (Proc-Type header): gRPC takes unencrypted keys"
+            )
+        try:
+            base64.b64decode(b"".join(body.split()), validate=True)
+        except binascii.Error as e:
+            raise InvalidConfigError(
+                f"TLS {what} {path} is not valid PEM: its {label.decode()} block is not "
+                f"base64 ({e})"
+            ) from None
+    return data
 
 
 def load_tables(path: str | os.PathLike) -> tuple[TableConfig, ...]:
