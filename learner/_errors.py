@@ -15,6 +15,7 @@ from millpond.errors import (
     AuthenticationError,
     MillpondError,
     PermissionDeniedError,
+    ShardBusyError,
     ShardUnavailableError,
 )
 from millpond.protos.status import ERROR_KEY, error_from_status
@@ -78,12 +79,16 @@ def is_connect_failure(err: BaseException) -> bool:
 def is_retryable(err: BaseException) -> bool:
     """Whether a writer should reconnect after ``err`` (see :data:`_RETRYABLE`).
 
-    RESOURCE_EXHAUSTED is final (a message too large, a full disk) except when gRPC says
-    the server is at its limit of concurrent calls: that passes.
+    RESOURCE_EXHAUSTED is final (a message too large, a full disk) except when the shard
+    is busy (:class:`ShardBusyError`: all the streams it serves at once are open) or gRPC
+    says the server is at its limit of concurrent calls: those pass.
     """
     code = code_of(err)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return "concurrent rpc limit" in details_of(err).lower()
+        return (
+            error_name_of(err) == ShardBusyError.__name__
+            or "concurrent rpc limit" in details_of(err).lower()
+        )
     return code in _RETRYABLE or is_connect_failure(err)
 
 

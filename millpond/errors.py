@@ -35,6 +35,14 @@ class ResourceExhaustedError(MillpondError):
     """A message is too large, or the disk is full."""
 
 
+class ShardBusyError(ResourceExhaustedError):
+    """The shard serves as many streams as it can at once; retry with backoff.
+
+    A pinned writer does so on its own: the refusal keeps threads free for health checks
+    and learners' calls, it does not say the data is unwelcome.
+    """
+
+
 class DeadlineExceededError(MillpondError, TimeoutError):
     """An operation did not complete within its timeout."""
 
@@ -73,6 +81,7 @@ __all__ = [
     "PermissionDeniedError",
     "RateLimiterTimeoutError",
     "ResourceExhaustedError",
+    "ShardBusyError",
     "ShardUnavailableError",
     "StorageCorruptedError",
     "TableExistsError",

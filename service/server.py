@@ -29,8 +29,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
 from millpond.protos import millpond_pb2_grpc as pb_grpc
+from millpond.service.admission import AdmissionInterceptor
 from millpond.service.auth import TokenAuthInterceptor, load_tokens
-from millpond.service.servicer import ReplayServicer
+from millpond.service.servicer import DEFAULT_MAX_WEIGHTS_BYTES, ReplayServicer
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
 
@@ -52,7 +53,11 @@ class ServerConfig:
         tls_key: PEM private key file.
         token_file: file of ``ROLE TOKEN`` lines; every call then needs a bearer token.
         max_message_mb: largest message accepted or sent, in MiB.
-        max_workers: threads serving calls (each open stream holds one).
+        max_workers: threads serving calls. Each open stream holds one, so Insert streams
+            take at most ``max_workers - max(2, max_workers // 8)`` and all streams at most
+            ``max_workers - 1``: health checks, Info and learners' calls always find a
+            thread, and a stream past the bound is refused as "shard busy" (writers retry).
+        max_weights_mb: the largest weights PublishWeights takes, in MiB.
     """
 
     dir: str
@@ -65,6 +70,7 @@ class ServerConfig:
     token_file: str | None = None
     max_message_mb: int = 256
     max_workers: int = 64
+    max_weights_mb: int = DEFAULT_MAX_WEIGHTS_BYTES >> 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -75,6 +81,8 @@ class ServerConfig:
             raise InvalidConfigError(f"max_message_mb ({self.max_message_mb}) must be >= 1")
         if self.max_workers < 2:
             raise InvalidConfigError(f"max_workers ({self.max_workers}) must be >= 2")
+        if self.max_weights_mb < 1:
+            raise InvalidConfigError(f"max_weights_mb ({self.max_weights_mb}) must be >= 1")
 
 
 class ShardServer:
@@ -109,9 +117,10 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
         shard.create_table(table_config)
     weights = WeightStore(Path(config.dir) / "weights")
     limit = config.max_message_mb * 1024 * 1024
-    interceptors = []
-    if config.token_file is not None:
+    interceptors: list[grpc.ServerInterceptor] = []
+    if config.token_file is not None:  # first: a call without a token takes no stream place
         interceptors.append(TokenAuthInterceptor(load_tokens(config.token_file)))
+    interceptors.append(AdmissionInterceptor(config.max_workers))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="millpond"),
         interceptors=interceptors,
@@ -122,7 +131,10 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
         ],
         maximum_concurrent_rpcs=config.max_workers * 4,
     )
-    pb_grpc.add_ReplayServicer_to_server(ReplayServicer(shard, weights, limit), server)
+    servicer = ReplayServicer(
+        shard, weights, limit, max_weights_bytes=config.max_weights_mb * 1024 * 1024
+    )
+    pb_grpc.add_ReplayServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"
@@ -246,7 +258,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--token-file", help="file of 'ROLE TOKEN' lines; calls then need a token")
     p.add_argument("--fsync", action="store_true", help="fsync each insert before acking it")
     p.add_argument("--max-message-mb", type=int, default=256, help="largest message, MiB")
-    p.add_argument("--max-workers", type=int, default=64, help="threads serving calls")
+    p.add_argument(
+        "--max-workers",
+        type=int,
+        default=64,
+        help="threads serving calls; Insert streams take at most all but max(2, 1/8) of them",
+    )
+    p.add_argument(
+        "--max-weights-mb",
+        type=int,
+        default=DEFAULT_MAX_WEIGHTS_BYTES >> 20,
+        help="largest weights PublishWeights takes, MiB",
+    )
     return p
 
 
@@ -267,6 +290,7 @@ def serve(args: argparse.Namespace) -> int:
         token_file=args.token_file,
         max_message_mb=args.max_message_mb,
         max_workers=args.max_workers,
+        max_weights_mb=args.max_weights_mb,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -295,6 +319,7 @@ def _serve_many(args: argparse.Namespace) -> int:
         passthrough.append("--fsync")
     passthrough += ["--max-message-mb", str(args.max_message_mb)]
     passthrough += ["--max-workers", str(args.max_workers), "--host", args.host]
+    passthrough += ["--max-weights-mb", str(args.max_weights_mb)]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

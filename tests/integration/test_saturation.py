@@ -1,0 +1,124 @@
+"""More writer streams than server threads: probes and learners are still answered."""
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tensordict import TensorDict
+
+from millpond import ReplayClient, TableConfig
+from millpond.errors import ResourceExhaustedError, ShardBusyError
+from millpond.learner._errors import from_rpc_error, is_retryable
+from millpond.protos import millpond_pb2 as pb
+from millpond.protos import millpond_pb2_grpc as pb_grpc
+from millpond.service.server import ServerConfig, create_server
+
+pytestmark = pytest.mark.timeout(120)
+MAX_WORKERS = 4
+
+
+def segment(episode: int, length: int = 8):
+    steps = TensorDict(
+        {
+            "observation": torch.full((length, 4), float(episode)),
+            "action": torch.zeros(length, dtype=torch.int64),
+            ("next", "reward"): torch.ones(length),
+            ("next", "terminated"): torch.zeros(length, dtype=torch.bool),
+            ("next", "truncated"): torch.zeros(length, dtype=torch.bool),
+        },
+        batch_size=[length],
+    )
+    steps["next", "truncated"][-1] = True
+    tail = TensorDict({"observation": torch.zeros(4)}, batch_size=[])
+    return steps, tail
+
+
+@pytest.fixture
+def busy_shard(tmp_path):
+    server, port = create_server(ServerConfig(dir=str(tmp_path / "s"), max_workers=MAX_WORKERS))
+    yield f"127.0.0.1:{port}"
+    server.stop(grace=0.5)
+
+
+def health_check(address: str, timeout_s: float = 5.0) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="millpond.v1.Replay")
+        return stub.Check(request, timeout=timeout_s).status
+
+
+def test_probes_and_learners_answer_while_writers_fill_the_shard(busy_shard):
+    client = ReplayClient(busy_shard, timeout_s=10)
+    client.create_table(TableConfig.uniform("t", capacity=10_000))
+    writers = [
+        client.writer("t", writer_id=f"actor-{i}", timeout_s=60) for i in range(MAX_WORKERS + 2)
+    ]
+    for i, writer in enumerate(writers):  # every writer opens its stream and keeps it open
+        writer.write_segment(*segment(i), episode_id=i, first_step=0)
+    time.sleep(1.0)
+    for _ in range(3):
+        started = time.monotonic()
+        assert health_check(busy_shard) == health_pb2.HealthCheckResponse.SERVING
+        assert time.monotonic() - started < 5
+        assert client.info("t")["size"] >= 0  # Info finds a thread too
+    batch = client.sample("t", 4, timeout_s=10)  # and a learner's Sample stream
+    assert batch.batch_size == torch.Size([4])
+
+    # Writers refused as busy retry: all of them deliver once others close.
+    errors = []
+
+    def close(writer):
+        try:
+            writer.close(timeout_s=60)
+        except Exception as e:  # the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=close, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert all(w.acked == 1 for w in writers)
+    assert client.info("t")["size"] == 8 * len(writers)
+    client.close(timeout_s=10)
+
+
+def test_a_stream_past_the_bound_is_refused_at_once_as_busy(busy_shard):
+    channels = [grpc.insecure_channel(busy_shard) for _ in range(MAX_WORKERS + 1)]
+    stub_calls = []
+    released = threading.Event()
+
+    def requests(i):
+        yield pb.InsertRequest(writer_id=f"raw-{i}", table="t", timeout_ms=0)
+        released.wait(30)
+
+    with ReplayClient(busy_shard, timeout_s=10) as client:
+        client.create_table(TableConfig.uniform("t", capacity=100))
+    try:
+        for i, channel in enumerate(channels):
+            stub_calls.append(pb_grpc.ReplayStub(channel).Insert(requests(i)))
+        refused = []
+        for call in stub_calls:
+            try:
+                next(call)  # an admitted stream answers its opening request
+            except grpc.RpcError as e:
+                refused.append(e)
+        assert refused, "more Insert streams than threads were all admitted"
+        for err in refused:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "shard busy" in err.details()
+            assert is_retryable(err)
+            mapped = from_rpc_error(err)
+            assert isinstance(mapped, ShardBusyError)
+            assert isinstance(mapped, ResourceExhaustedError)
+        assert health_check(busy_shard) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        released.set()
+        for call in stub_calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
