@@ -3,7 +3,9 @@
 The fleet keeps one ``run`` call in flight per actor and collects the reports as they come
 back, so status needs no extra round trips and a slow actor never stalls the others. An
 actor that dies is restarted by Ray (``max_restarts``); its call in flight fails, and the
-fleet simply submits the next one to the restarted actor.
+fleet simply submits the next one to the restarted actor. While Ray restarts it, every call
+submitted fails at once: the fleet counts the death once (not once per failed call) and
+resubmits only every :data:`RETRY_DEAD_S` seconds until the new incarnation reports.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from millpond.errors import InvalidConfigError, MillpondError
 from millpond.learner.client import ReplayClient
 
 log = logging.getLogger("millpond.fleet")
+
+#: How long the fleet waits before submitting again to an actor whose call failed because
+#: it died: Ray restarts it meanwhile, and calls submitted sooner only fail again.
+RETRY_DEAD_S = 0.5
 
 
 @dataclass
@@ -97,7 +103,10 @@ class ActorFleet:
         self.actors = [remote.remote(i, client, config) for i in range(num_actors)]
         self._inflight: dict[Any, int] = {}
         self._incarnations: dict[int, int] = {}
-        self._died: set[int] = set()  # actors whose death was seen as a failed call
+        # Actors whose death was seen as a failed call and counted, until a report shows the
+        # new incarnation; and when each may be given a call again.
+        self._died: set[int] = set()
+        self._retry_at: dict[int, float] = {}
         self._status = FleetStatus()
         self._recent: deque[float] = deque(maxlen=window)
         self._started = time.monotonic()
@@ -112,9 +121,13 @@ class ActorFleet:
         if self._stopped:
             return self._status
         busy = set(self._inflight.values())
+        now = time.monotonic()
         for i in range(len(self.actors)):
-            if i not in busy:
+            if i not in busy and self._retry_at.get(i, 0.0) <= now:
                 self._submit(i)
+        if not self._inflight:  # every actor is being restarted: wait for the first one
+            time.sleep(max(0.0, min(timeout_s, min(self._retry_at.values()) - now)))
+            return self._status
         ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=timeout_s)
         more, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0)
         for ref in set(ready) | set(more):
@@ -122,9 +135,11 @@ class ActorFleet:
             try:
                 report = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                self._status.restarts += 1
-                self._died.add(index)
-                log.warning("env actor %d died (%s); Ray restarts it", index, type(e).__name__)
+                self._retry_at[index] = time.monotonic() + RETRY_DEAD_S
+                if index not in self._died:  # later failures are of the same death
+                    self._status.restarts += 1
+                    self._died.add(index)
+                    log.warning("env actor %d died (%s); Ray restarts it", index, type(e).__name__)
                 continue
             except ray.exceptions.RayTaskError as e:
                 raise MillpondError(f"env actor {index} failed: {e}") from e
@@ -139,6 +154,7 @@ class ActorFleet:
         # A kill between two calls fails no call: the restart shows only as a new incarnation.
         incarnation = report.get("incarnation")
         previous = self._incarnations.get(index, 0)  # a first start is incarnation 0
+        self._retry_at.pop(index, None)
         if incarnation is not None and incarnation != previous:
             self._incarnations[index] = incarnation
             if index in self._died:
