@@ -128,6 +128,10 @@ class EnvActor:
             writer_id=f"actor-{actor_index}",
             max_in_flight=config.max_in_flight,
             shard=actor_index % client.num_shards,
+            # The table's rate limiter paces an actor for as long as the learner needs, and a
+            # write given up halfway through a chunk would tear its episodes: the fleet
+            # bounds the actor's close instead.
+            timeout_s=None,
         )
         seed = None if config.seed is None else config.seed + 1000 * actor_index
         self.collector = Collector(
