@@ -259,6 +259,8 @@ class Writer:
         Raises:
             InvalidDataError: the segment does not fit the segment layout or the table's
                 spec (raised before anything is queued).
+            DeadlineExceededError: ``max_in_flight`` segments stayed unacknowledged for
+                :attr:`timeout_s`; nothing of this call was queued.
             MillpondError: the error that stopped the writer earlier (server-side rejection,
                 missing table, authentication), or :class:`ClosedError` after :meth:`close`.
 
@@ -493,35 +495,30 @@ class Writer:
         """Queue messages in order, waking the sender once per batch (not once per message);
         returns the sequences of their segments.
 
-        Waits for room at most :attr:`timeout_s` since the last acknowledgement; messages
-        queued before that stay queued (the error says how many segments of the call)."""
+        A call's messages are queued together once fewer than ``max_in_flight`` segments
+        await acknowledgement (so a large call may pass the bound by its own size): a call
+        is queued whole or not at all. The wait lasts at most :attr:`timeout_s` without an
+        acknowledgement; then nothing of the call is queued and it may be written again."""
         sequences: list[int] = []
         timeout_s = self._timeout_s
         with self._cv:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            acked = self._acked
+            while True:
+                self._raise_if_unusable_locked()
+                if self._pending < self._max_in_flight:
+                    break
+                if self._acked != acked:  # the shard answers: wait again in full
+                    acked = self._acked
+                    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceededError(
+                        self._stuck("write", timeout_s, self._pending)
+                        + "; nothing of this write was queued"
+                    )
+                self._cv.wait(remaining)
             for queued in messages:
-                deadline = None if timeout_s is None else time.monotonic() + timeout_s
-                acked = self._acked
-                while True:
-                    self._raise_if_unusable_locked()
-                    if self._pending < self._max_in_flight:
-                        break
-                    if self._acked != acked:  # the shard answers: wait again in full
-                        acked = self._acked
-                        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        self._cv.notify_all()
-                        raise DeadlineExceededError(
-                            self._stuck("write", timeout_s, self._pending)
-                            + f"; {len(sequences)} of this call's segments were queued"
-                            + (
-                                ""
-                                if not sequences
-                                else f" (sequences {sequences[0]}..{sequences[-1]})"
-                            )
-                        )
-                    self._cv.notify_all()  # let the sender take what is queued so far
-                    self._cv.wait(remaining)
                 queued.number(self._next_sequence)
                 self._next_sequence += queued.count
                 self._unacked[queued.last] = queued

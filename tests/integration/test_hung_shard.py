@@ -99,6 +99,7 @@ def test_blocked_write_raises_naming_shard_writer_and_count(wedged_shard):
     assert isinstance(err, DeadlineExceededError)
     message = str(err)
     assert wedged_shard in message and "stuck-actor" in message and "2 segments" in message
+    assert writer.pending == 2 and writer.sequence == 2  # the refused write queued nothing
     with pytest.raises(DeadlineExceededError):
         client.close(timeout_s=0.5)
 
