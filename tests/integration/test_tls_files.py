@@ -111,3 +111,18 @@ def test_serve_says_it_in_one_line_and_exits_nonzero(tmp_path, certificate):
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("millpond: error:")]
     assert len(errors) == 1 and "garbage-key.pem" in errors[0] and "PEM" in errors[0]
+
+
+def test_a_taken_port_says_so_not_tls(tmp_path, certificate):
+    first, port = create_server(ServerConfig(dir=str(tmp_path / "a")))
+    try:
+        config = ServerConfig(dir=str(tmp_path / "b"), port=port)
+        with pytest.raises(InvalidConfigError, match=f"cannot bind 127.0.0.1:{port}"):
+            create_server(config)
+        cert, key = certificate
+        tls = ServerConfig(dir=str(tmp_path / "c"), port=port, tls_cert=str(cert), tls_key=str(key))
+        with pytest.raises(InvalidConfigError, match="cannot bind") as info:
+            create_server(tls)
+        assert "PEM" not in str(info.value)
+    finally:
+        first.stop(grace=0)
