@@ -65,6 +65,10 @@ REQUESTS_IN_FLIGHT = 2
 #: inserts back with nobody sampling) would otherwise block an actor, and the ``with`` block
 #: around its writer, forever.
 DEFAULT_TIMEOUT_S = 60.0
+#: A stream with nothing to acknowledge for this long is ended (half-closed); the next write
+#: opens a new one. An open stream holds a server thread, and a shard admits a bounded
+#: number of Insert streams, so an idle writer must not keep a busy one out.
+IDLE_STREAM_S = 10.0
 _SEQUENCE_BYTES = 11  # a sequence number's bytes, set after a message's size is taken
 
 
@@ -629,6 +633,7 @@ class Writer:
         this writer id's numbering stands on the shard; nothing is sent before it arrives.
         """
         sent_up_to = 0
+        idle_since: float | None = None
         if not self._numbering_known:
             with self._cv:
                 self._requests_in_flight += 1
@@ -658,7 +663,17 @@ class Writer:
                         break
                     if self._closing and next(reversed(self._unacked), 0) <= sent_up_to:
                         return  # half-close: the server acknowledges the rest and ends
-                    self._cv.wait()
+                    if self._unacked or self._requests_in_flight:
+                        idle_since = None
+                        self._cv.wait()
+                        continue
+                    # Everything is stored: an idle stream would only hold one of the
+                    # shard's threads, which a writer refused as busy waits for.
+                    now = time.monotonic()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since >= IDLE_STREAM_S:
+                        return
+                    self._cv.wait(IDLE_STREAM_S - (now - idle_since))
                 sent_up_to = batch[-1].last
                 self._max_sent = max(self._max_sent, sent_up_to)
                 self._requests_in_flight += 1

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import ResourceExhaustedError, ShardBusyError
+from millpond.learner import writer as writer_module
 from millpond.learner._errors import from_rpc_error, is_retryable
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
@@ -122,3 +123,21 @@ def test_a_stream_past_the_bound_is_refused_at_once_as_busy(busy_shard):
             call.cancel()
         for channel in channels:
             channel.close()
+
+
+def test_idle_writers_make_room_for_refused_ones(busy_shard, monkeypatch):
+    monkeypatch.setattr(writer_module, "IDLE_STREAM_S", 0.5)
+    client = ReplayClient(busy_shard, timeout_s=10)
+    client.create_table(TableConfig.uniform("idle", capacity=10_000))
+    writers = [client.writer("idle", writer_id=f"idle-{i}") for i in range(MAX_WORKERS + 2)]
+    for i, writer in enumerate(writers):
+        writer.write_segment(*segment(i), episode_id=i, first_step=0)
+    deadline = time.monotonic() + 60
+    while not all(w.acked == 1 for w in writers):  # none closes: idle streams give way
+        assert time.monotonic() < deadline, [w.acked for w in writers]
+        time.sleep(0.1)
+    for i, writer in enumerate(writers):  # a writer whose idle stream ended writes on
+        writer.write_segment(*segment(100 + i), episode_id=100 + i, first_step=0)
+    client.close(timeout_s=60)
+    with ReplayClient(busy_shard, timeout_s=10) as check:
+        assert check.info("idle")["size"] == 8 * 2 * len(writers)
