@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from millpond.errors import MillpondError, RateLimiterTimeoutError
+from millpond.errors import MillpondError, RateLimiterTimeoutError, ShardBusyError
 from millpond.learner._calls import CallSet, Cancelled
 from millpond.learner._errors import ShardUnavailableError, from_rpc_error, is_connect_failure
 from millpond.learner._masses import ShardMasses
@@ -27,6 +27,9 @@ from millpond.protos.codec import decode_sample
 
 #: Extra seconds a call's gRPC deadline allows beyond the wait the server is asked to honour.
 DEADLINE_SLACK_S = 10.0
+#: A shard that refuses a Sample as busy is asked again after this, doubling up to the max.
+BUSY_BACKOFF_INITIAL_S = 0.05
+BUSY_BACKOFF_MAX_S = 1.0
 
 
 def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> list[int]:
@@ -101,6 +104,24 @@ class SplitSampler:
         return batches[0] if len(batches) == 1 else torch.cat(batches, dim=0)
 
     def _sample_shard(
+        self, shard: ShardHandle, table: str, n: int, wait: float | None, calls: CallSet
+    ) -> TensorDict:
+        """One shard's part; a shard busy with streams is asked again, with backoff, while
+        the wait lasts (it refuses at once, to keep threads for probes)."""
+        deadline = None if wait is None else time.monotonic() + wait
+        backoff = BUSY_BACKOFF_INITIAL_S
+        while True:
+            try:
+                return self._sample_once(shard, table, n, wait, calls)
+            except ShardBusyError:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= backoff:
+                    raise
+                time.sleep(backoff)
+                backoff = min(BUSY_BACKOFF_MAX_S, backoff * 2)
+                wait = None if deadline is None else deadline - time.monotonic()
+
+    def _sample_once(
         self, shard: ShardHandle, table: str, n: int, wait: float | None, calls: CallSet
     ) -> TensorDict:
         request = pb.SampleRequest(

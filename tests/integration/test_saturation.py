@@ -141,3 +141,28 @@ def test_idle_writers_make_room_for_refused_ones(busy_shard, monkeypatch):
     client.close(timeout_s=60)
     with ReplayClient(busy_shard, timeout_s=10) as check:
         assert check.info("idle")["size"] == 8 * 2 * len(writers)
+
+
+def test_a_sample_refused_as_busy_is_asked_again_within_its_wait(busy_shard):
+    client = ReplayClient(busy_shard, timeout_s=10)
+    client.create_table(TableConfig.uniform("full", capacity=1_000))
+    client.create_table(TableConfig.uniform("empty", capacity=1_000))
+    with client.writer("full", writer_id="filler") as writer:
+        for ep in range(4):
+            writer.write_segment(*segment(ep), episode_id=ep, first_step=0)
+    # Two writers take the Insert places, a Sample waiting on an empty table the last
+    # stream place: the next Sample is refused as busy until that one gives up.
+    writers = [client.writer("full", writer_id=f"hold-{i}") for i in range(2)]
+    for i, writer in enumerate(writers):
+        writer.write_segment(*segment(10 + i), episode_id=10 + i, first_step=0)
+        writer.flush(timeout_s=10)
+    with grpc.insecure_channel(busy_shard) as channel:
+        hog = pb_grpc.ReplayStub(channel).Sample(
+            pb.SampleRequest(table="empty", batch_size=1, num_batches=1, timeout_ms=2000)
+        )
+        time.sleep(0.5)
+        batch = client.sample("full", 4, timeout_s=20)
+        assert batch.batch_size == torch.Size([4])
+        with pytest.raises(grpc.RpcError):
+            list(hog)  # it timed out on the empty table, freeing its place
+    client.close(timeout_s=10)
