@@ -1,8 +1,8 @@
 """Admission of long-lived streams, so that a shard full of writers still answers probes.
 
 gRPC's Python server runs every call on one thread pool of ``max_workers`` threads, and a
-stream holds its thread for as long as it is open: an Insert stream for a writer's whole
-life. Without a bound, ``max_workers`` writers take every thread, and health checks, Info
+stream holds its thread for as long as it is open: an Insert stream as long as its writer
+keeps writing (a writer idle for ``IDLE_STREAM_S`` ends it). Without a bound, ``max_workers`` writers take every thread, and health checks, Info
 and learners' Sample calls wait in the queue behind them; an orchestrator then restarts a
 shard that is only busy. :class:`AdmissionInterceptor` keeps threads back:
 
@@ -12,7 +12,8 @@ shard that is only busy. :class:`AdmissionInterceptor` keeps threads back:
   finds a thread.
 
 A stream beyond its bound is refused at once with RESOURCE_EXHAUSTED and the class
-:class:`~millpond.errors.ShardBusyError`, which a writer retries with backoff.
+:class:`~millpond.errors.ShardBusyError`, which a writer retries with backoff (and a
+learner's Sample while its wait lasts).
 """
 
 from __future__ import annotations
