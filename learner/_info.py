@@ -57,7 +57,15 @@ def combine_info(
             if table is not None:
                 entries.append(row)
         if table is None:
-            entries.append({**base, "available": True, "weights_version": version, "tables": names})
+            entries.append(
+                {
+                    **base,
+                    "available": True,
+                    "weights_version": version,
+                    "tables": names,
+                    "refused_tables": dict(result.refused_tables),
+                }
+            )
     if table is not None:
         if table not in per_table:
             raise errors[0] if errors else TableNotFoundError(f"no table {table!r}")
@@ -90,6 +98,7 @@ def table_totals(
         "inserts": sum(r["inserts"] for r in rows),
         "samples": sum(r["samples"] for r in rows),
         "bytes_on_disk": sum(r["bytes_on_disk"] for r in rows),
+        "dropped_segments": sum(r["dropped_segments"] for r in rows),
         "weights_version": weights_version,
         "shards": entries,
     }

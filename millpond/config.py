@@ -75,6 +75,9 @@ class TableConfig:
             ends (and episodes shorter than ``slice_len``) begin slices too: a short slice
             repeats its last step, with ``("collector", "mask")`` false on the repeats
             (what n-step targets at episode ends need).
+        verify_reads: check the checksum of every sampled segment before returning it
+            (a segment damaged on disk is dropped and redrawn, never served). Costs about
+            4x the sample time; recovery checks every segment on open regardless.
     """
 
     name: str
@@ -90,6 +93,7 @@ class TableConfig:
     spec: TableSpec | None = field(default=None, compare=False)
     seed: int | None = None
     strict_length: bool = True
+    verify_reads: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -154,6 +158,8 @@ class TableConfig:
             raise InvalidConfigError(
                 f"strict_length ({self.strict_length!r}) must be True or False"
             )
+        if not isinstance(self.verify_reads, bool):
+            raise InvalidConfigError(f"verify_reads ({self.verify_reads!r}) must be True or False")
         if not self.strict_length and self.sampler != "slices":
             raise InvalidConfigError(
                 f"strict_length=False is only for slices tables, not {self.sampler!r}"
@@ -220,6 +226,8 @@ class TableConfig:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        if not self.verify_reads:  # configs written before the option read the same
+            del d["verify_reads"]
         d["spec"] = self.spec.to_json() if self.spec is not None else None
         return d
 

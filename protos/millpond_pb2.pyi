@@ -49,7 +49,7 @@ class FieldSpec(_message.Message):
     def __init__(self, key: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "capacity", "sampler", "min_size", "samples_per_insert", "error_buffer", "alpha", "beta", "slice_len", "compression", "spec", "seed", "strict_length")
+    __slots__ = ("name", "capacity", "sampler", "min_size", "samples_per_insert", "error_buffer", "alpha", "beta", "slice_len", "compression", "spec", "seed", "strict_length", "verify_reads")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class TableConfig(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STRICT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_READS_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity: int
     sampler: str
@@ -76,7 +77,8 @@ class TableConfig(_message.Message):
     spec: _containers.RepeatedCompositeFieldContainer[FieldSpec]
     seed: int
     strict_length: bool
-    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., sampler: _Optional[str] = ..., min_size: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., compression: _Optional[str] = ..., spec: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., seed: _Optional[int] = ..., strict_length: _Optional[bool] = ...) -> None: ...
+    verify_reads: bool
+    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., sampler: _Optional[str] = ..., min_size: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., compression: _Optional[str] = ..., spec: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., seed: _Optional[int] = ..., strict_length: _Optional[bool] = ..., verify_reads: _Optional[bool] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("config", "exist_ok")
@@ -193,7 +195,7 @@ class InfoRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("config", "size", "mass", "inserts", "samples", "rate_limiter_diff", "rate_limiter_min_diff", "rate_limiter_max_diff", "bytes_on_disk", "next_generation")
+    __slots__ = ("config", "size", "mass", "inserts", "samples", "rate_limiter_diff", "rate_limiter_min_diff", "rate_limiter_max_diff", "bytes_on_disk", "next_generation", "dropped_segments")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MASS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +206,7 @@ class TableInfo(_message.Message):
     RATE_LIMITER_MAX_DIFF_FIELD_NUMBER: _ClassVar[int]
     BYTES_ON_DISK_FIELD_NUMBER: _ClassVar[int]
     NEXT_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     config: TableConfig
     size: int
     mass: float
@@ -214,15 +217,25 @@ class TableInfo(_message.Message):
     rate_limiter_max_diff: float
     bytes_on_disk: int
     next_generation: int
-    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., size: _Optional[int] = ..., mass: _Optional[float] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., rate_limiter_diff: _Optional[float] = ..., rate_limiter_min_diff: _Optional[float] = ..., rate_limiter_max_diff: _Optional[float] = ..., bytes_on_disk: _Optional[int] = ..., next_generation: _Optional[int] = ...) -> None: ...
+    dropped_segments: int
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., size: _Optional[int] = ..., mass: _Optional[float] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., rate_limiter_diff: _Optional[float] = ..., rate_limiter_min_diff: _Optional[float] = ..., rate_limiter_max_diff: _Optional[float] = ..., bytes_on_disk: _Optional[int] = ..., next_generation: _Optional[int] = ..., dropped_segments: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("tables", "weights_version")
+    __slots__ = ("tables", "weights_version", "refused_tables")
+    class RefusedTablesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TABLES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TABLES_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
     weights_version: int
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    refused_tables: _containers.ScalarMap[str, str]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., weights_version: _Optional[int] = ..., refused_tables: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

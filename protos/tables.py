@@ -29,6 +29,7 @@ def config_to_proto(config: TableConfig) -> pb.TableConfig:
         msg.seed = config.seed
     if not config.strict_length:
         msg.strict_length = False
+    msg.verify_reads = config.verify_reads
     if config.spec is not None:
         msg.spec.extend(
             pb.FieldSpec(key=list(k), dtype=dtype_name(f.dtype), shape=list(f.shape), role=f.role)
@@ -66,6 +67,7 @@ def config_from_proto(msg: pb.TableConfig) -> TableConfig:
         spec=spec,
         seed=int(msg.seed) if msg.HasField("seed") else None,
         strict_length=msg.strict_length if msg.HasField("strict_length") else True,
+        verify_reads=msg.verify_reads,
     )
 
 
@@ -81,6 +83,7 @@ def info_to_proto(info: dict[str, Any], config: TableConfig) -> pb.TableInfo:
         rate_limiter_diff=limiter["diff"],
         bytes_on_disk=info["bytes_on_disk"],
         next_generation=info["next_generation"],
+        dropped_segments=info["dropped_segments"],
     )
     if limiter["min_diff"] is not None:
         msg.rate_limiter_min_diff = limiter["min_diff"]
@@ -112,4 +115,5 @@ def info_from_proto(msg: pb.TableInfo) -> dict[str, Any]:
         },
         "bytes_on_disk": msg.bytes_on_disk,
         "next_generation": msg.next_generation,
+        "dropped_segments": msg.dropped_segments,
     }

@@ -381,6 +381,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         return pb.InfoResponse(
             tables=[info_to_proto(t.info(), t.config) for t in tables],
             weights_version=self.weights.version,
+            refused_tables=self.shard.refused,
         )
 
     @_edge

@@ -241,7 +241,24 @@ class SegmentStorage:
         self._slot_space = Reservation(self.table_dir, capacity, "slots")
         self._record_space = Reservation(self.table_dir, n_records, "segment records")
         self._claimed_records = 0  # segments reserved for and not yet published
-        self._slot_map = self._open_map(slots_file, np.dtype(np.int32), (capacity,), fresh)
+        try:
+            self._open_files(slots_file, records_file, n_records, fresh, spec)
+        except BaseException:
+            # A half-opened storage is unreachable to its table: release what it holds.
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
+            raise
+
+    def _open_files(
+        self,
+        slots_file: Path,
+        records_file: Path,
+        n_records: int,
+        fresh: bool,
+        spec: TableSpec | None,
+    ) -> None:
+        self._slot_map = self._open_map(slots_file, np.dtype(np.int32), (self.capacity,), fresh)
         self._slot_space.add(self._fds[-1], 4, SLOTS_FILE)
         # Reads through the maps stay below what has blocks (or is reserved): on tmpfs,
         # reading a hole takes a page too, a SIGBUS on a full disk. Beyond: zeros.
@@ -705,6 +722,22 @@ class SegmentStorage:
             ok[ok] = self.checksums[records[ok]] == cks.combine(sums, r)
         return ok[inverse].reshape(slots.shape)
 
+    def segments_at(self, slots: np.ndarray) -> SegmentBatch:
+        """The distinct published segments holding ``slots`` (any shape)."""
+        pointers = self._pointers(np.asarray(slots, dtype=np.int64).reshape(-1))
+        records = np.unique(pointers).astype(np.int64)
+        records = records[records > 0]
+        return self._segments_of(records[self._generation[records] > 0])
+
+    def count_dropped(self, segments: SegmentBatch) -> None:
+        """Count and log ``segments`` as damaged (found so by :meth:`verify`, after the table
+        unpublished them)."""
+        dropped = list(
+            zip(segments.episode_ids.tolist(), segments.starts.tolist(), segments.lengths.tolist())
+        )
+        self.corrupted.extend(dropped)
+        cks.log_dropped(log, self.table_dir, dropped)
+
     def _rebuild_free(self) -> None:
         """Free records: the unpublished ones below the highest published (record 0 aside)."""
         live = np.flatnonzero(self._generation[1 : self._record_bound()] > 0) + 1
@@ -730,6 +763,7 @@ class SegmentStorage:
     def close(self) -> None:
         self._slot_map.flush()
         self._record_map.flush()
+        self._checksum_map.flush()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

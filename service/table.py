@@ -30,6 +30,7 @@ from millpond.errors import (
     InvalidConfigError,
     InvalidDataError,
     RateLimiterTimeoutError,
+    StorageCorruptedError,
 )
 from millpond.routing import writer_hash
 from millpond.sample_format import assemble_ted
@@ -409,13 +410,19 @@ class Table:
             if isinstance(self.sampler, QueueSampler):
                 # Delivered queue segments become evictable at once, so read them now.
                 now, nxt = self.storage.gather(selection.slots)
+                if self.config.verify_reads:
+                    selection, rows = self._without_damaged(selection, rows, now, nxt)
                 return _as_ted(now, nxt, selection, rows)
         now, nxt = self.storage.gather(selection.slots)
-        if self._evictions == evictions:
-            # Nothing was unpublished since the slots were picked, so no row was overwritten
-            # during the gather (a writer unpublishes, under the lock, before it copies).
-            return _as_ted(now, nxt, selection, rows)
         for _ in range(100):
+            if self.config.verify_reads and self._drop_damaged(selection.slots, rows):
+                pass  # unpublished: redrawn below, as overwritten rows are
+            elif self._evictions == evictions:
+                # Nothing was unpublished since the slots were picked, so no row was
+                # overwritten during the gather (a writer unpublishes, under the lock,
+                # before it copies).
+                break
+            evictions = self._evictions
             stale = self.storage.generations(selection.slots) != rows[..., SlotColumn.GENERATION]
             if stale.ndim > 1:
                 stale = stale.any(axis=tuple(range(1, stale.ndim)))
@@ -423,6 +430,57 @@ class Table:
                 break
             self._redraw(stale, selection, rows, now, nxt)
         return _as_ted(now, nxt, selection, rows)
+
+    def _drop_damaged(self, slots: np.ndarray, rows: np.ndarray) -> bool:
+        """``verify_reads``: unpublish the sampled segments whose data no longer matches
+        their checksum; whether there were any. The check runs outside the lock and again
+        under it, so a segment a writer overwrote meanwhile is not taken for damaged."""
+        ok = self.storage.verify(slots)
+        if ok.all():
+            return False
+        with self._cond:
+            suspects = slots[~ok]
+            live = self.storage.generations(suspects) == rows[..., SlotColumn.GENERATION][~ok]
+            suspects = suspects[live]
+            damaged = self.storage.segments_at(suspects[~self.storage.verify(suspects)])
+            if not len(damaged):
+                return False
+            self._evictions += 1
+            self.storage.unpublish(damaged)
+            self.sampler.on_evict(damaged)
+            self.storage.count_dropped(damaged)
+            self._cond.notify_all()
+        return True
+
+    def _without_damaged(
+        self, selection: Selection, rows: np.ndarray, now: dict, nxt: dict
+    ) -> tuple[Selection, np.ndarray]:
+        """``verify_reads`` on a queue batch (under the lock): the segments that fail their
+        checksum are dropped from the table and from the batch (``now`` and ``nxt`` are cut
+        in place), since a queue cannot redraw what it delivers in order."""
+        ok = self.storage.verify(selection.slots)
+        if ok.all():
+            return selection, rows
+        damaged = self.storage.segments_at(selection.slots[~ok])
+        self._evictions += 1
+        self.storage.unpublish(damaged)
+        self.sampler.on_evict(damaged)
+        self.storage.count_dropped(damaged)
+        self.rate_limiter.on_give_back(int((~ok).sum()))
+        if not ok.any():
+            raise StorageCorruptedError(
+                f"table {self.name!r}: every queued segment of this batch failed its checksum "
+                "and was dropped (damaged on disk, see the shard's log); sample again"
+            )
+        keep = torch.from_numpy(ok)
+        for d in (now, nxt):
+            for k, v in d.items():
+                d[k] = v[keep]
+        lengths = selection.segment_lengths
+        if lengths is not None:
+            lengths = lengths[ok[np.cumsum(lengths) - lengths]]
+        kept = Selection(selection.slots[ok], None, lengths, selection.ends[ok], None)
+        return kept, rows[ok]
 
     def _redraw(
         self,
@@ -534,6 +592,7 @@ class Table:
                 "rate_limiter": self.rate_limiter.state(),
                 "sampler_state": self.sampler.state(),
                 "next_generation": self._files.next_generation,
+                "dropped_segments": len(self.storage.corrupted),
                 "bytes_on_disk": self.storage.nbytes_on_disk(),
                 "spec": self.spec.to_json() if self.spec is not None else None,
             }
@@ -565,12 +624,17 @@ class Table:
                 return
             while self._inflight:
                 self._cond.wait()
-            self.storage.flush()
-            self._files.flush()
-            self._write_meta()
             self._closed = True
             self._cond.notify_all()
-        self.storage.close()
+            try:
+                self.storage.flush()
+                self._files.flush()
+                self.sampler.flush()
+                self._write_meta()
+            finally:
+                # Released even when the last checkpoint fails (a full disk): every
+                # acknowledged segment is in the files already, and reopening recovers it.
+                self.storage.close()
 
     def destroy(self) -> None:
         """Close the table and delete its directory."""

@@ -318,8 +318,8 @@ def os_error(e: OSError, what: str) -> MillpondError:
     detail = f"{where}{e.strerror or e}"
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return ResourceExhaustedError(
-            f"{what}: disk full ({detail}); free space on the shard's disk or choose a smaller "
-            "capacity"
+            f"{what}: disk full ({detail}); free space on the shard's disk (a table reserves "
+            "its space as it fills, so even a small one needs some at creation)"
         )
     if e.errno == errno.ENOMEM:
         return ResourceExhaustedError(

@@ -220,3 +220,72 @@ def test_verify_finds_the_damaged_segments_of_a_sample(copy, original):
         assert not table.storage.verify(np.array([399])).any()  # no segment there
     finally:
         table.close()
+
+
+def _damaged_live_table(tmp_path, config: TableConfig) -> tuple[Table, int]:
+    """A table holding one segment per episode, one of them damaged on disk while it is
+    open (the file's pages are the map's pages); returns it and the damaged episode."""
+    table = Table.create(tmp_path / "live", config)
+    for ep in EPISODES:
+        table.insert_many([make_segment(ep)])
+    where = {ep: start for (ep, _, _, start) in stored_segments(table)}
+    damaged = 17
+    flip(tmp_path / "live" / "data" / "columns" / "observation.bin", (where[damaged] + 1) * 1024)
+    return table, damaged
+
+
+def _assert_exact(batch) -> None:
+    batch = batch.reshape(-1)
+    ep, step = batch["episode_id"], batch["step"]
+    assert torch.equal(batch["observation"], pattern(ep, step, OBS_SHAPE))
+    assert torch.equal(batch["next", "observation"], pattern(ep, step + 1, OBS_SHAPE))
+    assert torch.equal(batch["action"], torch.stack([ep, step], 1))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TableConfig.uniform("t", 400, seed=0, verify_reads=True),
+        TableConfig.prioritized("t", 400, seed=0, verify_reads=True),
+        TableConfig.slices("t", 400, slice_len=3, seed=0, verify_reads=True),
+    ],
+    ids=["uniform", "prioritized", "slices"],
+)
+def test_verify_reads_never_serves_a_segment_damaged_while_the_table_runs(tmp_path, config):
+    table, damaged = _damaged_live_table(tmp_path, config)
+    try:
+        for _ in range(20):
+            batch = table.sample(64)
+            _assert_exact(batch)  # the damaged rows would differ from the pattern
+            assert damaged not in batch["episode_id"].unique().tolist()
+        info = table.info()
+        assert info["dropped_segments"] == 1
+        assert info["size"] == sum(5 + e % 7 for e in EPISODES if e != damaged)
+    finally:
+        table.close()
+
+
+def test_verify_reads_drops_a_damaged_segment_from_a_queue_batch(tmp_path):
+    table, damaged = _damaged_live_table(tmp_path, TableConfig.queue("t", 400, verify_reads=True))
+    try:
+        delivered = []
+        while table.size:
+            batch = table.sample(min(30, table.size))
+            _assert_exact(batch)
+            delivered += batch["episode_id"].unique().tolist()
+        # Every other segment is delivered once, in order; the damaged one never.
+        assert delivered == [e for e in EPISODES if e != damaged]
+        assert table.info()["dropped_segments"] == 1
+    finally:
+        table.close()
+
+
+def test_without_verify_reads_a_damaged_live_segment_is_served_as_it_is(tmp_path):
+    """What ``verify_reads`` is for: without it the damage reaches the learner until the
+    table is reopened (recovery drops it then)."""
+    table, damaged = _damaged_live_table(tmp_path, TableConfig.uniform("t", 400, seed=0))
+    try:
+        seen = torch.cat([table.sample(256)["episode_id"] for _ in range(4)])
+        assert damaged in seen.tolist()
+    finally:
+        table.close()

@@ -464,7 +464,19 @@ def test_serve_refuses_a_damaged_table_by_name_and_serves_the_rest(shard_dir):
         assert address is not None, proc.stderr.read()
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.ReplayStub(channel)
-            assert [t.config.name for t in stub.Info(pb.InfoRequest(), timeout=10).tables] == ["b"]
+            info = stub.Info(pb.InfoRequest(), timeout=10)
+            assert [t.config.name for t in info.tables] == ["b"]
+            # An operator asking the shard sees the refused table and why.
+            assert list(info.refused_tables) == ["a"]
+            assert "meta.json" in info.refused_tables["a"]
+            from millpond import ReplayClient
+
+            client = ReplayClient(address)
+            try:
+                refused = client.info()["shards"][0]["refused_tables"]
+                assert list(refused) == ["a"] and "backup" in refused["a"]
+            finally:
+                client.close()
             with pytest.raises(grpc.RpcError) as e:
                 stub.Info(pb.InfoRequest(table="a"), timeout=10)
             assert e.value.code() == grpc.StatusCode.DATA_LOSS
