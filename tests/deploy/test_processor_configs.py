@@ -224,7 +224,7 @@ class RecordingClient:
     def __init__(self) -> None:
         self.writers: dict[str, RecordingWriter] = {}
 
-    def writer(self, table, *, writer_id, max_in_flight, shard):
+    def writer(self, table, *, writer_id, max_in_flight, shard, timeout_s=None):
         self.writers[writer_id] = RecordingWriter()
         return self.writers[writer_id]
 
