@@ -190,7 +190,7 @@ def bytes_table(usage: dict[str, int], ted: TedBytes, steps: int) -> str:
         ("observations", usage["observations"], ted.observations),
         ("step fields (action, reward, flags)", usage["step fields"], ted.other),
         ("slot pointers (slots.bin)", usage["slot pointers"], None),
-        ("segment records (segments.bin)", usage["segment records"], None),
+        ("segment records (+ checksums)", usage["segment records"], None),
         ("sampler files", usage["sampler"], None),
         ("table files (JSON, counters, index)", usage["table files"], None),
         ("total", total, ted.total),

@@ -47,6 +47,7 @@ from millpond.errors import (
 )
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.storage import (
+    CHECKSUMS_FILE,
     RECORD_WIDTH,
     SEGMENTS_FILE,
     SLOTS_FILE,
@@ -345,7 +346,7 @@ DISK_PARTS = (
     "observations",  # observation column files (step and tail slots)
     "step fields",  # the other column files (actions, rewards, flags, ...)
     "slot pointers",  # data/slots.bin
-    "segment records",  # data/segments.bin
+    "segment records",  # data/segments.bin and data/checksums.bin (a checksum per record)
     "sampler",  # the sampler's own files (priorities.bin)
     "table files",  # meta.json, writers.json, counters.bin, columns/index.json, ...
 )
@@ -369,7 +370,7 @@ def disk_usage(path: str | os.PathLike, spec: TableSpec | None) -> dict[str, int
             continue
         if p == data / SLOTS_FILE:
             part = "slot pointers"
-        elif p == data / SEGMENTS_FILE:
+        elif p in (data / SEGMENTS_FILE, data / CHECKSUMS_FILE):
             part = "segment records"
         elif p.parent == data / "columns" and p.suffix == ".bin":
             part = "observations" if p.name in observation_files else "step fields"
