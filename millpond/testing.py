@@ -31,6 +31,7 @@ __all__ = [
     "CountingDictEnv",
     "SegmentRecord",
     "chunk_segments",
+    "constant_segment",
     "make_counting_vector_env",
     "observation_keys",
     "pattern",
@@ -379,3 +380,21 @@ def stored_steps(table) -> set[tuple[int, int]]:
     return {
         (ep, first + i) for (ep, first, length, _) in stored_segments(table) for i in range(length)
     }
+
+
+def constant_segment(episode: int, length: int = 8) -> tuple[TensorDict, TensorDict]:
+    """Steps and tail of a CartPole-shaped segment, truncated at its last step, whose
+    observations all hold ``episode``: for tests of delivery, not of contents."""
+    steps = TensorDict(
+        {
+            "observation": torch.full((length, 4), float(episode)),
+            "action": torch.zeros(length, dtype=torch.int64),
+            ("next", "reward"): torch.ones(length),
+            ("next", "terminated"): torch.zeros(length, dtype=torch.bool),
+            ("next", "truncated"): torch.zeros(length, dtype=torch.bool),
+        },
+        batch_size=[length],
+    )
+    steps["next", "truncated"][-1] = True
+    tail = TensorDict({"observation": torch.zeros(4)}, batch_size=[])
+    return steps, tail

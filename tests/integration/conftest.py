@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -552,3 +553,34 @@ class Patterned:
 def patterned() -> type[Patterned]:
     """:class:`Patterned`: self-checking segments."""
     return Patterned
+
+
+@pytest.fixture
+def certificate(tmp_path) -> tuple[Path, Path]:
+    """A self-signed certificate and key for 127.0.0.1 and localhost (PEM files)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key

@@ -6,31 +6,14 @@ from concurrent import futures
 
 import grpc
 import pytest
-import torch
-from tensordict import TensorDict
 
 from millpond import DeadlineExceededError, ReplayClient, TableConfig
 from millpond.learner.writer import DEFAULT_TIMEOUT_S
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.service.server import ServerConfig, create_server
+from millpond.testing import constant_segment as segment
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def segment(episode: int, length: int = 8):
-    steps = TensorDict(
-        {
-            "observation": torch.full((length, 4), float(episode)),
-            "action": torch.zeros(length, dtype=torch.int64),
-            ("next", "reward"): torch.ones(length),
-            ("next", "terminated"): torch.zeros(length, dtype=torch.bool),
-            ("next", "truncated"): torch.zeros(length, dtype=torch.bool),
-        },
-        batch_size=[length],
-    )
-    steps["next", "truncated"][-1] = True
-    tail = TensorDict({"observation": torch.zeros(4)}, batch_size=[])
-    return steps, tail
 
 
 class _Wedged(pb_grpc.ReplayServicer):

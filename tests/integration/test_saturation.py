@@ -7,7 +7,6 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tensordict import TensorDict
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import ResourceExhaustedError, ShardBusyError
@@ -16,25 +15,10 @@ from millpond.learner._errors import from_rpc_error, is_retryable
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.service.server import ServerConfig, create_server
+from millpond.testing import constant_segment as segment
 
 pytestmark = pytest.mark.timeout(120)
 MAX_WORKERS = 4
-
-
-def segment(episode: int, length: int = 8):
-    steps = TensorDict(
-        {
-            "observation": torch.full((length, 4), float(episode)),
-            "action": torch.zeros(length, dtype=torch.int64),
-            ("next", "reward"): torch.ones(length),
-            ("next", "terminated"): torch.zeros(length, dtype=torch.bool),
-            ("next", "truncated"): torch.zeros(length, dtype=torch.bool),
-        },
-        batch_size=[length],
-    )
-    steps["next", "truncated"][-1] = True
-    tail = TensorDict({"observation": torch.zeros(4)}, batch_size=[])
-    return steps, tail
 
 
 @pytest.fixture

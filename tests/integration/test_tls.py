@@ -1,43 +1,10 @@
 """TLS end to end: a shard serving TLS, a client trusting its certificate, plaintext refused."""
 
-import shutil
-import subprocess
-
 import pytest
 import torch
 
 from millpond import ReplayClient, ShardUnavailableError, TableConfig
 from millpond.service.server import ServerConfig, create_server
-
-
-@pytest.fixture
-def certificate(tmp_path):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 def test_tls_round_trip_and_plaintext_refused(tmp_path, certificate):

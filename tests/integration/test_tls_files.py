@@ -1,6 +1,5 @@
 """TLS files that are not PEM: the server says which file and why, before binding."""
 
-import shutil
 import subprocess
 import sys
 
@@ -8,34 +7,6 @@ import pytest
 
 from millpond import InvalidConfigError
 from millpond.service.server import ServerConfig, create_server
-
-
-@pytest.fixture
-def certificate(tmp_path):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 def start(tmp_path, cert, key):
