@@ -77,6 +77,7 @@ from millpond.spec import Key
 
 from .envs import (
     EnvSpec,
+    WrapperSpec,
     autoreset_mode_of,
     check_observation_space,
     make_vector_env,
@@ -107,6 +108,9 @@ class Collector:
         autoreset_mode: ``"same_step"`` or ``"next_step"`` for envs built from an id
             (``None``: the vectorizer's default, NEXT_STEP).
         env_kwargs: keyword arguments for the env constructor (e.g. ``max_episode_steps``).
+        env_wrappers: gymnasium wrappers applied in order to each lane's env (env ids
+            only): :class:`~millpond.actors.envs.WrapperSpec` or ``{"path", "kwargs"}``
+            mappings, e.g. Atari's ``AtariPreprocessing`` and ``FrameStackObservation``.
         policy: ``None`` (random actions), an ``nn.Module``, a factory or
             ``"package.module:function"``; see :mod:`millpond.actors.policies`.
         policy_kwargs: keyword arguments for the policy factory.
@@ -130,6 +134,7 @@ class Collector:
         vectorization_mode: str = "sync",
         autoreset_mode: str | None = "same_step",
         env_kwargs: Mapping[str, Any] | None = None,
+        env_wrappers: Sequence[WrapperSpec | Mapping[str, Any]] | None = None,
         policy: PolicySpec = None,
         policy_kwargs: Mapping[str, Any] | None = None,
         deterministic: bool = False,
@@ -159,7 +164,7 @@ class Collector:
         else:
             self.processor = ProcessorChain(*processors)
         self.env, self._owns_env = make_vector_env(
-            env, num_envs, vectorization_mode, autoreset_mode, env_kwargs
+            env, num_envs, vectorization_mode, autoreset_mode, env_kwargs, env_wrappers
         )
         try:
             self.num_envs = int(self.env.num_envs)

@@ -4,11 +4,31 @@ An env is a gymnasium id (built with ``gymnasium.make_vec``, sync or async), a r
 ``VectorEnv``, or a callable returning one. Observations become tensors keyed as TorchRL's
 gym wrappers key them: ``("observation",)`` for a non-dict space, the space's own (possibly
 nested) keys for a ``Dict`` space.
+
+**Wrappers by import path.** An env built from an id can be wrapped, lane by lane, by
+gymnasium wrappers named as :class:`WrapperSpec` (``path`` and ``kwargs``, the shape of an
+``env.wrappers`` entry of a ``millpond launch`` config), applied in order to every single
+env before it is vectorised — e.g. Atari's standard preprocessing::
+
+    [WrapperSpec("gymnasium.wrappers:AtariPreprocessing",
+                 {"frame_skip": 4, "noop_max": 30, "terminal_on_life_loss": False}),
+     WrapperSpec("gymnasium.wrappers:FrameStackObservation", {"stack_size": 4})]
+
+Specs, not wrapper objects, travel to Ray actors (each actor builds its own envs), and
+:func:`check_wrappers` imports each path and checks its keyword arguments against the
+wrapper's signature before anything starts.
+
+**Atari.** Ids in the ``ALE/`` namespace (``ALE/Pong-v5``) are registered by importing
+``ale_py`` (``pip install 'millpond[atari]'``), which :func:`register_env` does on first use
+in every process that builds one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
@@ -19,17 +39,162 @@ from gymnasium.vector import AutoresetMode
 from millpond.errors import InvalidConfigError, MillpondError
 from millpond.spec import Key
 
+from .policies import load_factory
+
 __all__ = [
     "EnvSpec",
+    "WrapperSpec",
     "autoreset_mode_of",
+    "build_wrappers",
     "check_observation_space",
+    "check_wrappers",
+    "make_env",
     "make_vector_env",
     "observation_leaves",
     "parse_autoreset_mode",
+    "register_env",
 ]
 
 #: What ``env=`` accepts: an env id, a ``VectorEnv``, or a callable returning one.
 EnvSpec = str | gym.vector.VectorEnv | Callable[[], gym.vector.VectorEnv]
+
+
+@dataclass(frozen=True)
+class WrapperSpec:
+    """A gymnasium wrapper named by import path, applied to each single env (module doc).
+
+    Attributes:
+        path: ``"package.module:Name"`` or ``"package.module.Name"``: a ``gymnasium.Wrapper``
+            class, or any callable taking the env as its first argument and returning an env.
+        kwargs: its keyword arguments besides the env (``None``: none).
+
+    Errors (:class:`~millpond.errors.InvalidConfigError`) start with the field at fault
+    (``path: ...``, ``kwargs: ...``), so that a config prefixes its own key.
+    """
+
+    path: str = ""  # required: the default only lets a config say "path: missing"
+    kwargs: Mapping[str, Any] | None = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kwargs is None:  # `kwargs:` left empty in YAML
+            object.__setattr__(self, "kwargs", {})
+        if isinstance(self.path, str) and not self.path:
+            raise InvalidConfigError("path: missing (the wrapper's import path)")
+        if not isinstance(self.path, str):
+            raise InvalidConfigError(f"path: expected an import path, got {self.path!r}")
+        if not isinstance(self.kwargs, Mapping):
+            raise InvalidConfigError(f"kwargs: expected a mapping, got {self.kwargs!r}")
+        if not all(isinstance(k, str) for k in self.kwargs):
+            raise InvalidConfigError(f"kwargs: keys must be strings, got {list(self.kwargs)}")
+
+    @classmethod
+    def of(cls, value: WrapperSpec | Mapping[str, Any]) -> WrapperSpec:
+        """A spec from a spec or a ``{"path": ..., "kwargs": ...}`` mapping."""
+        if isinstance(value, WrapperSpec):
+            return value
+        if not isinstance(value, Mapping):
+            raise InvalidConfigError(
+                f"expected a WrapperSpec or a mapping with 'path' and 'kwargs', got {value!r}"
+            )
+        unknown = sorted(set(value) - {"path", "kwargs"})
+        if unknown:
+            raise InvalidConfigError(f"{unknown[0]}: unknown key (known: path, kwargs)")
+        return cls(value.get("path", ""), value.get("kwargs"))
+
+    def load(self) -> Callable[[gym.Env], gym.Env]:
+        """``env -> wrapped env``: the wrapper with its keyword arguments bound (picklable,
+        so async vector envs can take it to their subprocesses)."""
+        path = self.path
+        if ":" not in path and "." in path:  # "package.module.Name"
+            module, _, name = path.rpartition(".")
+            path = f"{module}:{name}"
+        try:
+            wrapper = load_factory(path, "wrapper")
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"path: {e}") from None
+        kwargs = dict(self.kwargs or {})
+        _check_wrapper_arguments(wrapper, kwargs, getattr(wrapper, "__qualname__", path))
+        return functools.partial(wrapper, **kwargs)
+
+
+def check_wrappers(
+    specs: Sequence[WrapperSpec | Mapping[str, Any]], where: str = "wrappers"
+) -> tuple[WrapperSpec, ...]:
+    """Specs from specs or ``{"path", "kwargs"}`` mappings, each path imported and its
+    keyword arguments checked. Errors name the entry, e.g. ``wrappers[1].path: ...``."""
+    if isinstance(specs, str | Mapping | WrapperSpec) or not isinstance(specs, Sequence):
+        raise InvalidConfigError(f"{where}: expected a list of wrapper specs, got {specs!r}")
+    out = []
+    for i, spec in enumerate(specs):
+        try:
+            spec = WrapperSpec.of(spec)
+            spec.load()
+        except InvalidConfigError as e:
+            message = str(e)
+            head = message.partition(":")[0]
+            sep = "." if head and " " not in head else ": "
+            raise InvalidConfigError(f"{where}[{i}]{sep}{message}") from None
+        out.append(spec)
+    return tuple(out)
+
+
+def build_wrappers(
+    specs: Sequence[WrapperSpec | Mapping[str, Any]] | None,
+) -> list[Callable[[gym.Env], gym.Env]]:
+    """The wrappers of ``specs`` (checked), ready for ``gymnasium.make_vec(wrappers=...)``."""
+    return [spec.load() for spec in check_wrappers(specs or ())]
+
+
+def _check_wrapper_arguments(wrapper: Callable[..., Any], kwargs: Mapping[str, Any], name: str):
+    try:
+        signature = inspect.signature(wrapper)
+    except (TypeError, ValueError):  # some builtins have none: calling them will tell
+        return
+    params = signature.parameters.values()
+    plain = signature.replace(
+        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in params],
+        return_annotation=inspect.Signature.empty,
+    )
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        unknown = [k for k in kwargs if k not in signature.parameters]
+        if unknown:
+            raise InvalidConfigError(f"kwargs: {name}{plain} has no argument {unknown[0]!r}")
+    try:
+        signature.bind(None, **kwargs)  # None stands for the env, the first argument
+    except TypeError as e:
+        raise InvalidConfigError(f"kwargs: {name}{plain}: {e}") from None
+
+
+def register_env(env_id: str) -> None:
+    """Make ``env_id`` known to gymnasium in this process: ``ALE/`` ids import ``ale_py``."""
+    if not isinstance(env_id, str) or env_id in gym.registry:
+        return
+    if env_id.startswith("ALE/"):
+        try:
+            import ale_py
+        except ImportError:
+            raise InvalidConfigError(
+                f"env {env_id!r} needs ale-py: pip install 'millpond[atari]'"
+            ) from None
+        gym.register_envs(ale_py)
+
+
+def make_env(
+    env_id: str,
+    env_kwargs: Mapping[str, Any] | None = None,
+    wrappers: Sequence[WrapperSpec | Mapping[str, Any]] | None = None,
+) -> gym.Env:
+    """One env as every lane of :func:`make_vector_env` gets it: ``gymnasium.make(env_id,
+    **env_kwargs)`` then ``wrappers`` in order (its spaces are the vector env's single ones)."""
+    register_env(env_id)
+    env = gym.make(env_id, **dict(env_kwargs or {}))
+    try:
+        for wrap in build_wrappers(wrappers):
+            env = wrap(env)
+    except BaseException:
+        env.close()
+        raise
+    return env
 
 
 def parse_autoreset_mode(mode: object) -> AutoresetMode | None:
@@ -105,13 +270,20 @@ def make_vector_env(
     vectorization_mode: str = "sync",
     autoreset_mode: str | AutoresetMode | None = None,
     env_kwargs: Mapping[str, Any] | None = None,
+    wrappers: Sequence[WrapperSpec | Mapping[str, Any]] | None = None,
 ) -> tuple[gym.vector.VectorEnv, bool]:
     """The vector env for ``env``, and whether the caller owns it (built it, must close it).
 
     An id is built with ``gymnasium.make_vec(env, num_envs, vectorization_mode,
-    vector_kwargs={"autoreset_mode": ...}, **env_kwargs)``; a ``VectorEnv`` is used as it
-    is (not owned); a callable is called.
+    vector_kwargs={"autoreset_mode": ...}, wrappers=..., **env_kwargs)``, ``wrappers``
+    (:class:`WrapperSpec` or ``{"path", "kwargs"}`` mappings) applied in order to every
+    lane's env; a ``VectorEnv`` is used as it is (not owned); a callable is called.
     """
+    if wrappers and not isinstance(env, str):
+        raise InvalidConfigError(
+            "wrappers apply to an env built from an id; wrap the envs of your own vector env "
+            "or factory yourself"
+        )
     if isinstance(env, gym.vector.VectorEnv):
         return env, False
     if isinstance(env, str):
@@ -129,11 +301,14 @@ def make_vector_env(
                     f"autoreset_mode ({autoreset_mode!r}) must be 'same_step' or 'next_step'"
                 )
             vector_kwargs["autoreset_mode"] = mode
+        built_wrappers = build_wrappers(wrappers)
+        register_env(env)
         made = gym.make_vec(
             env,
             num_envs=num_envs,
             vectorization_mode=vectorization_mode,
             vector_kwargs=vector_kwargs,
+            wrappers=built_wrappers or None,
             **dict(env_kwargs or {}),
         )
         return made, True

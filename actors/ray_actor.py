@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from millpond.actors.collector import Collector
+from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.episode_ids import INCARNATIONS_PER_ACTOR, episode_id_base
 from millpond.actors.episode_stats import ReturnTracker
 from millpond.actors.policies import EpsilonGreedy
@@ -42,6 +43,10 @@ class ActorConfig:
         vectorization_mode: ``"sync"`` or ``"async"``.
         autoreset_mode: ``"same_step"`` or ``"next_step"``.
         env_kwargs: keyword arguments for the env (e.g. ``max_episode_steps``).
+        env_wrappers: gymnasium wrappers applied in order to each lane's env (env ids only):
+            :class:`~millpond.actors.envs.WrapperSpec` or ``{"path": ..., "kwargs": ...}``
+            mappings, each checked here (imported, its keyword arguments matched against
+            its signature) and built anew in every actor.
         policy: ``None`` (random), or ``"package.module:function"`` / a picklable factory.
         policy_kwargs: keyword arguments for the policy factory.
         deterministic: act with the policy's mode instead of sampling.
@@ -62,6 +67,7 @@ class ActorConfig:
     vectorization_mode: str = "sync"
     autoreset_mode: str = "same_step"
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    env_wrappers: Sequence[WrapperSpec | Mapping[str, Any]] = ()
     policy: Any = None
     policy_kwargs: Mapping[str, Any] = field(default_factory=dict)
     deterministic: bool = False
@@ -82,6 +88,8 @@ class ActorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"{name} ({value!r}) must be a positive integer")
+        # A bad wrapper fails here, not in every actor.
+        object.__setattr__(self, "env_wrappers", check_wrappers(self.env_wrappers, "env_wrappers"))
         if self.processors is not None and not callable(self.processors):
             # A bad spec fails here, not in every actor.
             object.__setattr__(self, "processors", check_processors(self.processors))
@@ -142,6 +150,7 @@ class EnvActor:
             vectorization_mode=config.vectorization_mode,
             autoreset_mode=config.autoreset_mode,
             env_kwargs=dict(config.env_kwargs),
+            env_wrappers=config.env_wrappers,
             policy=config.policy,
             policy_kwargs=dict(config.policy_kwargs),
             deterministic=config.deterministic,

@@ -80,6 +80,7 @@ class Launch:
         self.run_dir = Path(run_dir or Path(config.run.dir) / f"{config.name}-{stamp}")
         self.out = out or sys.stdout
         self._started_ray = False
+        self.network: str | None = None  # the learner's network family, once chosen
         self._shards: list[Any] = []
         self._fleet: Any = None
         self._fleet_thread: threading.Thread | None = None
@@ -127,15 +128,18 @@ class Launch:
         return summary
 
     def _start(self) -> None:
-        import gymnasium as gym
         import ray
 
+        from millpond.actors.envs import make_env
         from millpond.actors.fleet import ActorFleet
         from millpond.learner.client import ReplayClient
 
         c = self.config
         try:  # before anything starts: a wrong env id is a config error
-            probe = gym.make(c.env.id, **c.env.kwargs)
+            # Wrapped as every lane is, so that the learner's networks see the actors' spaces.
+            probe = make_env(c.env.id, c.env.kwargs, c.env.wrappers)
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"env: {e}") from None
         except Exception as e:
             raise InvalidConfigError(f"env: cannot make {c.env.id!r}: {e}") from None
         obs_space, act_space = probe.observation_space, probe.action_space
@@ -231,23 +235,35 @@ class Launch:
 
     def _make_learner(self, obs_space: Any, act_space: Any) -> Any:
         from millpond.learner.dqn import DQNLearner
-        from millpond.learner.networks import mlp_critic, mlp_policy, mlp_q
+        from millpond.learner.networks import (
+            mlp_critic,
+            mlp_policy,
+            mlp_q,
+            nature_cnn_actor_critic,
+            nature_cnn_q,
+            network_for,
+        )
         from millpond.learner.ppo import PPOLearner
 
         c = self.config.learner
         hidden = tuple(c.hidden_sizes)
+        try:
+            self.network = network_for(obs_space, c.network)
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"learner.network: {e}") from None
+        cnn = self.network == "nature_cnn"
         # Short sample waits keep the loop responsive to the budget and to signals.
         if c.algorithm == "ppo":
             cfg = replace(c.ppo, sample_timeout_s=c.ppo.sample_timeout_s or 2.0)
-            return PPOLearner(
-                self.client,
-                self.table,
-                cfg,
-                mlp_policy(obs_space, act_space, hidden),
-                mlp_critic(obs_space, hidden),
-            )
+            if cnn:
+                policy, critic = nature_cnn_actor_critic(obs_space, act_space)
+            else:
+                policy = mlp_policy(obs_space, act_space, hidden)
+                critic = mlp_critic(obs_space, hidden)
+            return PPOLearner(self.client, self.table, cfg, policy, critic)
         cfg = replace(c.dqn, sample_timeout_s=c.dqn.sample_timeout_s or 2.0)
-        return DQNLearner(self.client, self.table, cfg, mlp_q(obs_space, act_space, hidden))
+        q = nature_cnn_q(obs_space, act_space) if cnn else mlp_q(obs_space, act_space, hidden)
+        return DQNLearner(self.client, self.table, cfg, q)
 
     def _actor_config(self) -> Any:
         from millpond.actors.policies import EpsilonGreedy
@@ -259,7 +275,12 @@ class Launch:
             epsilon = EpsilonGreedy(
                 c.actors.epsilon_start, c.actors.epsilon_end, c.actors.epsilon_decay_frames
             )
-        network = "mlp_policy" if c.learner.algorithm == "ppo" else "mlp_q"
+        # The actors build the learner's policy network, so that its weights load into theirs.
+        head = "policy" if c.learner.algorithm == "ppo" else "q"
+        if self._network() == "nature_cnn":
+            factory, kwargs = f"nature_cnn_{head}", {}
+        else:
+            factory, kwargs = f"mlp_{head}", {"hidden": tuple(c.learner.hidden_sizes)}
         return ActorConfig(
             env=c.env.id,
             table=self.table,
@@ -267,8 +288,9 @@ class Launch:
             chunk_len=c.actors.chunk_len,
             vectorization_mode=c.env.vectorization_mode,
             env_kwargs=dict(c.env.kwargs),
-            policy=f"millpond.learner.networks:{network}",
-            policy_kwargs={"hidden": tuple(c.learner.hidden_sizes)},
+            env_wrappers=tuple(c.env.wrappers),
+            policy=f"millpond.learner.networks:{factory}",
+            policy_kwargs=kwargs,
             deterministic=c.actors.deterministic,
             epsilon=epsilon,
             weight_sync_every=c.actors.weight_sync_every,
@@ -276,6 +298,21 @@ class Launch:
             processors=tuple(c.actors.processors) or None,
             seed=c.run.seed,
         )
+
+    def _network(self) -> str:
+        """The learner's network family (``mlp`` / ``nature_cnn``), probing the env if the
+        learner was not made yet."""
+        if self.network is None:
+            from millpond.actors.envs import make_env
+            from millpond.learner.networks import network_for
+
+            c = self.config
+            probe = make_env(c.env.id, c.env.kwargs, c.env.wrappers)
+            try:
+                self.network = network_for(probe.observation_space, c.learner.network)
+            finally:
+                probe.close()
+        return self.network
 
     def _drive_fleet(self) -> None:
         try:

@@ -27,10 +27,12 @@ from typing import Any
 
 import yaml
 
+from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.processor_specs import ProcessorSpec, check_processors
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
+from millpond.learner.networks import NETWORKS
 from millpond.learner.ppo import PPOConfig
 from millpond.service.auth import load_tokens
 
@@ -51,17 +53,26 @@ class EnvSection:
     """The environment every actor steps.
 
     Attributes:
-        id: a registered gymnasium id.
-        kwargs: keyword arguments of ``gymnasium.make_vec`` (e.g. ``max_episode_steps``).
+        id: a registered gymnasium id (``ALE/...`` ids need ``pip install 'millpond[atari]'``).
+        kwargs: keyword arguments of ``gymnasium.make_vec`` (e.g. ``max_episode_steps``,
+            ``frameskip``), passed to every lane's ``gymnasium.make``.
         vectorization_mode: ``"sync"`` or ``"async"`` (one subprocess per lane).
+        wrappers: gymnasium wrappers applied in order to every lane's env, each a mapping of
+            ``path`` (``"package.module:Name"`` of a wrapper class, or of a callable taking
+            the env first) and ``kwargs`` (its other keyword arguments), e.g.
+            ``gymnasium.wrappers:AtariPreprocessing`` then
+            ``gymnasium.wrappers:FrameStackObservation``. Each path is imported and its
+            keyword arguments checked against its signature here; every actor builds its own.
     """
 
     id: str = "CartPole-v1"
     kwargs: dict[str, Any] = field(default_factory=dict)
     vectorization_mode: str = "sync"
+    wrappers: list[WrapperSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _choice("env.vectorization_mode", self.vectorization_mode, ("sync", "async"))
+        check_wrappers(self.wrappers, "env.wrappers")  # bad specs fail before Ray
 
 
 @dataclass(frozen=True)
@@ -187,7 +198,12 @@ class LearnerSection:
 
     Attributes:
         algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices).
-        hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network).
+        network: ``"mlp"``, ``"nature_cnn"`` (the Nature-DQN CNN on ``[C, H, W]`` frames;
+            for PPO one torso shared by the policy and the critic) or ``"auto"`` (the
+            default): the CNN for 3-D ``uint8`` observations (stacked Atari frames), the MLP
+            otherwise (see :func:`millpond.learner.networks.network_for`).
+        hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network); the
+            Nature CNN's fully connected layer is 512 wide.
         ppo: :class:`~millpond.learner.PPOConfig` fields.
         dqn: :class:`~millpond.learner.DQNConfig` fields.
         threads: torch intra-op threads of the learner (small machines: 1).
@@ -195,6 +211,7 @@ class LearnerSection:
     """
 
     algorithm: str = "ppo"
+    network: str = "auto"
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
@@ -203,6 +220,7 @@ class LearnerSection:
 
     def __post_init__(self) -> None:
         _choice("learner.algorithm", self.algorithm, ("ppo", "dqn"))
+        _choice("learner.network", self.network, NETWORKS)
         _at_least("learner.threads", self.threads, 1)
         _at_least("learner.checkpoint_every_s", self.checkpoint_every_s, 1)
         for i, width in enumerate(self.hidden_sizes):

@@ -1,4 +1,5 @@
-"""Small MLP networks for the reference learners, usable as actor policy factories.
+"""Networks for the reference learners (MLPs, the Nature-DQN CNN), usable as actor policy
+factories.
 
 Each function builds a plain ``nn.Module`` from gymnasium spaces, so the same call gives the
 learner its network and the actors theirs: name it as ``"millpond.learner.networks:mlp_policy"``
@@ -15,6 +16,17 @@ loads into every actor's copy.
   :class:`~millpond.actors.EpsilonGreedy` schedule for exploration.
 
 Observations may be ``Box`` (flattened, cast to float32) or ``Discrete`` (one-hot).
+
+For pixels, :class:`NatureCNN` is the convolutional torso of the Nature DQN (Mnih et al.
+2015): three conv layers (32 8x8 filters stride 4, 64 4x4 stride 2, 64 3x3 stride 1), ReLU,
+then a 512-unit fully connected layer, on ``[C, H, W]`` observations (``uint8`` scaled by
+1/255, as Atari frames stacked by ``FrameStackObservation`` come: ``uint8[4, 84, 84]``).
+:func:`nature_cnn_policy`, :func:`nature_cnn_q` and :func:`nature_cnn_critic` put one
+linear head on it; :func:`nature_cnn_actor_critic` gives PPO a policy and a critic sharing
+one torso (as CleanRL's Atari PPO does), the policy's parameter names the same as
+:func:`nature_cnn_policy`'s, so its state dict loads into the actors' copies.
+:func:`network_for` chooses between the two families for ``millpond launch``
+(``learner.network``): ``auto`` takes the CNN for 3-D ``uint8`` ``Box`` observations.
 """
 
 from __future__ import annotations
@@ -23,12 +35,29 @@ import math
 from collections.abc import Sequence
 
 import gymnasium as gym
+import numpy as np
 import torch
 from torch import nn
 
 from millpond.errors import InvalidConfigError
 
-__all__ = ["MLP", "mlp_critic", "mlp_policy", "mlp_q"]
+__all__ = [
+    "MLP",
+    "NETWORKS",
+    "CNNHead",
+    "NatureCNN",
+    "mlp_critic",
+    "mlp_policy",
+    "mlp_q",
+    "nature_cnn_actor_critic",
+    "nature_cnn_critic",
+    "nature_cnn_policy",
+    "nature_cnn_q",
+    "network_for",
+]
+
+#: What ``learner.network`` takes.
+NETWORKS = ("auto", "mlp", "nature_cnn")
 
 
 class MLP(nn.Module):
@@ -106,6 +135,118 @@ def mlp_q(
     """Action values ``Q(s, ·)``, ``[..., n]`` for a ``Discrete(n)`` action space (an actor
     factory: act with ``deterministic=True`` and epsilon-greedy exploration)."""
     return MLP(observation_space, _num_actions(action_space), hidden, out_std=1.0)
+
+
+class NatureCNN(nn.Module):
+    """The Nature-DQN torso: ``[*B, C, H, W]`` observations -> ``[*B, 512]`` features.
+
+    Args:
+        observation_space: a 3-D ``Box`` (channels first, e.g. 4 stacked 84x84 frames).
+            ``uint8`` observations are scaled by 1/255, other dtypes only cast to float32.
+
+    Layers get orthogonal weights with gain ``sqrt(2)`` and zero biases (CleanRL's Atari
+    networks).
+    """
+
+    out_features = 512
+
+    def __init__(self, observation_space: gym.Space) -> None:
+        super().__init__()
+        if not (
+            isinstance(observation_space, gym.spaces.Box) and len(observation_space.shape) == 3
+        ):
+            raise InvalidConfigError(
+                f"the Nature CNN takes 3-D Box observations [C, H, W], not {observation_space}"
+            )
+        self.obs_shape: tuple[int, ...] = tuple(observation_space.shape)
+        self.scale = 1 / 255 if observation_space.dtype == np.uint8 else 1.0
+        channels, height, width = self.obs_shape
+        gain = math.sqrt(2)
+        self.convs = nn.Sequential(
+            _conv(channels, 32, 8, 4, gain),
+            nn.ReLU(),
+            _conv(32, 64, 4, 2, gain),
+            nn.ReLU(),
+            _conv(64, 64, 3, 1, gain),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        with torch.no_grad():
+            flat = self.convs(torch.zeros(1, channels, height, width)).shape[-1]
+        self.fc = nn.Sequential(_layer(flat, self.out_features, gain), nn.ReLU())
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        batch = observation.shape[:-3]
+        x = observation.reshape(-1, *self.obs_shape).float()
+        if self.scale != 1.0:
+            x = x * self.scale
+        return self.fc(self.convs(x)).reshape(*batch, self.out_features)
+
+
+class CNNHead(nn.Module):
+    """A linear head on a :class:`NatureCNN` torso (shared when two heads get one torso).
+
+    Args:
+        torso: the feature extractor.
+        out_features: width of the output.
+        out_std: orthogonal-init gain of the head (0.01 for policy logits, 1.0 for values).
+    """
+
+    def __init__(self, torso: NatureCNN, out_features: int, out_std: float = 1.0) -> None:
+        super().__init__()
+        self.torso = torso
+        self.head = _layer(torso.out_features, out_features, out_std)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.head(self.torso(observation))
+
+
+def nature_cnn_policy(observation_space: gym.Space, action_space: gym.Space) -> CNNHead:
+    """Policy logits ``[..., n]`` from pixels, for a ``Discrete(n)`` action space (an actor
+    factory)."""
+    return CNNHead(NatureCNN(observation_space), _num_actions(action_space), out_std=0.01)
+
+
+def nature_cnn_critic(observation_space: gym.Space) -> CNNHead:
+    """State values ``V(s)``, ``[..., 1]``, from pixels (a torso of its own)."""
+    return CNNHead(NatureCNN(observation_space), 1, out_std=1.0)
+
+
+def nature_cnn_actor_critic(
+    observation_space: gym.Space, action_space: gym.Space
+) -> tuple[CNNHead, CNNHead]:
+    """``(policy, critic)`` sharing one :class:`NatureCNN` torso; the policy has
+    :func:`nature_cnn_policy`'s parameter names, so actors built by that factory load it."""
+    policy = nature_cnn_policy(observation_space, action_space)
+    return policy, CNNHead(policy.torso, 1, out_std=1.0)
+
+
+def nature_cnn_q(observation_space: gym.Space, action_space: gym.Space) -> CNNHead:
+    """Action values ``Q(s, ·)``, ``[..., n]``, from pixels (an actor factory: act with
+    ``deterministic=True`` and epsilon-greedy exploration)."""
+    return CNNHead(NatureCNN(observation_space), _num_actions(action_space), out_std=1.0)
+
+
+def network_for(observation_space: gym.Space, network: str = "auto") -> str:
+    """``"mlp"`` or ``"nature_cnn"``: ``network`` itself, or for ``"auto"`` the CNN exactly
+    when observations are a 3-D ``uint8`` ``Box`` (stacked frames), else the MLP."""
+    if network not in NETWORKS:
+        raise InvalidConfigError(f"network ({network!r}) must be one of {', '.join(NETWORKS)}")
+    if network == "auto":
+        pixels = (
+            isinstance(observation_space, gym.spaces.Box)
+            and len(observation_space.shape) == 3
+            and observation_space.dtype == np.uint8
+        )
+        return "nature_cnn" if pixels else "mlp"
+    return network
+
+
+def _conv(in_channels: int, out_channels: int, kernel: int, stride: int, std: float) -> nn.Conv2d:
+    layer = nn.Conv2d(in_channels, out_channels, kernel, stride)
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.zeros_(layer.bias)
+    return layer
 
 
 def _num_actions(action_space: gym.Space) -> int:

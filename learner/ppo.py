@@ -131,7 +131,8 @@ class PPOLearner:
 
     Attributes:
         version: the last published version: the learner's policy, as far as actors know it.
-        optimizer: Adam over the policy's and the critic's parameters.
+        optimizer: Adam over the policy's and the critic's parameters (each once, when they
+            share a torso).
     """
 
     def __init__(
@@ -156,7 +157,8 @@ class PPOLearner:
         self.policy = policy
         self.critic = critic
         self.version = published_version(client) if version is None else version
-        params = [*policy.parameters(), *critic.parameters()]
+        # A torso shared by the policy and the critic (the Nature CNN's) is optimised once.
+        params = list({id(p): p for p in [*policy.parameters(), *critic.parameters()]}.values())
         self.optimizer = torch.optim.Adam(params, lr=config.lr, eps=1e-5)
         self.device = params[0].device if params else torch.device("cpu")
 
