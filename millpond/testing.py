@@ -35,6 +35,7 @@ __all__ = [
     "make_counting_vector_env",
     "observation_keys",
     "pattern",
+    "pattern_segment",
     "pixels_of",
     "reference_index",
     "rollout",
@@ -398,3 +399,29 @@ def constant_segment(episode: int, length: int = 8) -> tuple[TensorDict, TensorD
     steps["next", "truncated"][-1] = True
     tail = TensorDict({"observation": torch.zeros(4)}, batch_size=[])
     return steps, tail
+
+
+def pattern_segment(
+    episode: int, first_step: int, length: int, obs_shape: Sequence[int], terminated: bool = True
+) -> Segment:
+    """A segment whose every value encodes its ``(episode, step)``: observations are
+    :func:`pattern` rows, ``action`` is ``[episode, step]``, ``("next", "reward")`` the step;
+    its last step terminates the episode unless ``terminated`` is false."""
+    steps = torch.arange(first_step, first_step + length, dtype=torch.int64)
+    eps = torch.full((length,), episode, dtype=torch.int64)
+    last = torch.zeros(length, 1, dtype=torch.bool)
+    last[-1] = terminated
+    td = TensorDict(
+        {
+            "observation": pattern(eps, steps, obs_shape),
+            "action": torch.stack([eps, steps], 1),
+            "next": {
+                "reward": steps.to(torch.float32)[:, None],
+                "terminated": last,
+                "truncated": torch.zeros(length, 1, dtype=torch.bool),
+            },
+        },
+        batch_size=[length],
+    )
+    tail = TensorDict({"observation": pattern(episode, first_step + length, obs_shape)}, [])
+    return Segment(td, tail, episode, first_step)

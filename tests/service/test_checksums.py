@@ -16,38 +16,19 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from millpond.config import TableConfig
 from millpond.segments import Segment
 from millpond.service.storage import CHECKSUMS_FILE, RECORD_WIDTH, RecordField, SlotColumn
 from millpond.service.table import Table
-from millpond.testing import pattern, stored_segments
+from millpond.testing import pattern, pattern_segment, stored_segments
 
 OBS_SHAPE = (4, 16, 16)  # 1 KiB rows
 EPISODES = range(10, 22)
 
 
 def make_segment(ep: int) -> Segment:
-    first, n = 3 * ep, 5 + ep % 7
-    steps = torch.arange(first, first + n, dtype=torch.int64)
-    eps = torch.full((n,), ep, dtype=torch.int64)
-    last = torch.zeros(n, 1, dtype=torch.bool)
-    last[-1] = True
-    td = TensorDict(
-        {
-            "observation": pattern(eps, steps, OBS_SHAPE),
-            "action": torch.stack([eps, steps], 1),
-            "next": {
-                "reward": steps.to(torch.float32)[:, None],
-                "terminated": last,
-                "truncated": torch.zeros(n, 1, dtype=torch.bool),
-            },
-        },
-        batch_size=[n],
-    )
-    tail = TensorDict({"observation": pattern(ep, first + n, OBS_SHAPE)}, batch_size=[])
-    return Segment(td, tail, ep, first)
+    return pattern_segment(ep, 3 * ep, 5 + ep % 7, OBS_SHAPE)
 
 
 @pytest.fixture(scope="module")

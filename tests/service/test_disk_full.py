@@ -28,7 +28,7 @@ from tensordict import TensorDict
 
 from millpond import MillpondError, ReplayClient, ResourceExhaustedError, TableConfig
 from millpond.service.table import Table
-from millpond.testing import pattern
+from millpond.testing import pattern, pattern_segment
 
 TMPFS_BYTES = 4 * 1024 * 1024
 OBS_SHAPE = (1024,)  # 1 KiB per slot: the tmpfs holds a few thousand
@@ -85,25 +85,8 @@ def server(small_disk, tmp_path) -> Iterator[tuple[subprocess.Popen, str]]:
 
 def segment(episode: int) -> tuple[TensorDict, TensorDict]:
     """Steps and tail of one segment whose observations encode ``(episode, step)``."""
-    n = SEGMENT_LEN
-    steps = torch.arange(n, dtype=torch.int64)
-    eps = torch.full((n,), episode, dtype=torch.int64)
-    last = torch.zeros(n, 1, dtype=torch.bool)
-    last[-1] = True
-    td = TensorDict(
-        {
-            "observation": pattern(eps, steps, OBS_SHAPE),
-            "action": torch.stack([eps, steps], 1),
-            "next": {
-                "reward": steps.to(torch.float32)[:, None],
-                "terminated": last,
-                "truncated": torch.zeros(n, 1, dtype=torch.bool),
-            },
-        },
-        batch_size=[n],
-    )
-    tail = TensorDict({"observation": pattern(episode, n, OBS_SHAPE)}, batch_size=[])
-    return td, tail
+    made = pattern_segment(episode, 0, SEGMENT_LEN, OBS_SHAPE)
+    return made.steps, made.tail
 
 
 def fill_until_refused(
