@@ -31,6 +31,7 @@ from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_to_proto
 from millpond.service.server import ServerConfig, create_server
 from millpond.spec import MAX_KEY_BYTES, MAX_KEY_DEPTH, MAX_ROW_BYTES
+from tests.service._wire import segment_proto
 
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -51,25 +52,7 @@ def served(tmp_path_factory):
 
 def segment(seq: int, first_step: int = 0, n: int = 4, obs_dim: int = 3) -> pb.Segment:
     obs = torch.arange((n + 1) * obs_dim, dtype=torch.float32).reshape(n + 1, obs_dim)
-    steps = TensorDict(
-        {
-            "observation": obs[:-1],
-            "action": torch.zeros(n, dtype=torch.int64),
-            "next": {
-                "reward": torch.ones(n, 1),
-                "terminated": torch.zeros(n, 1, dtype=torch.bool),
-                "truncated": torch.zeros(n, 1, dtype=torch.bool),
-            },
-        },
-        [n],
-    )
-    return pb.Segment(
-        sequence=seq,
-        episode_id=seq,
-        first_step=first_step,
-        steps=codec.to_tensor_map(steps),
-        tail=codec.to_tensor_map(TensorDict({"observation": obs[-1]}, [])),
-    )
+    return segment_proto(seq, obs, first_step=first_step)
 
 
 def insert(stub, table: str, *segments: pb.Segment, timeout_ms: int = 0, writer: str = "w"):

@@ -27,6 +27,8 @@ from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_to_proto
 from millpond.service.server import ServerConfig, create_server
+from tests.service._wire import segment_proto as wire_segment
+from tests.service._wire import steps_td
 
 BROKEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 TABLES = ("u", "p", "s", "q")
@@ -40,31 +42,21 @@ FUZZ = settings(
 )
 
 
+def segment_obs(n: int, first: int = 0, obs_dim: int = 3) -> torch.Tensor:
+    """``n + 1`` observation rows (steps and tail) counting from ``first``."""
+    return torch.arange(first, first + n + 1, dtype=torch.float32)[:, None].expand(n + 1, obs_dim)
+
+
 def segment_td(n: int, first: int = 0, obs_dim: int = 3) -> tuple[TensorDict, TensorDict]:
-    obs = torch.arange(first, first + n + 1, dtype=torch.float32)[:, None].expand(n + 1, obs_dim)
-    steps = TensorDict(
-        {
-            "observation": obs[:-1].clone(),
-            "action": torch.arange(n, dtype=torch.int64),
-            "next": {
-                "reward": torch.ones(n, 1),
-                "terminated": torch.zeros(n, 1, dtype=torch.bool),
-                "truncated": torch.zeros(n, 1, dtype=torch.bool),
-            },
-        },
-        [n],
-    )
-    return steps, TensorDict({"observation": obs[-1].clone()}, [])
+    obs = segment_obs(n, first, obs_dim).clone()
+    steps = steps_td(obs[:-1], torch.arange(n, dtype=torch.int64))
+    return steps, TensorDict({"observation": obs[-1]}, [])
 
 
 def segment_proto(seq: int, n: int = 4, episode: int = 1, first: int = 0) -> pb.Segment:
-    steps, tail = segment_td(n, first)
-    return pb.Segment(
-        sequence=seq,
-        episode_id=episode,
-        first_step=first,
-        steps=codec.to_tensor_map(steps),
-        tail=codec.to_tensor_map(tail),
+    obs = segment_obs(n, first).clone()
+    return wire_segment(
+        seq, obs, episode=episode, first_step=first, actions=torch.arange(n, dtype=torch.int64)
     )
 
 

@@ -27,6 +27,7 @@ from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_to_proto
+from tests.service._wire import segment_proto, steps_td
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/status").exists(), reason="reads peak memory from /proc"
@@ -114,21 +115,6 @@ def create(stub, config: TableConfig) -> None:
     stub.CreateTable(pb.CreateTableRequest(config=config_to_proto(config)))
 
 
-def steps_td(n: int, obs: torch.Tensor) -> TensorDict:
-    return TensorDict(
-        {
-            "observation": obs[:n],
-            "action": torch.zeros(n, dtype=torch.int64),
-            "next": {
-                "reward": torch.ones(n, 1),
-                "terminated": torch.zeros(n, 1, dtype=torch.bool),
-                "truncated": torch.zeros(n, 1, dtype=torch.bool),
-            },
-        },
-        [n],
-    )
-
-
 def zstd_bomb(key: str, shape: list[int]) -> pb.Tensor:
     """A float32 tensor of ``shape`` whose zeros compress to a few kilobytes."""
     nbytes = 4
@@ -145,7 +131,7 @@ def zstd_bomb(key: str, shape: list[int]) -> pb.Tensor:
 
 def bomb_request(table: str, n: int, shape: list[int]) -> pb.InsertRequest:
     """An insert whose observation declares ``shape`` (zstd zeros: a small message)."""
-    small = steps_td(n, torch.zeros(n, 3))
+    small = steps_td(torch.zeros(n, 3))
     steps = codec.to_tensor_map(small.exclude("observation"))
     steps.tensors.append(zstd_bomb("observation", shape))
     tail = pb.TensorMap(tensors=[zstd_bomb("observation", shape[1:])])
@@ -168,7 +154,7 @@ def test_a_zstd_bomb_over_the_message_limit_is_refused_before_decompressing(serv
 
 def test_a_shape_the_spec_does_not_declare_is_refused_before_decompressing(served):
     create(served.stub, TableConfig.uniform("specced", 1000))
-    ok = steps_td(4, torch.zeros(5, 3))
+    ok = steps_td(torch.zeros(4, 3))
     tail = TensorDict({"observation": torch.zeros(3)}, [])
     seg = pb.Segment(
         sequence=1, episode_id=1, steps=codec.to_tensor_map(ok), tail=codec.to_tensor_map(tail)
@@ -217,14 +203,7 @@ def test_weights_larger_than_the_limit_are_refused_at_the_first_message(served):
 
 def test_a_huge_sample_batch_is_refused_before_sampling(served):
     create(served.stub, TableConfig.uniform("wide", 10_000_000))
-    obs = torch.arange(15, dtype=torch.float32).reshape(5, 3)
-    tail = TensorDict({"observation": obs[-1]}, [])
-    seg = pb.Segment(
-        sequence=1,
-        episode_id=1,
-        steps=codec.to_tensor_map(steps_td(4, obs)),
-        tail=codec.to_tensor_map(tail),
-    )
+    seg = segment_proto(1, torch.arange(15, dtype=torch.float32).reshape(5, 3))
     list(served.stub.Insert(iter([pb.InsertRequest(writer_id="w", table="wide", segments=[seg])])))
     start = time.monotonic()
     error, growth = served.growth(

@@ -6,7 +6,6 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tensordict import TensorDict
 
 from millpond import TableConfig
 from millpond.protos import codec
@@ -14,32 +13,14 @@ from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_to_proto
 from millpond.service.server import ServerConfig, create_server
+from tests.service._wire import segment_proto
 
 TOKENS = {"writer": "writer-token-1", "learner": "learner-token-1", "admin": "admin-token-12"}
 
 
 def make_segment(seq, n=4, obs_dim=3, dtype=torch.float32):
     obs = torch.arange((n + 1) * obs_dim, dtype=dtype).reshape(n + 1, obs_dim) + 100 * seq
-    steps = TensorDict(
-        {
-            "observation": obs[:-1],
-            "action": torch.zeros(n, dtype=torch.int64),
-            "next": {
-                "reward": torch.ones(n, 1),
-                "terminated": torch.zeros(n, 1, dtype=torch.bool),
-                "truncated": torch.zeros(n, 1, dtype=torch.bool),
-            },
-        },
-        [n],
-    )
-    tail = TensorDict({"observation": obs[-1]}, [])
-    return pb.Segment(
-        sequence=seq,
-        episode_id=seq,
-        first_step=0,
-        steps=codec.to_tensor_map(steps),
-        tail=codec.to_tensor_map(tail),
-    )
+    return segment_proto(seq, obs)
 
 
 @pytest.fixture
