@@ -32,13 +32,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from millpond.config import TableConfig
-from millpond.segments import Segment
 from millpond.service.storage import SegmentStorage
 from millpond.service.table import Table
-from millpond.testing import pattern, stored_segments, stored_steps
+from millpond.testing import pattern, pattern_segment, stored_segments, stored_steps
 
 OBS_SHAPE = (4, 84, 84)
 MAX_LEN = 50
@@ -46,24 +44,7 @@ MAX_LEN = 50
 
 # --- code that runs in the child (shipped as source, see _zygote_source) ---------------------
 def make_segment(ep, first, length, terminated):
-    steps = torch.arange(first, first + length, dtype=torch.int64)
-    eps = torch.full((length,), ep, dtype=torch.int64)
-    last = torch.zeros(length, 1, dtype=torch.bool)
-    last[-1] = terminated
-    td = TensorDict(
-        {
-            "observation": pattern(eps, steps, OBS_SHAPE),
-            "action": torch.stack([eps, steps], 1),
-            "next": {
-                "reward": steps.to(torch.float32)[:, None],
-                "terminated": last,
-                "truncated": torch.zeros(length, 1, dtype=torch.bool),
-            },
-        },
-        batch_size=[length],
-    )
-    tail = TensorDict({"observation": pattern(ep, first + length, OBS_SHAPE)}, batch_size=[])
-    return Segment(td, tail, ep, first)
+    return pattern_segment(ep, first, length, OBS_SHAPE, terminated)
 
 
 def insert_loop(cmd, emit):
@@ -226,7 +207,7 @@ def _zygote_source() -> str:
         from millpond.segments import Segment
         from millpond.service.storage import SegmentStorage
         from millpond.service.table import Table
-        from millpond.testing import pattern, stored_segments
+        from millpond.testing import pattern, pattern_segment, stored_segments
         OBS_SHAPE = {OBS_SHAPE!r}
         """
     )
