@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
@@ -23,26 +24,27 @@ _LITTLE = sys.byteorder == "little"
 #: The most bytes a tensor may declare when no budget bounds it (a client decoding a
 #: sample): far beyond any real tensor, far below what overflows int64 arithmetic.
 MAX_TENSOR_BYTES = 2**62
-_zstd_c = None
-_zstd_d = None
+# zstd contexts are not safe to share between threads (a shard serves many calls at once,
+# and concurrent use of one context corrupts data or crashes): one pair per thread.
+_zstd = threading.local()
 
 
 def _compressor():
-    global _zstd_c
-    if _zstd_c is None:
+    c = getattr(_zstd, "compressor", None)
+    if c is None:
         import zstandard
 
-        _zstd_c = zstandard.ZstdCompressor(level=1)
-    return _zstd_c
+        c = _zstd.compressor = zstandard.ZstdCompressor(level=1)
+    return c
 
 
 def _decompressor():
-    global _zstd_d
-    if _zstd_d is None:
+    d = getattr(_zstd, "decompressor", None)
+    if d is None:
         import zstandard
 
-        _zstd_d = zstandard.ZstdDecompressor()
-    return _zstd_d
+        d = _zstd.decompressor = zstandard.ZstdDecompressor()
+    return d
 
 
 def tensor_to_proto(key: Key, t: torch.Tensor, compress: bool = False) -> pb.Tensor:

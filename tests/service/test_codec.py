@@ -74,3 +74,44 @@ def test_a_byte_count_that_does_not_match_the_shape_names_the_tensor():
     msg.data = msg.data[:-1]
     with pytest.raises(InvalidDataError, match=r"'action': 31 bytes for int64\[4\], expected 32"):
         proto_to_tensor(msg)
+
+
+_THREADED_ROUND_TRIPS = """
+import threading, torch
+from millpond.protos.codec import proto_to_tensor, tensor_to_proto
+
+failures = []
+
+def work(seed):
+    g = torch.Generator().manual_seed(seed)
+    for i in range(150):
+        # Frames that compress (a few distinct values), different in every thread and call.
+        t = torch.randint(0, 4, (4, 84, 84), generator=g, dtype=torch.uint8)
+        try:
+            _, back = proto_to_tensor(tensor_to_proto(("observation",), t, compress=True))
+        except Exception as e:
+            failures.append((seed, i, repr(e)))
+            return
+        if not torch.equal(back, t):
+            failures.append((seed, i, "differs"))
+
+threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+for th in threads:
+    th.start()
+for th in threads:
+    th.join()
+assert not failures, failures
+"""
+
+
+def test_zstd_round_trips_from_many_threads_at_once():
+    """A shard compresses and decompresses on every serving thread at once; zstd contexts
+    shared between threads corrupted data or crashed the process. Run apart, so that a
+    crash fails this test rather than the whole run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _THREADED_ROUND_TRIPS], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
