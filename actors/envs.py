@@ -26,10 +26,9 @@ in every process that builds one.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -39,7 +38,7 @@ from gymnasium.vector import AutoresetMode
 from millpond.errors import InvalidConfigError, MillpondError
 from millpond.spec import Key
 
-from .policies import load_factory
+from .import_specs import ImportSpec, check_arguments, entry_error, load_path
 
 __all__ = [
     "EnvSpec",
@@ -60,7 +59,7 @@ EnvSpec = str | gym.vector.VectorEnv | Callable[[], gym.vector.VectorEnv]
 
 
 @dataclass(frozen=True)
-class WrapperSpec:
+class WrapperSpec(ImportSpec):
     """A gymnasium wrapper named by import path, applied to each single env (module doc).
 
     Attributes:
@@ -72,48 +71,15 @@ class WrapperSpec:
     (``path: ...``, ``kwargs: ...``), so that a config prefixes its own key.
     """
 
-    path: str = ""  # required: the default only lets a config say "path: missing"
-    kwargs: Mapping[str, Any] | None = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.kwargs is None:  # `kwargs:` left empty in YAML
-            object.__setattr__(self, "kwargs", {})
-        if isinstance(self.path, str) and not self.path:
-            raise InvalidConfigError("path: missing (the wrapper's import path)")
-        if not isinstance(self.path, str):
-            raise InvalidConfigError(f"path: expected an import path, got {self.path!r}")
-        if not isinstance(self.kwargs, Mapping):
-            raise InvalidConfigError(f"kwargs: expected a mapping, got {self.kwargs!r}")
-        if not all(isinstance(k, str) for k in self.kwargs):
-            raise InvalidConfigError(f"kwargs: keys must be strings, got {list(self.kwargs)}")
-
-    @classmethod
-    def of(cls, value: WrapperSpec | Mapping[str, Any]) -> WrapperSpec:
-        """A spec from a spec or a ``{"path": ..., "kwargs": ...}`` mapping."""
-        if isinstance(value, WrapperSpec):
-            return value
-        if not isinstance(value, Mapping):
-            raise InvalidConfigError(
-                f"expected a WrapperSpec or a mapping with 'path' and 'kwargs', got {value!r}"
-            )
-        unknown = sorted(set(value) - {"path", "kwargs"})
-        if unknown:
-            raise InvalidConfigError(f"{unknown[0]}: unknown key (known: path, kwargs)")
-        return cls(value.get("path", ""), value.get("kwargs"))
+    what: ClassVar[str] = "wrapper"
 
     def load(self) -> Callable[[gym.Env], gym.Env]:
         """``env -> wrapped env``: the wrapper with its keyword arguments bound (picklable,
         so async vector envs can take it to their subprocesses)."""
-        path = self.path
-        if ":" not in path and "." in path:  # "package.module.Name"
-            module, _, name = path.rpartition(".")
-            path = f"{module}:{name}"
-        try:
-            wrapper = load_factory(path, "wrapper")
-        except InvalidConfigError as e:
-            raise InvalidConfigError(f"path: {e}") from None
+        wrapper = load_path(self.path, "wrapper", "path")
         kwargs = dict(self.kwargs or {})
-        _check_wrapper_arguments(wrapper, kwargs, getattr(wrapper, "__qualname__", path))
+        name = getattr(wrapper, "__qualname__", self.path)
+        check_arguments(wrapper, kwargs, "kwargs", name, leading=1)  # the env comes first
         return functools.partial(wrapper, **kwargs)
 
 
@@ -130,10 +96,7 @@ def check_wrappers(
             spec = WrapperSpec.of(spec)
             spec.load()
         except InvalidConfigError as e:
-            message = str(e)
-            head = message.partition(":")[0]
-            sep = "." if head and " " not in head else ": "
-            raise InvalidConfigError(f"{where}[{i}]{sep}{message}") from None
+            raise InvalidConfigError(entry_error(f"{where}[{i}]", e)) from None
         out.append(spec)
     return tuple(out)
 
@@ -143,26 +106,6 @@ def build_wrappers(
 ) -> list[Callable[[gym.Env], gym.Env]]:
     """The wrappers of ``specs`` (checked), ready for ``gymnasium.make_vec(wrappers=...)``."""
     return [spec.load() for spec in check_wrappers(specs or ())]
-
-
-def _check_wrapper_arguments(wrapper: Callable[..., Any], kwargs: Mapping[str, Any], name: str):
-    try:
-        signature = inspect.signature(wrapper)
-    except (TypeError, ValueError):  # some builtins have none: calling them will tell
-        return
-    params = signature.parameters.values()
-    plain = signature.replace(
-        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in params],
-        return_annotation=inspect.Signature.empty,
-    )
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        unknown = [k for k in kwargs if k not in signature.parameters]
-        if unknown:
-            raise InvalidConfigError(f"kwargs: {name}{plain} has no argument {unknown[0]!r}")
-    try:
-        signature.bind(None, **kwargs)  # None stands for the env, the first argument
-    except TypeError as e:
-        raise InvalidConfigError(f"kwargs: {name}{plain}: {e}") from None
 
 
 def register_env(env_id: str) -> None:
