@@ -38,7 +38,7 @@ from gymnasium.vector import AutoresetMode
 from millpond.errors import InvalidConfigError, MillpondError
 from millpond.spec import Key
 
-from .import_specs import ImportSpec, check_arguments, entry_error, load_path
+from .import_specs import ImportSpec, check_arguments, load_path
 
 __all__ = [
     "EnvSpec",
@@ -82,23 +82,17 @@ class WrapperSpec(ImportSpec):
         check_arguments(wrapper, kwargs, "kwargs", name, leading=1)  # the env comes first
         return functools.partial(wrapper, **kwargs)
 
+    def check(self) -> None:
+        """Import the wrapper and check its keyword arguments."""
+        self.load()
+
 
 def check_wrappers(
     specs: Sequence[WrapperSpec | Mapping[str, Any]], where: str = "wrappers"
 ) -> tuple[WrapperSpec, ...]:
     """Specs from specs or ``{"path", "kwargs"}`` mappings, each path imported and its
     keyword arguments checked. Errors name the entry, e.g. ``wrappers[1].path: ...``."""
-    if isinstance(specs, str | Mapping | WrapperSpec) or not isinstance(specs, Sequence):
-        raise InvalidConfigError(f"{where}: expected a list of wrapper specs, got {specs!r}")
-    out = []
-    for i, spec in enumerate(specs):
-        try:
-            spec = WrapperSpec.of(spec)
-            spec.load()
-        except InvalidConfigError as e:
-            raise InvalidConfigError(entry_error(f"{where}[{i}]", e)) from None
-        out.append(spec)
-    return tuple(out)
+    return WrapperSpec.check_all(specs, where)
 
 
 def build_wrappers(

@@ -11,7 +11,7 @@ Errors (:class:`~millpond.errors.InvalidConfigError`) start with the field at fa
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -48,6 +48,25 @@ class ImportSpec:
             raise InvalidConfigError(f"kwargs: expected a mapping, got {self.kwargs!r}")
         if not all(isinstance(k, str) for k in self.kwargs):
             raise InvalidConfigError(f"kwargs: keys must be strings, got {list(self.kwargs)}")
+
+    def check(self) -> None:
+        """Refuse a spec that cannot be built (subclasses load or build it once)."""
+
+    @classmethod
+    def check_all(cls, specs: Any, where: str) -> tuple[Any, ...]:
+        """Specs from specs or ``{"path", "kwargs"}`` mappings, each checked; errors name the
+        entry under ``where``, e.g. ``processors[1].kwargs: ...``."""
+        if isinstance(specs, str | Mapping | ImportSpec) or not isinstance(specs, Sequence):
+            raise InvalidConfigError(f"{where}: expected a list of {cls.what} specs, got {specs!r}")
+        out = []
+        for i, spec in enumerate(specs):
+            try:
+                spec = cls.of(spec)
+                spec.check()
+            except InvalidConfigError as e:
+                raise InvalidConfigError(entry_error(f"{where}[{i}]", e)) from None
+            out.append(spec)
+        return tuple(out)
 
     @classmethod
     def of(cls, value: Any) -> Any:

@@ -80,17 +80,7 @@ def check_processors(
 
     Errors name the entry under ``where``, e.g. ``processors[1].kwargs: ...``.
     """
-    if isinstance(specs, str | Mapping | ProcessorSpec) or not isinstance(specs, Sequence):
-        raise InvalidConfigError(f"{where}: expected a list of processor specs, got {specs!r}")
-    out = []
-    for i, spec in enumerate(specs):
-        try:
-            spec = ProcessorSpec.of(spec)
-            spec.check()
-        except InvalidConfigError as e:
-            raise InvalidConfigError(entry_error(f"{where}[{i}]", e)) from None
-        out.append(spec)
-    return tuple(out)
+    return ProcessorSpec.check_all(specs, where)
 
 
 def build_processors(
