@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -93,3 +94,43 @@ def _put(d: dict[str, Any], key: Key, value: torch.Tensor) -> None:
     for part in key[:-1]:
         d = d.setdefault(part, {})
     d[key[-1]] = value
+
+
+@dataclass
+class SlotSample:
+    """A sampled batch as the shard stores it: the TED form without the observations, and
+    each distinct observation slot once with the rows that rebuild ``obs`` and
+    ``("next", obs)`` (what a sample puts on the wire).
+
+    Attributes:
+        ted: :func:`assemble_ted` of the step keys alone (no observation keys).
+        observations: ``{key: [U, ...]}``, the distinct observation slots.
+        rows: int32, the batch's shape: the row of ``observations`` holding each ``obs``.
+        next_rows: int32, the batch's shape: the row holding each ``("next", obs)``.
+    """
+
+    ted: TensorDict
+    observations: dict[Key, torch.Tensor]
+    rows: torch.Tensor
+    next_rows: torch.Tensor
+
+    def to_ted(self) -> TensorDict:
+        """The full TED batch: the observations indexed into place."""
+        return expand_observations(self.ted, self.observations, self.rows, self.next_rows)
+
+
+def expand_observations(
+    ted: TensorDict,
+    observations: dict[Key, torch.Tensor],
+    rows: torch.Tensor,
+    next_rows: torch.Tensor,
+) -> TensorDict:
+    """Set ``obs`` and ``("next", obs)`` of ``ted`` (in place, and returned) from the
+    distinct ``observations`` and their int32 ``rows`` / ``next_rows``."""
+    shape = tuple(ted.batch_size)
+    flat_rows, flat_next = rows.reshape(-1), next_rows.reshape(-1)
+    for key, values in observations.items():
+        feature = values.shape[1:]
+        ted.set(key, torch.index_select(values, 0, flat_rows).reshape(*shape, *feature))
+        ted.set(("next", *key), torch.index_select(values, 0, flat_next).reshape(*shape, *feature))
+    return ted

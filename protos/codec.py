@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
@@ -18,6 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from millpond.errors import InvalidDataError, ResourceExhaustedError
 from millpond.protos import millpond_pb2 as pb
+from millpond.sample_format import SlotSample, expand_observations
 from millpond.spec import FieldSpec, Key, check_key_size, dtype_name, format_key, parse_dtype
 
 _LITTLE = sys.byteorder == "little"
@@ -111,13 +113,18 @@ Expect = Callable[[Key, torch.dtype, tuple[int, ...]], None]
 
 
 def proto_to_tensor(
-    msg: pb.Tensor, budget: Budget | None = None, expect: Expect | None = None
+    msg: pb.Tensor,
+    budget: Budget | None = None,
+    expect: Expect | None = None,
+    *,
+    copy: bool = True,
 ) -> tuple[Key, torch.Tensor]:
     """Decode one :class:`pb.Tensor`, validating dtype, shape and byte count.
 
     Everything the message declares is checked before anything is allocated: the key's
     size, the dtype, the shape (against ``budget`` and ``expect`` when given), and a zstd
-    frame's declared content size against the shape.
+    frame's declared content size against the shape. With ``copy=False`` the tensor is a
+    read-only view of the message's bytes, for a caller that only reads from it.
     """
     key = tuple(msg.key)
     check_key_size(key)
@@ -159,6 +166,10 @@ def proto_to_tensor(
         )
     if expected == 0:
         return key, torch.empty(shape, dtype=dtype)
+    if not copy and _LITTLE:
+        with warnings.catch_warnings():  # read-only: the caller promises not to write
+            warnings.simplefilter("ignore", UserWarning)
+            return key, torch.frombuffer(data, dtype=dtype).reshape(shape)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if not _LITTLE and itemsize > 1:
         buf = torch.from_numpy(buf.numpy().view(f"<u{itemsize}").byteswap().view(np.uint8))
@@ -336,8 +347,37 @@ def encode_sample(
     return response
 
 
+def encode_slot_sample(sample: SlotSample, compress: bool = False) -> pb.SampleResponse:
+    """A sampled batch as the shard read it: the step keys, each distinct observation slot
+    once (zstd-compressed if ``compress``), and the int32 rows that rebuild ``obs`` and
+    ``("next", obs)``. Nothing is compared or expanded here: the shard knows which slots
+    follow one another."""
+    response = pb.SampleResponse()
+    to_tensor_map(sample.ted, out=response.batch)
+    part = response.slot_observations
+    to_tensor_map(
+        sample.observations,
+        batch_size=[_distinct(sample)],
+        compress_keys=set(sample.observations) if compress else set(),
+        out=part.observations,
+    )
+    _fill_tensor(part.rows, ("rows",), sample.rows, False)
+    _fill_tensor(part.next_rows, ("next_rows",), sample.next_rows, False)
+    return response
+
+
+def _distinct(sample: SlotSample) -> int:
+    """U: every distinct slot is some step's row, so one past the largest row."""
+    if sample.rows.numel() == 0:
+        return 0
+    return int(torch.maximum(sample.rows.max(), sample.next_rows.max())) + 1
+
+
 def decode_sample(msg: pb.SampleResponse) -> TensorDict:
-    """Rebuild the TED batch of :func:`encode_sample`, ``("next", obs)`` included."""
+    """Rebuild the TED batch of :func:`encode_sample` or :func:`encode_slot_sample`,
+    ``("next", obs)`` included."""
+    if msg.HasField("slot_observations"):
+        return _decode_slot_sample(msg)
     flat, batch = from_tensor_map_flat(msg.batch)
     next_obs, next_batch = from_tensor_map_flat(msg.next_observations)
     n = int(np.prod(batch)) if batch else 1
@@ -364,6 +404,43 @@ def decode_sample(msg: pb.SampleResponse) -> TensorDict:
             _wide_rows(nxt, n).index_copy_(0, rows, _wide_rows(values, len(rows)))
         flat[("next", *key)] = nxt.reshape(*batch, *feature)
     return nest(flat, batch)
+
+
+def _decode_slot_sample(msg: pb.SampleResponse) -> TensorDict:
+    """The new form: observations indexed straight out of the received bytes."""
+    flat, batch = from_tensor_map_flat(msg.batch)
+    if msg.next_rows or msg.next_observations.tensors:
+        raise InvalidDataError("sample: next_rows and slot_observations both set")
+    part = msg.slot_observations
+    obs_batch = list(part.observations.batch_size)
+    if len(obs_batch) != 1 or obs_batch[0] < 0:
+        raise InvalidDataError(
+            f"sample: slot observations must have batch size [U], received {obs_batch}"
+        )
+    distinct = obs_batch[0]
+    observations: dict[Key, torch.Tensor] = {}
+    for t in part.observations.tensors:
+        key, value = proto_to_tensor(t, copy=False)
+        if key in observations or key in flat:
+            raise InvalidDataError(f"sample: observation {format_key(key)} appears twice")
+        if value.shape[:1] != (distinct,):
+            raise InvalidDataError(
+                f"sample: observation {format_key(key)} has shape {list(value.shape)}, "
+                f"expected {distinct} rows"
+            )
+        observations[key] = value
+    index = []
+    for name, t in (("rows", part.rows), ("next_rows", part.next_rows)):
+        _, rows = proto_to_tensor(t)
+        if rows.dtype != torch.int32 or list(rows.shape) != batch:
+            raise InvalidDataError(
+                f"sample: {name} is {rows.dtype}{list(rows.shape)}, expected int32{batch}"
+            )
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= distinct):
+            raise InvalidDataError(f"sample: {name} point outside the {distinct} observations")
+        index.append(rows)
+    td = nest(flat, batch)
+    return expand_observations(td, observations, index[0], index[1])
 
 
 def _wide_rows(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -159,16 +159,28 @@ class SampleRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("batch", "next_rows", "next_observations", "mass")
+    __slots__ = ("batch", "next_rows", "next_observations", "mass", "slot_observations")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROWS_FIELD_NUMBER: _ClassVar[int]
     NEXT_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     MASS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     batch: TensorMap
     next_rows: _containers.RepeatedScalarFieldContainer[int]
     next_observations: TensorMap
     mass: float
-    def __init__(self, batch: _Optional[_Union[TensorMap, _Mapping]] = ..., next_rows: _Optional[_Iterable[int]] = ..., next_observations: _Optional[_Union[TensorMap, _Mapping]] = ..., mass: _Optional[float] = ...) -> None: ...
+    slot_observations: SlotObservations
+    def __init__(self, batch: _Optional[_Union[TensorMap, _Mapping]] = ..., next_rows: _Optional[_Iterable[int]] = ..., next_observations: _Optional[_Union[TensorMap, _Mapping]] = ..., mass: _Optional[float] = ..., slot_observations: _Optional[_Union[SlotObservations, _Mapping]] = ...) -> None: ...
+
+class SlotObservations(_message.Message):
+    __slots__ = ("observations", "rows", "next_rows")
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    observations: TensorMap
+    rows: Tensor
+    next_rows: Tensor
+    def __init__(self, observations: _Optional[_Union[TensorMap, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., next_rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class UpdatePrioritiesRequest(_message.Message):
     __slots__ = ("table", "slots", "generations", "priorities")

@@ -20,10 +20,11 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
+import torch
 
 from millpond.config import MAX_NAME_BYTES, MAX_TIMEOUT_MS, check_table_bytes
 from millpond.errors import (
@@ -37,6 +38,7 @@ from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.status import ERROR_KEY, status_of
 from millpond.protos.tables import config_from_proto, config_to_proto, info_to_proto
 from millpond.protos.weights import chunks as weight_chunks
+from millpond.sample_format import SlotSample
 from millpond.segments import PackedSegments, Segment, concat, pack, pack_columns
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
@@ -154,14 +156,14 @@ def _check_name(name: str) -> str:
     return name
 
 
-def _size_bound(batch) -> int:
+def _size_bound(batch, extra: Sequence[torch.Tensor] = ()) -> int:
     """An upper bound on the bytes of the SampleResponse that encodes ``batch``.
 
     The tensors' bytes (every leaf, ``("next", obs)`` whole, so more than is sent), zstd's
     worst case for incompressible data (+1/256, +64 per tensor), and generous room for keys,
     dtypes, shapes, ``next_rows`` varints and the other fields.
     """
-    leaves = list(batch.values(include_nested=True, leaves_only=True))
+    leaves = [*batch.values(include_nested=True, leaves_only=True), *extra]
     data = sum(t.numel() * t.element_size() for t in leaves)
     return data + data // 256 + 1024 * (len(leaves) + 1) + 11 * batch.numel()
 
@@ -176,15 +178,20 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         max_message_bytes: int = 256 << 20,
         *,
         max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
+        slot_samples: bool = True,
     ) -> None:
         """``max_message_bytes``: the channel's message limit, which also bounds the decoded
         tensors of one insert message and the bytes of one sampled batch.
         ``max_weights_bytes``: the largest weights PublishWeights takes (announced in
-        ``total_size`` and refused before anything is buffered)."""
+        ``total_size`` and refused before anything is buffered).
+        ``slot_samples``: answer Sample with each distinct observation slot once
+        (``SampleResponse.slot_observations``); ``False`` sends the form older clients
+        read (``next_rows``), kept to compare the two."""
         self.shard = shard
         self.weights = weights
         self.max_message_bytes = max_message_bytes
         self.max_weights_bytes = max_weights_bytes
+        self.slot_samples = slot_samples
 
     def _table(self, name: str):
         return self.shard.table(_check_name(name))
@@ -301,17 +308,27 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         self._check_batch_size(table, request.batch_size)
         sent = 0
         while request.num_batches == 0 or sent < request.num_batches:
-            batch = self._sample_one(table, request.batch_size, timeout, context)
-            if batch is None:
+            sampled = self._sample_one(
+                table, request.batch_size, timeout, context, slots=self.slot_samples
+            )
+            if sampled is None:
                 return
             assert table.spec is not None
-            response = codec.encode_sample(
-                batch, table.spec.observation_keys, compress=table.config.compression == "zstd"
-            )
+            compress = table.config.compression == "zstd"
+            if isinstance(sampled, SlotSample):
+                batch = sampled.ted
+                response = codec.encode_slot_sample(sampled, compress=compress)
+                leaves = [*sampled.observations.values(), sampled.rows, sampled.next_rows]
+                size = _size_bound(batch, leaves)
+            else:
+                batch = sampled
+                response = codec.encode_sample(
+                    batch, table.spec.observation_keys, compress=compress
+                )
+                size = _size_bound(batch)
             response.mass = table.sampler.mass
             # upb's ByteSize serializes the whole message (a second copy of every byte, ~10 ms
             # for an Atari batch): take it only when a cheap upper bound does not settle it.
-            size = _size_bound(batch)
             if size > self.max_message_bytes:
                 size = response.ByteSize()
             if size > self.max_message_bytes or not context.is_active():
@@ -360,10 +377,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             )
 
     @staticmethod
-    def _sample_one(table, batch_size: int, timeout: float | None, context):
+    def _sample_one(table, batch_size: int, timeout: float | None, context, *, slots: bool):
         """One batch, or ``None`` when the call was cancelled while it waited."""
+        sample = table.sample_slots if slots else table.sample
         try:
-            return _in_slices(lambda wait: table.sample(batch_size, timeout=wait), timeout, context)
+            return _in_slices(lambda wait: sample(batch_size, timeout=wait), timeout, context)
         except _Cancelled:
             return None
 

@@ -624,6 +624,34 @@ class SegmentStorage:
                     d[key] = t.reshape(*shape, *t.shape[1:])
         return now, nxt
 
+    def gather_slots(
+        self, slots: np.ndarray
+    ) -> tuple[dict[Key, torch.Tensor], dict[Key, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Read step slots with each observation slot read once.
+
+        Returns ``(step keys at slots, observations at the distinct slots of slots and
+        slots + 1 in slot order, rows, next_rows)``: ``rows`` and ``next_rows`` (int32,
+        ``slots``' shape) index the distinct observations. Consecutive sampled steps
+        (slices, queue batches) share a slot, so this reads and ships fewer bytes than
+        :meth:`gather`, and sorted slots read the memory maps in order.
+        """
+        assert self.spec is not None
+        shape = slots.shape
+        flat = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64).reshape(-1))
+        n = flat.numel()
+        distinct, inverse = torch.unique(torch.cat([flat, flat + 1]), return_inverse=True)
+        inverse = inverse.to(torch.int32)
+        now: dict[Key, torch.Tensor] = {}
+        obs: dict[Key, torch.Tensor] = {}
+        for key, f in self.spec.fields.items():
+            col = self.columns[key]
+            if f.role == OBSERVATION:
+                obs[key] = torch.index_select(col, 0, distinct)
+            else:
+                t = torch.index_select(col, 0, flat)
+                now[key] = t.reshape(*shape, *t.shape[1:]) if len(shape) > 1 else t
+        return now, obs, inverse[:n].reshape(shape), inverse[n:].reshape(shape)
+
     # -- recovery and durability ---------------------------------------------------------
     def recover(self) -> SegmentBatch:
         """Find the complete, intact published segments (oldest first); clear the others.

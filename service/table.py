@@ -33,7 +33,7 @@ from millpond.errors import (
     StorageCorruptedError,
 )
 from millpond.routing import writer_hash
-from millpond.sample_format import assemble_ted
+from millpond.sample_format import SlotSample, assemble_ted
 from millpond.segments import PackedSegments, Segment, pack
 from millpond.service.rate_limiter import RateLimiter
 from millpond.service.samplers import (
@@ -376,6 +376,15 @@ class Table:
         Queue tables return whole segments, in order: at most ``batch_size`` steps, waiting
         until that many are queued, or less when the queue is full and writers wait on it.
         """
+        return self._sample(batch_size, timeout, slots=False)
+
+    def sample_slots(self, batch_size: int, timeout: float | None = None) -> SlotSample:
+        """:meth:`sample`, drawn alike, with each distinct observation slot read once
+        (what the servicer sends): ``sample_slots(...).to_ted()`` equals :meth:`sample`
+        on the same table and seed, bit for bit."""
+        return self._sample(batch_size, timeout, slots=True)
+
+    def _sample(self, batch_size: int, timeout: float | None, *, slots: bool):
         if (
             isinstance(batch_size, bool)
             or not isinstance(batch_size, int | np.integer)
@@ -409,11 +418,21 @@ class Table:
             self._cond.notify_all()
             if isinstance(self.sampler, QueueSampler):
                 # Delivered queue segments become evictable at once, so read them now.
+                if slots:
+                    if self.config.verify_reads:
+                        selection, rows = self._without_damaged(selection, rows, None, None)
+                    return _as_slot_sample(
+                        self.storage.gather_slots(selection.slots), selection, rows
+                    )
                 now, nxt = self.storage.gather(selection.slots)
                 if self.config.verify_reads:
                     selection, rows = self._without_damaged(selection, rows, now, nxt)
                 return _as_ted(now, nxt, selection, rows)
-        now, nxt = self.storage.gather(selection.slots)
+        if slots:
+            gathered = self.storage.gather_slots(selection.slots)
+            now, nxt = None, None
+        else:
+            now, nxt = self.storage.gather(selection.slots)
         for _ in range(100):
             if self.config.verify_reads and self._drop_damaged(selection.slots, rows):
                 pass  # unpublished: redrawn below, as overwritten rows are
@@ -429,6 +448,10 @@ class Table:
             if not stale.any():
                 break
             self._redraw(stale, selection, rows, now, nxt)
+            if slots:  # distinct slots change with the redrawn ones: read them all again
+                gathered = self.storage.gather_slots(selection.slots)
+        if slots:
+            return _as_slot_sample(gathered, selection, rows)
         return _as_ted(now, nxt, selection, rows)
 
     def _drop_damaged(self, slots: np.ndarray, rows: np.ndarray) -> bool:
@@ -453,7 +476,7 @@ class Table:
         return True
 
     def _without_damaged(
-        self, selection: Selection, rows: np.ndarray, now: dict, nxt: dict
+        self, selection: Selection, rows: np.ndarray, now: dict | None, nxt: dict | None
     ) -> tuple[Selection, np.ndarray]:
         """``verify_reads`` on a queue batch (under the lock): the segments that fail their
         checksum are dropped from the table and from the batch (``now`` and ``nxt`` are cut
@@ -473,7 +496,7 @@ class Table:
                 "and was dropped (damaged on disk, see the shard's log); sample again"
             )
         keep = torch.from_numpy(ok)
-        for d in (now, nxt):
+        for d in (now, nxt) if now is not None and nxt is not None else ():
             for k, v in d.items():
                 d[k] = v[keep]
         lengths = selection.segment_lengths
@@ -487,10 +510,11 @@ class Table:
         stale: np.ndarray,
         selection: Selection,
         rows: np.ndarray,
-        now: dict[Key, torch.Tensor],
-        nxt: dict[Key, torch.Tensor],
+        now: dict[Key, torch.Tensor] | None,
+        nxt: dict[Key, torch.Tensor] | None,
     ) -> None:
-        """Replace the rows overwritten during the gather with fresh draws."""
+        """Replace the rows overwritten during the gather with fresh draws (and their
+        gathered values, unless ``now`` is ``None``)."""
         idx = np.flatnonzero(stale)
         with self._cond:
             redo = self.sampler.sample(len(idx))
@@ -498,6 +522,8 @@ class Table:
         selection.slots[idx] = redo.slots
         if selection.weights is not None and redo.weights is not None:
             selection.weights[idx] = redo.weights
+        if now is None or nxt is None:
+            return
         r_now, r_nxt = self.storage.gather(redo.slots)
         t_idx = torch.from_numpy(idx)
         for d, r in ((now, r_now), (nxt, r_nxt)):
@@ -690,3 +716,9 @@ def _as_ted(now: dict, nxt: dict, selection: Selection, rows: np.ndarray) -> Ten
         ends=selection.ends,
         mask=selection.mask,
     )
+
+
+def _as_slot_sample(gathered: tuple, selection: Selection, rows: np.ndarray) -> SlotSample:
+    """The sampled steps of :meth:`SegmentStorage.gather_slots` as a :class:`SlotSample`."""
+    now, observations, obs_rows, next_rows = gathered
+    return SlotSample(_as_ted(now, {}, selection, rows), observations, obs_rows, next_rows)

@@ -215,12 +215,18 @@ def _run(
 
 
 @pytest.mark.parametrize("capacity", [1 << 16, 256], ids=["large", "small-overwriting"])
-def test_uniform_writers_and_samplers(make_table, capacity):
+@pytest.mark.parametrize("form", ["ted", "slots"])
+def test_uniform_writers_and_samplers(make_table, capacity, form):
     table = make_table(TableConfig.uniform("t", capacity, seed=0))
+    # "slots": what the servicer sends, whose redraws re-read the distinct slots
+    if form == "ted":
+        sample = lambda b: table.sample(b, timeout=0.5)  # noqa: E731
+    else:
+        sample = lambda b: table.sample_slots(b, timeout=0.5).to_ted()  # noqa: E731
     # With the small capacity, the ring wraps at least 10 times.
     _run(
         table,
-        sample=lambda b: table.sample(b, timeout=0.5),
+        sample=sample,
         min_inserted_steps=10 * capacity if capacity == 256 else 0,
     )
 
