@@ -20,7 +20,7 @@ import numpy as np
 from millpond.errors import InvalidDataError
 from millpond.service._sum_tree import SumMinTree
 from millpond.service.disk_space import Reservation, create_sparse, reserve
-from millpond.service.storage import SegmentBatch, ranges
+from millpond.service.segment_batch import SegmentBatch, ranges
 from millpond.service.table_files import COUNTERS_FILE, Counter
 
 #: Where a prioritized sampler keeps its raw priorities, under the table's directory.

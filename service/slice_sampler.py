@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from millpond.service.samplers import Sampler, Selection, _SlotSet
-from millpond.service.storage import SegmentBatch, ranges
+from millpond.service.segment_batch import SegmentBatch, ranges
 
 
 class _Chain:

@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from millpond.checks import as_int64
-from millpond.config import TableConfig
+from millpond.config import MAX_CAPACITY, TableConfig
 from millpond.errors import (
     ClosedError,
     InvalidConfigError,
@@ -43,11 +43,10 @@ from millpond.service.samplers import (
     Selection,
     UniformSampler,
 )
+from millpond.service.segment_batch import SegmentBatch
 from millpond.service.slice_sampler import SliceSampler
 from millpond.service.storage import (
-    MAX_CAPACITY,
     SLOT_STEP,
-    SegmentBatch,
     SegmentStorage,
     SlotColumn,
 )

@@ -46,12 +46,12 @@ from millpond.errors import (
     TableExistsError,
 )
 from millpond.service.atomic_json import atomic_write_json
+from millpond.service.segment_batch import SegmentBatch
 from millpond.service.storage import (
     CHECKSUMS_FILE,
     RECORD_WIDTH,
     SEGMENTS_FILE,
     SLOTS_FILE,
-    SegmentBatch,
     SegmentStorage,
     column_filename,
 )
