@@ -293,6 +293,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             raise InvalidDataError(f"segment tail must have batch size [], received {tail_batch}")
         if tail_batch == [1]:
             tail = {k: v[0] for k, v in tail.items()}
+        if msg.sequence >= 2**63:  # uint64 on the wire, int64 in the table
+            raise InvalidDataError(f"segment sequence ({msg.sequence}) must be < 2**63")
         return Segment(
             steps, tail, msg.episode_id, msg.first_step, msg.sequence if msg.sequence else None
         )

@@ -319,3 +319,14 @@ def test_error_details_stay_short(served):
     details = refused(lambda: insert(stub, "t", msg), "key")
     assert len(details) < 5000
     still_serving(stub, channel)
+
+
+@pytest.mark.parametrize("sequence", [2**63, 2**64 - 1], ids=str)
+def test_segment_sequence_out_of_range(served, sequence):
+    """The wire's uint64 sequence must fit the table's int64 (found by the fuzz test)."""
+    stub, _, _ = served
+    before = stub.Info(pb.InfoRequest(table="t")).tables[0].inserts
+    seg = segment(7)
+    seg.sequence = sequence
+    refused(lambda: insert(stub, "t", seg, writer="seq"), "sequence", str(sequence), "2**63")
+    assert stub.Info(pb.InfoRequest(table="t")).tables[0].inserts == before
