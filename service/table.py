@@ -467,12 +467,16 @@ class Table:
             damaged = self.storage.segments_at(suspects[~self.storage.verify(suspects)])
             if not len(damaged):
                 return False
-            self._evictions += 1
-            self.storage.unpublish(damaged)
-            self.sampler.on_evict(damaged)
-            self.storage.count_dropped(damaged)
-            self._cond.notify_all()
+            self._drop(damaged)
         return True
+
+    def _drop(self, damaged: SegmentBatch) -> None:
+        """Unpublish segments found damaged, count and log them (under the lock)."""
+        self._evictions += 1
+        self.storage.unpublish(damaged)
+        self.sampler.on_evict(damaged)
+        self.storage.count_dropped(damaged)
+        self._cond.notify_all()
 
     def _without_damaged(
         self, selection: Selection, rows: np.ndarray, now: dict | None, nxt: dict | None
@@ -483,11 +487,7 @@ class Table:
         ok = self.storage.verify(selection.slots)
         if ok.all():
             return selection, rows
-        damaged = self.storage.segments_at(selection.slots[~ok])
-        self._evictions += 1
-        self.storage.unpublish(damaged)
-        self.sampler.on_evict(damaged)
-        self.storage.count_dropped(damaged)
+        self._drop(self.storage.segments_at(selection.slots[~ok]))
         self.rate_limiter.on_give_back(int((~ok).sum()))
         if not ok.any():
             raise StorageCorruptedError(
