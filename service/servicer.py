@@ -26,7 +26,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from millpond.config import MAX_NAME_BYTES, MAX_TIMEOUT_MS, check_table_bytes
+from millpond.config import MAX_NAME_BYTES, MAX_TIMEOUT_MS
 from millpond.errors import (
     InvalidDataError,
     RateLimiterTimeoutError,
@@ -226,10 +226,6 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             groups += [self._packed(p, budget, spec) for p in request.packed]
             if groups:
                 packed = concat(groups)
-                if table.spec is None:  # the first insert sets the spec: it must fit the table
-                    check_table_bytes(
-                        table.config.capacity, TableSpec.from_example(packed.steps, packed.tails)
-                    )
                 self._insert(table, packed, timeout, writer_id, context)
             sequences = [s.sequence for s in request.segments]
             for p in request.packed:
