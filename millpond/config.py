@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from millpond.errors import InvalidConfigError
-from millpond.spec import MAX_ROW_BYTES, TableSpec
+from millpond.frame_stacks import check_stacks, normalize_stacks, stacks_to_json
+from millpond.spec import MAX_ROW_BYTES, Key, TableSpec
 
 __all__ = [
     "COMPRESSIONS",
@@ -78,6 +79,12 @@ class TableConfig:
         verify_reads: check the checksum of every sampled segment before returning it
             (a segment damaged on disk is dropped and redrawn, never served). Costs about
             4x the sample time; recovery checks every segment on open regardless.
+        frame_stacks: frame-stacked observation keys and their frame counts, ``{key: k}``
+            (a key as a tuple, or its parts joined by ``.``): each such observation is a
+            stack of the ``k`` latest frames along dim 0, oldest first (gymnasium's
+            ``FrameStackObservation``), and each frame is sent and stored once
+            (:mod:`millpond.frame_stacks`). The key must be an observation of shape
+            ``[k, *frame]``, ``k >= 2``.
     """
 
     name: str
@@ -94,6 +101,7 @@ class TableConfig:
     seed: int | None = None
     strict_length: bool = True
     verify_reads: bool = False
+    frame_stacks: dict[Key, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if (
@@ -185,7 +193,10 @@ class TableConfig:
             raise InvalidConfigError(
                 f"min_size ({self.min_size}) exceeds the largest capacity ({MAX_CAPACITY})"
             )
-        check_table_bytes(self.capacity, self.spec)
+        object.__setattr__(self, "frame_stacks", normalize_stacks(self.frame_stacks))
+        if self.spec is not None:
+            check_stacks(self.frame_stacks, self.spec)
+        check_table_bytes(self.capacity, self.spec, self.frame_stacks)
 
     @property
     def effective_error_buffer(self) -> float | None:
@@ -228,6 +239,10 @@ class TableConfig:
         d = asdict(self)
         if not self.verify_reads:  # configs written before the option read the same
             del d["verify_reads"]
+        if self.frame_stacks:
+            d["frame_stacks"] = stacks_to_json(self.frame_stacks)
+        else:  # likewise
+            del d["frame_stacks"]
         d["spec"] = self.spec.to_json() if self.spec is not None else None
         return d
 
@@ -244,10 +259,17 @@ class TableConfig:
             raise InvalidConfigError(f"bad table config: {e}") from e
 
 
-def check_table_bytes(capacity: int, spec: TableSpec | None) -> None:
+def check_table_bytes(
+    capacity: int, spec: TableSpec | None, stacks: dict[Key, int] | None = None
+) -> None:
     """Refuse (:class:`InvalidConfigError`) a table whose files would map more than
-    :data:`MAX_TABLE_BYTES`: ``capacity`` slots of ``spec``'s keys plus their bookkeeping."""
+    :data:`MAX_TABLE_BYTES`: ``capacity`` slots of ``spec``'s keys plus their bookkeeping
+    (a frame-stacked key maps a frame per slot, and about half a stack per slot more for
+    its prefixes: records number ``capacity // 2``)."""
     slot = SLOT_OVERHEAD_BYTES + (spec.slot_bytes if spec is not None else 0)
+    for key, k in (stacks or {}).items() if spec is not None else ():
+        stack = spec.fields[key].nbytes
+        slot -= stack - stack // k - (stack // k * (k - 1) + 1) // 2
     total = capacity * slot
     if total > MAX_TABLE_BYTES:
         raise InvalidConfigError(

@@ -9,7 +9,7 @@ keys, batch ``[]``): the observation that follows the last step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,7 +43,13 @@ class Segment:
 
 @dataclass
 class PackedSegments:
-    """Several segments as columns: ``steps`` rows segment after segment, one ``tails`` row each."""
+    """Several segments as columns: ``steps`` rows segment after segment, one ``tails`` row each.
+
+    Frame-stacked observation keys (see :mod:`millpond.frame_stacks`) may travel as
+    ``frames`` instead of in ``steps`` and ``tails``: ``L + k`` rows per segment, segment
+    after segment, ``k`` being ``stacks[key]``. Frames whose ``k`` is not known yet (just
+    decoded, before the table names it) can be concatenated but not cut.
+    """
 
     steps: dict[Key, torch.Tensor]
     tails: dict[Key, torch.Tensor]
@@ -51,6 +57,12 @@ class PackedSegments:
     episode_ids: np.ndarray
     first_steps: np.ndarray
     sequences: np.ndarray | None = None
+    frames: dict[Key, torch.Tensor] = field(default_factory=dict)
+    stacks: dict[Key, int] = field(default_factory=dict)
+
+    def _frame_rows(self, key: Key) -> np.ndarray:
+        """Frames per segment of ``key``: ``L + k``."""
+        return self.lengths + self.stacks[key]
 
     @property
     def num_steps(self) -> int:
@@ -70,6 +82,11 @@ class PackedSegments:
             self.episode_ids[keep],
             self.first_steps[keep],
             None if self.sequences is None else self.sequences[keep],
+            {
+                k: v[torch.from_numpy(np.repeat(keep, self._frame_rows(k)))]
+                for k, v in self.frames.items()
+            },
+            dict(self.stacks),
         )
 
     def group(self, i: int, j: int) -> PackedSegments:
@@ -83,6 +100,8 @@ class PackedSegments:
             self.episode_ids[i:j],
             self.first_steps[i:j],
             None if self.sequences is None else self.sequences[i:j],
+            {k: v[_span(self._frame_rows(k), i, j)] for k, v in self.frames.items()},
+            dict(self.stacks),
         )
 
     def split(self, max_slots: int) -> list[PackedSegments]:
@@ -102,6 +121,12 @@ class PackedSegments:
             groups.append(self.group(i, j))
             i = j
         return groups
+
+
+def _span(rows: np.ndarray, i: int, j: int) -> slice:
+    """The rows of segments ``i`` to ``j - 1``, each taking ``rows[s]`` of them."""
+    start = int(rows[:i].sum())
+    return slice(start, start + int(rows[i:j].sum()))
 
 
 def flatten(td: TensorDictBase | Mapping) -> dict[Key, torch.Tensor]:
@@ -296,8 +321,14 @@ def concat(groups: Sequence[PackedSegments]) -> PackedSegments:
         return groups[0]
     first = groups[0]
     for i, g in enumerate(groups[1:], 1):
-        if g.steps.keys() != first.steps.keys() or g.tails.keys() != first.tails.keys():
+        if (
+            g.steps.keys() != first.steps.keys()
+            or g.tails.keys() != first.tails.keys()
+            or g.frames.keys() != first.frames.keys()
+        ):
             raise InvalidDataError(f"segment group {i}: keys differ from group 0's")
+        if any(g.stacks.get(k, s) != s for k, s in first.stacks.items()):
+            raise InvalidDataError(f"segment group {i}: frame stacks differ from group 0's")
     numbered = {g.sequences is not None for g in groups}
     if len(numbered) > 1:
         raise InvalidDataError("either every segment of an insert has a sequence or none")
@@ -311,6 +342,8 @@ def concat(groups: Sequence[PackedSegments]) -> PackedSegments:
         np.concatenate([g.episode_ids for g in groups]),
         np.concatenate([g.first_steps for g in groups]),
         sequences,
+        {k: _cat([g.frames[k] for g in groups], k) for k in first.frames},
+        {k: s for g in groups for k, s in g.stacks.items()},
     )
 
 
@@ -321,12 +354,15 @@ def pack_columns(
     episode_ids: np.ndarray | Sequence[int],
     first_steps: np.ndarray | Sequence[int],
     sequences: np.ndarray | Sequence[int] | None = None,
+    frames: Mapping[Key, torch.Tensor] | None = None,
 ) -> PackedSegments:
     """Segments already laid out as columns, checked as :func:`pack` checks segments.
 
     ``steps`` holds every segment's rows one segment after another (``lengths`` of them),
     ``tails`` one row per segment. For a producer that has its steps in one block already
-    (a collector's chunk): no per-segment objects and no concatenation.
+    (a collector's chunk): no per-segment objects and no concatenation. ``frames``: the
+    frame-stacked observation keys sent as frames (:mod:`millpond.frame_stacks`; their
+    stack sizes are the table's, checked by :func:`millpond.frame_stacks.compact_stacks`).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) == 0:
@@ -342,9 +378,16 @@ def pack_columns(
                 f"{len(lengths)} segments (lengths) but {len(values)} {name}; one each"
             )
     n = int(lengths.sum())
-    if not tails:
+    frames = dict(frames or {})
+    if not tails and not frames:
         raise InvalidDataError("the tails have no observation keys")
     _check_keys(steps, tails, "segments")
+    for key in frames:
+        if key in steps or key in tails or is_reserved(key) or key[0] == "next":
+            raise InvalidDataError(
+                f"key {format_key(key)} cannot travel as frames: it is in the steps or the "
+                "tails too, reserved, or under 'next'"
+            )
     for key, t in steps.items():
         if t.dim() == 0 or t.shape[0] != n:
             raise InvalidDataError(
@@ -365,6 +408,7 @@ def pack_columns(
         np.asarray(episode_ids, dtype=np.int64),
         np.asarray(first_steps, dtype=np.int64),
         None if sequences is None else _check_sequences(np.asarray(sequences, dtype=np.int64)),
+        frames,
     )
 
 

@@ -49,7 +49,7 @@ class FieldSpec(_message.Message):
     def __init__(self, key: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "capacity", "sampler", "min_size", "samples_per_insert", "error_buffer", "alpha", "beta", "slice_len", "compression", "spec", "seed", "strict_length", "verify_reads")
+    __slots__ = ("name", "capacity", "sampler", "min_size", "samples_per_insert", "error_buffer", "alpha", "beta", "slice_len", "compression", "spec", "seed", "strict_length", "verify_reads", "frame_stacks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class TableConfig(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STRICT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VERIFY_READS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_STACKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity: int
     sampler: str
@@ -78,7 +79,16 @@ class TableConfig(_message.Message):
     seed: int
     strict_length: bool
     verify_reads: bool
-    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., sampler: _Optional[str] = ..., min_size: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., compression: _Optional[str] = ..., spec: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., seed: _Optional[int] = ..., strict_length: _Optional[bool] = ..., verify_reads: _Optional[bool] = ...) -> None: ...
+    frame_stacks: _containers.RepeatedCompositeFieldContainer[FrameStack]
+    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., sampler: _Optional[str] = ..., min_size: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., compression: _Optional[str] = ..., spec: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., seed: _Optional[int] = ..., strict_length: _Optional[bool] = ..., verify_reads: _Optional[bool] = ..., frame_stacks: _Optional[_Iterable[_Union[FrameStack, _Mapping]]] = ...) -> None: ...
+
+class FrameStack(_message.Message):
+    __slots__ = ("key", "frames")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    key: _containers.RepeatedScalarFieldContainer[str]
+    frames: int
+    def __init__(self, key: _Optional[_Iterable[str]] = ..., frames: _Optional[int] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("config", "exist_ok")
@@ -109,20 +119,22 @@ class Segment(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., episode_id: _Optional[int] = ..., first_step: _Optional[int] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tail: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
 
 class PackedSegments(_message.Message):
-    __slots__ = ("sequences", "episode_ids", "first_steps", "lengths", "steps", "tails")
+    __slots__ = ("sequences", "episode_ids", "first_steps", "lengths", "steps", "tails", "frames")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEPS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TAILS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedScalarFieldContainer[int]
     episode_ids: _containers.RepeatedScalarFieldContainer[int]
     first_steps: _containers.RepeatedScalarFieldContainer[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     steps: TensorMap
     tails: TensorMap
-    def __init__(self, sequences: _Optional[_Iterable[int]] = ..., episode_ids: _Optional[_Iterable[int]] = ..., first_steps: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tails: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
+    frames: TensorMap
+    def __init__(self, sequences: _Optional[_Iterable[int]] = ..., episode_ids: _Optional[_Iterable[int]] = ..., first_steps: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tails: _Optional[_Union[TensorMap, _Mapping]] = ..., frames: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("writer_id", "table", "segments", "timeout_ms", "packed")

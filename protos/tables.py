@@ -30,6 +30,9 @@ def config_to_proto(config: TableConfig) -> pb.TableConfig:
     if not config.strict_length:
         msg.strict_length = False
     msg.verify_reads = config.verify_reads
+    msg.frame_stacks.extend(
+        pb.FrameStack(key=list(k), frames=n) for k, n in config.frame_stacks.items()
+    )
     if config.spec is not None:
         msg.spec.extend(
             pb.FieldSpec(key=list(k), dtype=dtype_name(f.dtype), shape=list(f.shape), role=f.role)
@@ -68,6 +71,7 @@ def config_from_proto(msg: pb.TableConfig) -> TableConfig:
         seed=int(msg.seed) if msg.HasField("seed") else None,
         strict_length=msg.strict_length if msg.HasField("strict_length") else True,
         verify_reads=msg.verify_reads,
+        frame_stacks={tuple(s.key): int(s.frames) for s in msg.frame_stacks},
     )
 
 

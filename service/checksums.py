@@ -15,6 +15,8 @@ none, and gets one computed from its data as it is when it is next opened). It c
   is a pair of changes whose weighted differences cancel modulo 2**64, such as bit 63 of
   two words flipped in opposite directions (a CRC-32 has none for two flips). One CRC-32
   runs over the columns in order: over a short range's bytes, over a long range's sum;
+* the prefixes of its frame-stacked keys (the older frames of its first stack, one row of
+  each prefix file), after the columns, the same way;
 * its record: a sum of the eight fields times odd constants, modulo 2**64, so that a
   change of any one field changes it (vectorised over segments, cheap under the lock).
 
@@ -88,9 +90,20 @@ def range_value(data: np.ndarray, crc: int = 0) -> int:
     return zlib.crc32(_wide_value(data), crc)
 
 
-def data_sums(columns: ColumnBytes, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The data CRC of each segment (``starts``, ``lengths``), as uint64."""
+def data_sums(
+    columns: ColumnBytes,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    prefixes: Sequence[np.ndarray] = (),
+    records: np.ndarray | None = None,
+) -> np.ndarray:
+    """The data CRC of each segment (``starts``, ``lengths``), as uint64.
+
+    ``prefixes``: per frame-stacked key, its prefix column as ``[records, bytes]`` uint8;
+    each segment's row (``records``) is covered after its columns' rows.
+    """
     out = np.empty(len(starts), dtype=np.uint64)
+    rec = records.tolist() if records is not None else [0] * len(starts)
     for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
         crc = 0
         for rows, extra in columns:
@@ -99,6 +112,8 @@ def data_sums(columns: ColumnBytes, starts: np.ndarray, lengths: np.ndarray) -> 
                 crc = zlib.crc32(block, crc)
             else:
                 crc = zlib.crc32(_wide_value(block), crc)
+        for prefix in prefixes:
+            crc = range_value(prefix[rec[i]], crc)
         out[i] = crc
     return out
 

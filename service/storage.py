@@ -17,8 +17,13 @@ more for their bookkeeping than for themselves:
   once. The file has room for the most that can be stored at once (``capacity // 2``: a
   segment takes at least two slots) and is sparse: pages never written take no disk space.
 
-* ``checksums.bin``: one uint64 per record, the checksum of its segment's rows and record
-  (:mod:`.checksums`), sparse too. Recovery drops (and counts in
+* ``prefixes/<key>.bin``: for each frame-stacked observation key
+  (:mod:`millpond.frame_stacks`; its column then holds one frame per slot, the newest of
+  the stack there), the ``k - 1`` older frames of each segment's first stack, indexed by
+  record like ``segments.bin`` and sparse alike. :meth:`SegmentStorage.gather` and
+  :meth:`SegmentStorage.gather_slots` rebuild the stacks, so nothing above sees frames.
+* ``checksums.bin``: one uint64 per record, the checksum of its segment's rows, prefixes
+  and record (:mod:`.checksums`), sparse too. Recovery drops (and counts in
   :attr:`SegmentStorage.corrupted`) a segment whose checksum does not match, so damaged
   bytes are never served; a table written before checksums gets them on its next open.
 
@@ -58,6 +63,7 @@ from tensordict import MemoryMappedTensor
 
 from millpond.config import MAX_CAPACITY  # slot pointers and records are int32
 from millpond.errors import InvalidConfigError, StorageCorruptedError
+from millpond.frame_stacks import PREFIX_DIR, check_stacks, rebuild
 from millpond.service import checksums as cks
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.disk_space import Reservation, create_sparse, data_end
@@ -136,10 +142,18 @@ class SegmentStorage:
             (see :meth:`set_spec`).
         fsync: make :meth:`publish` flush the written files to disk, so that a published
             segment survives a machine crash, not only a killed process.
+        stacks: the frame-stacked observation keys and their frame counts
+            (``TableConfig.frame_stacks``).
     """
 
     def __init__(
-        self, path: str | os.PathLike, capacity: int, spec: TableSpec | None, *, fsync: bool = False
+        self,
+        path: str | os.PathLike,
+        capacity: int,
+        spec: TableSpec | None,
+        *,
+        fsync: bool = False,
+        stacks: dict[Key, int] | None = None,
     ) -> None:
         if capacity > MAX_CAPACITY:
             raise InvalidConfigError(
@@ -152,6 +166,11 @@ class SegmentStorage:
         self.fsync = fsync
         self.spec: TableSpec | None = None
         self.columns: dict[Key, torch.Tensor] = {}
+        #: Frame-stacked keys: their frame counts, and their prefix columns
+        #: (``[records, k - 1, *frame]``).
+        self.stacks: dict[Key, int] = dict(stacks or {})
+        self.prefixes: dict[Key, torch.Tensor] = {}
+        self._prefix_bytes: list[np.ndarray] = []
         self._fds: list[int] = []
         slots_file, records_file = self.path / SLOTS_FILE, self.path / SEGMENTS_FILE
         fresh = not slots_file.exists()
@@ -263,16 +282,21 @@ class SegmentStorage:
         """Create (or open) the column files of ``spec``."""
         if self.spec is not None:
             raise RuntimeError("the storage spec is already set")
+        check_stacks(self.stacks, spec)
         cols_dir = self.path / "columns"
         cols_dir.mkdir(exist_ok=True)
-        index = {"columns": []}
+        index: dict[str, list] = {"columns": []}
         columns: dict[Key, torch.Tensor] = {}
         fds: list[tuple[int, int, str]] = []
+        prefixes: dict[Key, torch.Tensor] = {}
+        prefix_fds: list[tuple[int, int, str]] = []
         try:
             for key, f in spec.fields.items():
                 filename = cols_dir / column_filename(key)
-                shape = torch.Size([self.capacity, *f.shape])
-                expected = self.capacity * f.nbytes
+                frame = f.shape[1:] if key in self.stacks else f.shape
+                nbytes = f.nbytes // f.shape[0] if key in self.stacks else f.nbytes
+                shape = torch.Size([self.capacity, *frame])
+                expected = self.capacity * nbytes
                 if not filename.exists():
                     # A hole, not MemoryMappedTensor.empty: that writes the last byte, which
                     # takes a block now (and fails on a full disk with a half-made file).
@@ -286,20 +310,36 @@ class SegmentStorage:
                 # A plain tensor view on the same pages: torch's own ops without the subclass
                 # dispatch, which costs more than the copy for small rows.
                 columns[key] = mm.as_subclass(torch.Tensor)
-                fds.append((os.open(filename, os.O_RDWR), f.nbytes, filename.name))
+                fds.append((os.open(filename, os.O_RDWR), nbytes, filename.name))
                 index["columns"].append({"key": list(key), "file": filename.name})
+            for key, k in self.stacks.items():
+                prefixes[key] = self._open_prefix(key, k, spec.fields[key], prefix_fds)
+            if prefixes:  # only then: the index of a table without stacks stays as it was
+                index["prefixes"] = [
+                    {"key": list(key), "file": f"{PREFIX_DIR}/{column_filename(key)}", "k": k}
+                    for key, k in self.stacks.items()
+                ]
             index_file = cols_dir / "index.json"
             if _read_json(index_file) != index:  # not on every open: a full disk refuses it
                 atomic_write_json(index_file, index)
         except BaseException:
-            for fd, _, _ in fds:  # a later set_spec (the disk freed) starts over
+            for fd, _, _ in fds + prefix_fds:  # a later set_spec (the disk freed) starts over
                 os.close(fd)
             raise
         for fd, nbytes, name in fds:
             self._fds.append(fd)
             self._slot_space.add(fd, nbytes, name)
+        for fd, nbytes, name in prefix_fds:
+            self._fds.append(fd)
+            self._record_space.add(fd, nbytes, name)
         self.columns = columns
+        self.prefixes = prefixes
+        self._prefix_bytes = [
+            t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], -1)
+            for t in prefixes.values()
+        ]
         self._slot_space.resume()
+        self._record_space.resume()
         self._column_bytes = [
             (t.reshape(-1).view(torch.uint8).numpy().reshape(self.capacity, -1), int(role))
             for t, role in zip(
@@ -308,6 +348,25 @@ class SegmentStorage:
         ]
         self.spec = spec
         self._row_copy = {key: f.nbytes >= _ROW_COPY_BYTES for key, f in spec.fields.items()}
+
+    def _open_prefix(self, key: Key, k: int, f, fds: list[tuple[int, int, str]]) -> torch.Tensor:
+        """The prefix column of a frame-stacked key, created sparse if new."""
+        directory = self.path / PREFIX_DIR
+        directory.mkdir(exist_ok=True)
+        filename = directory / column_filename(key)
+        n_records = len(self.records)
+        shape = torch.Size([n_records, k - 1, *f.shape[1:]])
+        nbytes = f.nbytes // k * (k - 1)
+        if not filename.exists():
+            create_sparse(filename, n_records * nbytes, self.table_dir)
+        elif filename.stat().st_size != n_records * nbytes:
+            raise StorageCorruptedError(
+                f"prefix file {filename} has {filename.stat().st_size} bytes, expected "
+                f"{n_records * nbytes} ({n_records} records of {k - 1} frames)"
+            )
+        mm = MemoryMappedTensor.from_filename(filename, dtype=f.dtype, shape=shape)
+        fds.append((os.open(filename, os.O_RDWR), nbytes, f"{PREFIX_DIR}/{filename.name}"))
+        return mm.as_subclass(torch.Tensor)
 
     # -- allocation ----------------------------------------------------------------------
     def next_start(self, n_slots: int) -> int:
@@ -388,6 +447,19 @@ class SegmentStorage:
             block[:] = 0
         self.cursor = start + n_slots
 
+    def take_records(self, n: int) -> np.ndarray:
+        """Hand out the records of ``n`` segments reserved for (:meth:`reserve_space`)
+        before their write, so that the write can fill what is indexed by record (the
+        prefixes of frame-stacked keys); :meth:`publish` then takes them. Call it under the
+        table's lock; :meth:`return_records` gives them back if the write fails."""
+        records = self._allocate(n)
+        self._claimed_records = max(0, self._claimed_records - n)
+        return records
+
+    def return_records(self, records: np.ndarray) -> None:
+        """Free records taken by :meth:`take_records` for a write that failed."""
+        self._free.extend(np.asarray(records).tolist())
+
     def _allocate(self, n: int) -> np.ndarray:
         """``n`` free record indices: freed ones first, so that few records are ever written."""
         reuse = min(n, len(self._free))
@@ -410,14 +482,21 @@ class SegmentStorage:
         layout: SegmentBatch,
         steps: dict[Key, torch.Tensor],
         tails: dict[Key, torch.Tensor],
+        frames: dict[Key, torch.Tensor] | None = None,
+        records: np.ndarray | None = None,
     ) -> None:
         """Copy a block of segments into its reserved slots (no metadata is touched).
 
         ``steps`` holds every key for all steps, segment after segment; ``tails`` holds the
-        observation keys, one row per segment. Refuses (:class:`InvalidDataError`, before
-        copying anything) segments whose steps would count past the int64 range.
+        observation keys, one row per segment. Frame-stacked keys come in ``frames``
+        instead (``L + k`` rows per segment, see :mod:`millpond.frame_stacks`), and their
+        prefixes go to ``records`` (from :meth:`take_records`). Refuses
+        (:class:`InvalidDataError`, before copying anything) segments whose steps would
+        count past the int64 range.
         """
         assert self.spec is not None
+        if self.stacks and records is None:
+            raise ValueError("a table with frame stacks writes into records taken first")
         check_step_range(layout.episode_ids, layout.first_steps, layout.lengths)
         base = int(layout.starts[0])
         n_slots = int(layout.lengths.sum()) + len(layout)
@@ -427,6 +506,9 @@ class SegmentStorage:
         step_rel = tail_rel = None
         for key, f in self.spec.fields.items():
             block = self.columns[key][base : base + n_slots]
+            if key in self.stacks:
+                self._write_frames(key, block, (frames or {})[key], rel, lengths, records)
+                continue
             src = steps[key]
             if self._row_copy[key]:
                 # Large rows: each segment's steps are contiguous in the block and in the
@@ -446,19 +528,49 @@ class SegmentStorage:
             if f.role == OBSERVATION:
                 block.index_copy_(0, tail_rel, tails[key])
         # Of what the files hold now: a copy that went wrong is caught too.
-        layout.sums = cks.data_sums(self._column_bytes, layout.starts, layout.lengths)
+        layout.sums = self._data_sums(layout.starts, layout.lengths, records)
 
-    def publish(self, layout: SegmentBatch) -> None:
+    def _write_frames(
+        self,
+        key: Key,
+        block: torch.Tensor,
+        src: torch.Tensor,
+        rel: list[int],
+        lengths: list[int],
+        records: np.ndarray | None,
+    ) -> None:
+        """Copy one frame-stacked key: each segment's ``L + k`` frames, the first ``k - 1``
+        to its record's prefix, the rest one per slot."""
+        assert records is not None
+        k = self.stacks[key]
+        prefix = self.prefixes[key]
+        at = 0
+        for s, n, r in zip(rel, lengths, records.tolist()):
+            prefix[r].copy_(src[at : at + k - 1])
+            block[s : s + n + 1].copy_(src[at + k - 1 : at + n + k])
+            at += n + k
+
+    def _data_sums(
+        self, starts: np.ndarray, lengths: np.ndarray, records: np.ndarray | None
+    ) -> np.ndarray:
+        """The data values of segments: their rows, then their prefixes (if any)."""
+        if not self._prefix_bytes:
+            return cks.data_sums(self._column_bytes, starts, lengths)
+        assert records is not None
+        return cks.data_sums(self._column_bytes, starts, lengths, self._prefix_bytes, records)
+
+    def publish(self, layout: SegmentBatch, records: np.ndarray | None = None) -> None:
         """Write the records and slot pointers of ``layout``, commit markers last.
 
         ``layout`` is one block written by :meth:`write`: its segments lie back to back, so
-        their slots' pointers are one slice write.
+        their slots' pointers are one slice write. ``records``: those the write was given
+        (:meth:`take_records`), else taken now.
         """
         base = int(layout.starts[0])
         n = len(layout)
         n_slots = int(layout.lengths.sum()) + n
-        records = self._allocate(n)
-        self._claimed_records = max(0, self._claimed_records - n)
+        if records is None:
+            records = self.take_records(n)
         f = RecordField
         block = np.zeros((RECORD_WIDTH, n), dtype=np.int64)  # generation 0: not yet visible
         block[f.EPISODE_ID] = layout.episode_ids
@@ -474,7 +586,7 @@ class SegmentStorage:
         block[f.GENERATION] = layout.generations  # what the checksum vouches for
         sums = layout.sums
         if sums is None:
-            sums = cks.data_sums(self._column_bytes, layout.starts, layout.lengths)
+            sums = self._data_sums(layout.starts, layout.lengths, records)
         self.checksums[records] = cks.combine(sums, block.T)
         self.slot_records[base : base + n_slots] = np.repeat(records, layout.lengths + 1)
         if self.fsync:
@@ -534,8 +646,15 @@ class SegmentStorage:
         flat_next = flat + 1
         now: dict[Key, torch.Tensor] = {}
         nxt: dict[Key, torch.Tensor] = {}
+        starts = records = None
+        if self.stacks:  # a slot and the next are in one segment: one lookup serves both
+            starts, records = self._segment_of(flat)
         for key, f in self.spec.fields.items():
             col = self.columns[key]
+            if key in self.stacks:
+                now[key] = rebuild(col, self.prefixes[key], flat, starts, records)
+                nxt[key] = rebuild(col, self.prefixes[key], flat_next, starts, records)
+                continue
             now[key] = torch.index_select(col, 0, flat)
             if f.role == OBSERVATION:
                 nxt[key] = torch.index_select(col, 0, flat_next)
@@ -564,14 +683,26 @@ class SegmentStorage:
         inverse = inverse.to(torch.int32)
         now: dict[Key, torch.Tensor] = {}
         obs: dict[Key, torch.Tensor] = {}
+        starts = records = None
+        if self.stacks:
+            starts, records = self._segment_of(distinct)
         for key, f in self.spec.fields.items():
             col = self.columns[key]
-            if f.role == OBSERVATION:
+            if key in self.stacks:
+                obs[key] = rebuild(col, self.prefixes[key], distinct, starts, records)
+            elif f.role == OBSERVATION:
                 obs[key] = torch.index_select(col, 0, distinct)
             else:
                 t = torch.index_select(col, 0, flat)
                 now[key] = t.reshape(*shape, *t.shape[1:]) if len(shape) > 1 else t
         return now, obs, inverse[:n].reshape(shape), inverse[n:].reshape(shape)
+
+    def _segment_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first slot and the record of each slot's segment (slots of published
+        segments)."""
+        records = self._pointers(slots.numpy()).astype(np.int64)
+        starts = self.records[records, RecordField.START]
+        return torch.from_numpy(starts), torch.from_numpy(records)
 
     # -- recovery and durability ---------------------------------------------------------
     def recover(self) -> SegmentBatch:
@@ -608,9 +739,7 @@ class SegmentStorage:
             good[good] = np.logical_and.reduceat(match, offsets)
         if self._column_bytes and good.any():
             kept = np.flatnonzero(good)
-            sums = cks.combine(
-                cks.data_sums(self._column_bytes, start[kept], length[kept]), r[kept]
-            )
+            sums = cks.combine(self._data_sums(start[kept], length[kept], live[kept]), r[kept])
             if self._unchecked:
                 self._record_space.ensure(int(live[kept].max()) + 1)
                 self.checksums[live[kept]] = sums
@@ -665,9 +794,7 @@ class SegmentStorage:
         ok = (records > 0) & (rows[:, RecordField.GENERATION] > 0)
         if ok.any():
             r = rows[ok]
-            sums = cks.data_sums(
-                self._column_bytes, r[:, RecordField.START], r[:, RecordField.LENGTH]
-            )
+            sums = self._data_sums(r[:, RecordField.START], r[:, RecordField.LENGTH], records[ok])
             ok[ok] = self.checksums[records[ok]] == cks.combine(sums, r)
         return ok[inverse].reshape(slots.shape)
 
@@ -717,4 +844,6 @@ class SegmentStorage:
             os.close(fd)
         self._fds = []
         self.columns = {}
+        self.prefixes = {}
         self._column_bytes = []
+        self._prefix_bytes = []

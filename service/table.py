@@ -32,6 +32,7 @@ from millpond.errors import (
     RateLimiterTimeoutError,
     StorageCorruptedError,
 )
+from millpond.frame_stacks import compact_stacks, stack_examples
 from millpond.routing import writer_hash
 from millpond.sample_format import SlotSample, assemble_ted
 from millpond.segments import PackedSegments, Segment, pack
@@ -91,7 +92,9 @@ class Table:
         self._writer_hwm: dict[int, int] = {}
         self._writer_locks: dict[int, threading.Lock] = {}
         self._files = TableFiles(path, fresh=fresh)
-        self.storage = SegmentStorage(path / "data", config.capacity, config.spec, fsync=fsync)
+        self.storage = SegmentStorage(
+            path / "data", config.capacity, config.spec, fsync=fsync, stacks=config.frame_stacks
+        )
         try:
             c = config
             self.rate_limiter = RateLimiter(
@@ -221,8 +224,12 @@ class Table:
     def insert_packed(
         self, packed: PackedSegments, timeout: float | None = None, writer_id: str | None = None
     ) -> np.ndarray:
-        """Store segments already packed into columns (see :func:`segments.pack`)."""
-        self._check_spec(packed)
+        """Store segments already packed into columns (see :func:`segments.pack`).
+
+        Frame-stacked keys (``TableConfig.frame_stacks``) may come as whole stacks (checked
+        to overlap, then cut to frames) or as frames already.
+        """
+        packed = self._check_spec(packed)
         if np.any(packed.episode_ids < 0) or np.any(packed.first_steps < 0):
             raise InvalidDataError("episode ids and first steps must be >= 0")
         if writer_id is None or packed.sequences is None:
@@ -277,20 +284,25 @@ class Table:
             self._extend_state = state  # only once the insert succeeded
             return gens
 
-    def _check_spec(self, packed: PackedSegments) -> None:
+    def _check_spec(self, packed: PackedSegments) -> PackedSegments:
+        """``packed`` checked against the spec (set from it if there is none yet), its
+        frame-stacked keys as frames."""
+        packed = compact_stacks(packed, self.config.frame_stacks)
+        stacks = stack_examples(packed)
         spec = self.storage.spec
         if spec is None:
             with self._cond:
                 if self.storage.spec is None:
-                    inferred = TableSpec.from_example(packed.steps, packed.tails)
+                    inferred = TableSpec.from_example(packed.steps, {**packed.tails, **stacks})
                     config = self.config.with_spec(inferred)  # checks the table's bytes first
                     self.storage.set_spec(inferred)
                     self.config = config
                     self._write_meta()
                 spec = self.storage.spec
         assert spec is not None
-        spec.check(packed.tails, (OBSERVATION,), "tail")
-        spec.check(packed.steps, (OBSERVATION, STEP), "steps")
+        spec.check({**packed.tails, **stacks}, (OBSERVATION,), "tail")
+        spec.check({**packed.steps, **stacks}, (OBSERVATION, STEP), "steps")
+        return packed
 
     def _insert_block(
         self, packed: PackedSegments, timeout: float | None, writer: int
@@ -333,6 +345,7 @@ class Table:
             self.storage.unpublish(victims)
             self.sampler.on_evict(victims)
             self.storage.reserve(start, n_slots)
+            records = self.storage.take_records(len(packed))
             self._inflight[start] = n_slots
         layout = SegmentBatch(
             start + np.concatenate([[0], np.cumsum(packed.lengths + 1)[:-1]]).astype(np.int64),
@@ -344,16 +357,17 @@ class Table:
             packed.sequences,
         )
         try:
-            self.storage.write(layout, packed.steps, packed.tails)
+            self.storage.write(layout, packed.steps, packed.tails, packed.frames, records)
         except BaseException:
             with self._cond:
+                self.storage.return_records(records)
                 del self._inflight[start]
                 self._cond.notify_all()
             raise
         with self._cond:
             first_gen = self._files.take_generations(len(packed))
             layout.generations = np.arange(first_gen, first_gen + len(packed), dtype=np.int64)
-            self.storage.publish(layout)
+            self.storage.publish(layout, records)
             self.sampler.on_publish(layout)
             self.rate_limiter.on_insert(packed.num_steps)
             if writer and packed.sequences is not None:
