@@ -45,6 +45,7 @@ from millpond.errors import (
     StorageCorruptedError,
     TableExistsError,
 )
+from millpond.frame_stacks import PREFIX_DIR
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.segment_batch import SegmentBatch
 from millpond.service.storage import (
@@ -343,7 +344,7 @@ def os_error(e: OSError, what: str) -> MillpondError:
 
 #: The parts of a table directory that :func:`disk_usage` tells apart.
 DISK_PARTS = (
-    "observations",  # observation column files (step and tail slots)
+    "observations",  # observation column files (step and tail slots), frame-stack prefixes
     "step fields",  # the other column files (actions, rewards, flags, ...)
     "slot pointers",  # data/slots.bin
     "segment records",  # data/segments.bin and data/checksums.bin (a checksum per record)
@@ -374,6 +375,8 @@ def disk_usage(path: str | os.PathLike, spec: TableSpec | None) -> dict[str, int
             part = "segment records"
         elif p.parent == data / "columns" and p.suffix == ".bin":
             part = "observations" if p.name in observation_files else "step fields"
+        elif p.parent == data / PREFIX_DIR:  # the older frames of frame-stacked observations
+            part = "observations"
         elif p == path / PRIORITIES_FILE:
             part = "sampler"
         else:
