@@ -134,3 +134,37 @@ def expand_observations(
         ted.set(key, torch.index_select(values, 0, flat_rows).reshape(*shape, *feature))
         ted.set(("next", *key), torch.index_select(values, 0, flat_next).reshape(*shape, *feature))
     return ted
+
+
+def distinct_rows(slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct observation slots of sampled step ``slots`` (any shape): ``(distinct,
+    rows, next_rows)``, ``distinct`` the slots of ``slots`` and ``slots + 1`` once each in
+    slot order (int64 ``[U]``), ``rows`` / ``next_rows`` (int32, ``slots``' shape) the index
+    into ``distinct`` of each step's observation and next observation."""
+    shape = slots.shape
+    flat = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64).reshape(-1))
+    n = flat.numel()
+    distinct, inverse = torch.unique(torch.cat([flat, flat + 1]), return_inverse=True)
+    inverse = inverse.to(torch.int32)
+    return distinct, inverse[:n].reshape(shape), inverse[n:].reshape(shape)
+
+
+@dataclass
+class ColocatedSample:
+    """A sampled batch without its observations, for a reader on the shard's host that reads
+    them from the table's files (:mod:`millpond.colocated`).
+
+    Attributes:
+        ted: :func:`assemble_ted` of the step keys alone (as :attr:`SlotSample.ted`).
+        slots: int64 ``[U]``: the distinct observation slots, in slot order.
+        generations: int64 ``[U]``: each one's generation when it was sampled; a reader
+            that finds another after reading the rows has read an overwritten slot.
+        rows: int32, the batch's shape: the slot of ``slots`` holding each ``obs``.
+        next_rows: int32, the batch's shape: the slot holding each ``("next", obs)``.
+    """
+
+    ted: TensorDict
+    slots: torch.Tensor
+    generations: torch.Tensor
+    rows: torch.Tensor
+    next_rows: torch.Tensor

@@ -53,7 +53,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import urllib.parse
 from enum import IntEnum
 from pathlib import Path
 
@@ -64,43 +63,28 @@ from tensordict import MemoryMappedTensor
 from millpond.config import MAX_CAPACITY  # slot pointers and records are int32
 from millpond.errors import InvalidConfigError, StorageCorruptedError
 from millpond.frame_stacks import PREFIX_DIR, check_stacks, rebuild
+from millpond.sample_format import distinct_rows
 from millpond.service import checksums as cks
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.disk_space import Reservation, create_sparse, data_end
 from millpond.service.segment_batch import SegmentBatch, check_step_range, ranges
 from millpond.spec import OBSERVATION, Key, TableSpec
+from millpond.storage_format import (  # the format a reader on the same host shares
+    RECORD_WIDTH,
+    SEGMENTS_FILE,
+    SLOTS_FILE,
+    RecordField,
+    column_filename,
+)
 
 #: Values of the :attr:`SlotColumn.KIND` column.
 SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
 
-SLOTS_FILE = "slots.bin"
-SEGMENTS_FILE = "segments.bin"
 CHECKSUMS_FILE = cks.CHECKSUMS_FILE
 
 log = logging.getLogger(__name__)
 
 _MAX_STEP = np.iinfo(np.int64).max
-
-
-class RecordField(IntEnum):
-    """The int64 fields of a segment's record in ``segments.bin`` (one 64-byte row).
-
-    Their order is :class:`SlotColumn`'s, so that a slot's decoded row is its record's row
-    with two fields fixed: the step (``STEP_BASE + slot``) and the kind (in place of the
-    tail slot).
-    """
-
-    GENERATION = 0  # the commit marker: the segment's publication number, 0 if none
-    EPISODE_ID = 1
-    STEP_BASE = 2  # first step - START: a slot's step (within its episode) is STEP_BASE + slot
-    START = 3  # first slot
-    LENGTH = 4  # steps (the segment takes LENGTH + 1 slots)
-    TAIL = 5  # the tail's slot, START + LENGTH
-    WRITER = 6  # hash of the writer that sent the segment (0: anonymous)
-    SEQUENCE = 7  # the segment's number in its writer's stream
-
-
-RECORD_WIDTH = len(RecordField)
 
 
 class SlotColumn(IntEnum):
@@ -126,10 +110,6 @@ def _read_json(file: Path) -> object:
         return json.loads(file.read_text())
     except (OSError, ValueError):
         return None
-
-
-def column_filename(key: Key) -> str:
-    return ".".join(urllib.parse.quote(p, safe="") for p in key) + ".bin"
 
 
 class SegmentStorage:
@@ -676,12 +656,8 @@ class SegmentStorage:
         :meth:`gather`, and sorted slots read the memory maps in order.
         """
         assert self.spec is not None
-        shape = slots.shape
-        flat = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64).reshape(-1))
-        n = flat.numel()
-        distinct, inverse = torch.unique(torch.cat([flat, flat + 1]), return_inverse=True)
-        inverse = inverse.to(torch.int32)
-        now: dict[Key, torch.Tensor] = {}
+        distinct, rows, next_rows = distinct_rows(slots)
+        now = self.gather_steps(slots)
         obs: dict[Key, torch.Tensor] = {}
         starts = records = None
         if self.stacks:
@@ -692,10 +668,20 @@ class SegmentStorage:
                 obs[key] = rebuild(col, self.prefixes[key], distinct, starts, records)
             elif f.role == OBSERVATION:
                 obs[key] = torch.index_select(col, 0, distinct)
-            else:
-                t = torch.index_select(col, 0, flat)
+        return now, obs, rows, next_rows
+
+    def gather_steps(self, slots: np.ndarray) -> dict[Key, torch.Tensor]:
+        """The step keys (no observation) at step ``slots`` (any shape): what
+        :meth:`gather_slots` returns first, for a reader that reads the observations itself."""
+        assert self.spec is not None
+        shape = slots.shape
+        flat = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64).reshape(-1))
+        now: dict[Key, torch.Tensor] = {}
+        for key, f in self.spec.fields.items():
+            if f.role != OBSERVATION and key not in self.stacks:
+                t = torch.index_select(self.columns[key], 0, flat)
                 now[key] = t.reshape(*shape, *t.shape[1:]) if len(shape) > 1 else t
-        return now, obs, inverse[:n].reshape(shape), inverse[n:].reshape(shape)
+        return now
 
     def _segment_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The first slot and the record of each slot's segment (slots of published

@@ -34,7 +34,7 @@ from millpond.errors import (
 )
 from millpond.frame_stacks import compact_stacks, stack_examples
 from millpond.routing import writer_hash
-from millpond.sample_format import SlotSample, assemble_ted
+from millpond.sample_format import ColocatedSample, SlotSample, assemble_ted, distinct_rows
 from millpond.segments import PackedSegments, Segment, pack
 from millpond.service.rate_limiter import RateLimiter
 from millpond.service.samplers import (
@@ -389,15 +389,41 @@ class Table:
         Queue tables return whole segments, in order: at most ``batch_size`` steps, waiting
         until that many are queued, or less when the queue is full and writers wait on it.
         """
-        return self._sample(batch_size, timeout, slots=False)
+        return self._sample(batch_size, timeout, form="ted")
 
     def sample_slots(self, batch_size: int, timeout: float | None = None) -> SlotSample:
         """:meth:`sample`, drawn alike, with each distinct observation slot read once
         (what the servicer sends): ``sample_slots(...).to_ted()`` equals :meth:`sample`
         on the same table and seed, bit for bit."""
-        return self._sample(batch_size, timeout, slots=True)
+        return self._sample(batch_size, timeout, form="slots")
 
-    def _sample(self, batch_size: int, timeout: float | None, *, slots: bool):
+    def sample_colocated(
+        self, batch_size: int, timeout: float | None = None, *, counted: bool = True
+    ) -> ColocatedSample:
+        """:meth:`sample_slots`, drawn alike, without reading the observations: the distinct
+        observation slots and their generations instead, for a reader on this host that
+        reads the rows from the table's files (:mod:`millpond.colocated`).
+
+        ``counted=False`` draws replacements for rows of a batch already counted (rows that
+        reader found overwritten): the rate limiter neither holds them back nor counts them,
+        as it does not count the rows :meth:`sample` redraws itself.
+
+        Not for queue tables (:class:`InvalidDataError`): a delivered queue segment may be
+        overwritten at once, so a read after the answer could find it gone.
+        """
+        if isinstance(self.sampler, QueueSampler):
+            raise InvalidDataError(
+                f"table {self.name!r} is a queue: its delivered segments become evictable at "
+                "once, so they are sampled with their observations, never read afterwards"
+            )
+        return self._sample(batch_size, timeout, form="colocated", counted=counted)
+
+    def _sample(
+        self, batch_size: int, timeout: float | None, *, form: str = "ted", counted: bool = True
+    ):
+        """One batch in ``form``: ``"ted"`` (:meth:`sample`), ``"slots"``
+        (:meth:`sample_slots`) or ``"colocated"`` (:meth:`sample_colocated`); all draw alike
+        and differ only in what they read."""
         if (
             isinstance(batch_size, bool)
             or not isinstance(batch_size, int | np.integer)
@@ -413,7 +439,7 @@ class Table:
         with self._cond:
             while True:
                 self._check_open()
-                if self.rate_limiter.can_sample(self.sampler.size) and (
+                if (not counted or self.rate_limiter.can_sample(self.sampler.size)) and (
                     self.sampler.can_sample(batch_size)
                     # A full queue delivers what it holds rather than deadlock its writers.
                     or (self._queue_full_writers and self.sampler.size > 0)
@@ -427,25 +453,20 @@ class Table:
             selection = self.sampler.sample(batch_size)
             rows = self.storage.slot_info(selection.slots)
             evictions = self._evictions
-            self.rate_limiter.on_sample(int(selection.slots.size))
+            if counted:
+                self.rate_limiter.on_sample(int(selection.slots.size))
             self._cond.notify_all()
             if isinstance(self.sampler, QueueSampler):
                 # Delivered queue segments become evictable at once, so read them now.
-                if slots:
+                if form == "ted":
+                    now, nxt = self.storage.gather(selection.slots)
                     if self.config.verify_reads:
-                        selection, rows = self._without_damaged(selection, rows, None, None)
-                    return _as_slot_sample(
-                        self.storage.gather_slots(selection.slots), selection, rows
-                    )
-                now, nxt = self.storage.gather(selection.slots)
+                        selection, rows = self._without_damaged(selection, rows, now, nxt)
+                    return _as_ted(now, nxt, selection, rows)
                 if self.config.verify_reads:
-                    selection, rows = self._without_damaged(selection, rows, now, nxt)
-                return _as_ted(now, nxt, selection, rows)
-        if slots:
-            gathered = self.storage.gather_slots(selection.slots)
-            now, nxt = None, None
-        else:
-            now, nxt = self.storage.gather(selection.slots)
+                    selection, rows = self._without_damaged(selection, rows, None, None)
+                return _packaged(form, self._read(form, selection.slots), selection, rows)
+        gathered = self._read(form, selection.slots)
         for _ in range(100):
             if self.config.verify_reads and self._drop_damaged(selection.slots, rows):
                 pass  # unpublished: redrawn below, as overwritten rows are
@@ -460,12 +481,20 @@ class Table:
                 stale = stale.any(axis=tuple(range(1, stale.ndim)))
             if not stale.any():
                 break
-            self._redraw(stale, selection, rows, now, nxt)
-            if slots:  # distinct slots change with the redrawn ones: read them all again
-                gathered = self.storage.gather_slots(selection.slots)
-        if slots:
-            return _as_slot_sample(gathered, selection, rows)
-        return _as_ted(now, nxt, selection, rows)
+            if form == "ted":  # only the redrawn rows are read again
+                self._redraw(stale, selection, rows, *gathered)
+            else:  # the distinct slots change with the redrawn ones: read them all again
+                self._redraw(stale, selection, rows, None, None)
+                gathered = self._read(form, selection.slots)
+        return _packaged(form, gathered, selection, rows)
+
+    def _read(self, form: str, slots: np.ndarray) -> tuple:
+        """What a batch of ``form`` reads of the sampled ``slots``."""
+        if form == "ted":
+            return self.storage.gather(slots)
+        if form == "slots":
+            return self.storage.gather_slots(slots)
+        return (self.storage.gather_steps(slots),)
 
     def _drop_damaged(self, slots: np.ndarray, rows: np.ndarray) -> bool:
         """``verify_reads``: unpublish the sampled segments whose data no longer matches
@@ -729,6 +758,27 @@ def _as_ted(now: dict, nxt: dict, selection: Selection, rows: np.ndarray) -> Ten
         ends=selection.ends,
         mask=selection.mask,
     )
+
+
+def _packaged(form: str, gathered: tuple, selection: Selection, rows: np.ndarray):
+    """The sampled steps in ``form`` (see :meth:`Table._sample`) from what it read."""
+    if form == "ted":
+        return _as_ted(*gathered, selection, rows)
+    if form == "slots":
+        return _as_slot_sample(gathered, selection, rows)
+    return _as_colocated(gathered[0], selection, rows)
+
+
+def _as_colocated(now: dict, selection: Selection, rows: np.ndarray) -> ColocatedSample:
+    """The sampled steps without observations: the distinct observation slots, and the
+    generation each had when drawn (a step's next slot is in its segment: the same one)."""
+    distinct, obs_rows, next_rows = distinct_rows(selection.slots)
+    drawn = torch.from_numpy(np.ascontiguousarray(rows[..., SlotColumn.GENERATION]).reshape(-1))
+    generations = torch.zeros(len(distinct), dtype=torch.int64)
+    generations[obs_rows.reshape(-1).long()] = drawn
+    generations[next_rows.reshape(-1).long()] = drawn
+    ted = _as_ted(now, {}, selection, rows)
+    return ColocatedSample(ted, distinct, generations, obs_rows, next_rows)
 
 
 def _as_slot_sample(gathered: tuple, selection: Selection, rows: np.ndarray) -> SlotSample:

@@ -1,0 +1,104 @@
+"""The on-disk format of a table's segment storage, as anything reading the files needs it.
+
+The shard's storage (``millpond.service.storage``) writes these files; a learner on the same
+host reads them (:mod:`millpond.colocated`). Both take the names and layouts from here, so
+the two can never disagree. See the storage module for what each file holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import urllib.parse
+from enum import IntEnum
+from pathlib import Path
+
+from millpond.spec import Key
+
+__all__ = [
+    "COLUMNS_DIR",
+    "COLUMN_INDEX",
+    "RECORD_WIDTH",
+    "SEGMENTS_FILE",
+    "SLOTS_FILE",
+    "TOKEN_FILE",
+    "RecordField",
+    "column_filename",
+    "ensure_token",
+    "num_records",
+    "read_token",
+]
+
+SLOTS_FILE = "slots.bin"
+SEGMENTS_FILE = "segments.bin"
+#: The directory of the column files, and the index naming each key's file in it.
+COLUMNS_DIR = "columns"
+COLUMN_INDEX = "index.json"
+#: A random id written once into a storage directory: what tells a reader that the files
+#: it opened are those of the table a shard reports, not another one at the same path.
+TOKEN_FILE = "storage_token"
+
+
+class RecordField(IntEnum):
+    """The int64 fields of a segment's record in ``segments.bin`` (one 64-byte row).
+
+    Their order is :class:`SlotColumn`'s, so that a slot's decoded row is its record's row
+    with two fields fixed: the step (``STEP_BASE + slot``) and the kind (in place of the
+    tail slot).
+    """
+
+    GENERATION = 0  # the commit marker: the segment's publication number, 0 if none
+    EPISODE_ID = 1
+    STEP_BASE = 2  # first step - START: a slot's step (within its episode) is STEP_BASE + slot
+    START = 3  # first slot
+    LENGTH = 4  # steps (the segment takes LENGTH + 1 slots)
+    TAIL = 5  # the tail's slot, START + LENGTH
+    WRITER = 6  # hash of the writer that sent the segment (0: anonymous)
+    SEQUENCE = 7  # the segment's number in its writer's stream
+
+
+RECORD_WIDTH = len(RecordField)
+
+
+def num_records(capacity: int) -> int:
+    """Rows of ``segments.bin`` for a ring of ``capacity`` slots: a segment takes at least
+    two slots, and record 0 stays zero (what pointer 0 reads)."""
+    return capacity // 2 + 1
+
+
+def column_filename(key: Key) -> str:
+    """The file name of ``key``'s column (and of its prefix file, if frame-stacked)."""
+    return ".".join(urllib.parse.quote(p, safe="") for p in key) + ".bin"
+
+
+def read_token(directory: str | os.PathLike) -> str | None:
+    """The storage token of ``directory``, or ``None`` if it has none or cannot be read."""
+    try:
+        return (Path(directory) / TOKEN_FILE).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def ensure_token(directory: str | os.PathLike) -> str | None:
+    """The storage token of ``directory``, written first if it has none; ``None`` where the
+    directory cannot take one (read-only, full disk).
+
+    Created by a hard link from a unique temporary file, so two callers racing agree on one
+    token and a reader never sees a half-written one.
+    """
+    token = read_token(directory)
+    if token is not None:
+        return token
+    path = Path(directory) / TOKEN_FILE
+    tmp = path.with_name(f".{TOKEN_FILE}.{secrets.token_hex(8)}")
+    try:
+        tmp.write_text(secrets.token_hex(16) + "\n")
+        with contextlib.suppress(FileExistsError):  # another caller's token stands
+            os.link(tmp, path)
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return read_token(directory)
