@@ -39,6 +39,9 @@ class ShardMasses:
         self._mass_at: dict[tuple[int, str], float] = {}
         self._refreshing: set[tuple[int, str]] = set()
         self._stale: set[tuple[int, str]] = set()
+        #: Per (shard index, table): the shard's last Info about it (``info_from_proto``),
+        #: which says where a learner on its host may read its files.
+        self.infos: dict[tuple[int, str], dict[str, Any]] = {}
 
     def known(self, shard: ShardHandle, table: str) -> bool:
         """Whether ``shard``'s mass of ``table`` was ever heard."""
@@ -52,6 +55,7 @@ class ShardMasses:
         """Remember a shard's table info (an ``info_from_proto`` dict): mass and config."""
         name = info["name"]
         self.set_mass(shard, name, info["mass"])
+        self.infos[(shard.index, name)] = info
         config: TableConfig = info["config"]
         with self._lock:
             known = self.configs.get(name)

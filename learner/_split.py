@@ -19,6 +19,7 @@ from tensordict import TensorDict
 
 from millpond.errors import MillpondError, RateLimiterTimeoutError, ShardBusyError
 from millpond.learner._calls import CallSet, Cancelled
+from millpond.learner._colocated import Colocation, decode_colocated
 from millpond.learner._errors import ShardUnavailableError, from_rpc_error, is_connect_failure
 from millpond.learner._masses import ShardMasses
 from millpond.learner._shards import ShardHandle, ShardSet
@@ -30,6 +31,9 @@ DEADLINE_SLACK_S = 10.0
 #: A shard that refuses a Sample as busy is asked again after this, doubling up to the max.
 BUSY_BACKOFF_INITIAL_S = 0.05
 BUSY_BACKOFF_MAX_S = 1.0
+#: Rows a colocated reader found overwritten are drawn and read again this many times at
+#: most; what is still overwritten then comes on the wire.
+COLOCATED_REDRAWS = 3
 
 
 def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> list[int]:
@@ -59,9 +63,12 @@ class _ShardDown(Exception):
 class SplitSampler:
     """Samples a table across the shards of ``shards``, split by the masses in ``masses``."""
 
-    def __init__(self, shards: ShardSet, masses: ShardMasses) -> None:
+    def __init__(
+        self, shards: ShardSet, masses: ShardMasses, colocated: bool | None = None
+    ) -> None:
         self._set = shards
         self._masses = masses
+        self._colocation = Colocation(colocated, masses)
         self._rng = np.random.default_rng()
 
     def sample(
@@ -124,11 +131,72 @@ class SplitSampler:
     def _sample_once(
         self, shard: ShardHandle, table: str, n: int, wait: float | None, calls: CallSet
     ) -> TensorDict:
+        colocated = self._colocation.wanted(shard, table)
+        response = self._call(shard, table, n, wait, calls, colocated=colocated)
+        if response.HasField("colocated_rows"):
+            td = self._read_colocated(shard, table, response, wait, calls)
+        else:
+            td = decode_sample(response)
+        td.set(("index", "shard"), torch.full_like(td.get(("index", "slot")), shard.index))
+        return td
+
+    def _read_colocated(
+        self,
+        shard: ShardHandle,
+        table: str,
+        response: pb.SampleResponse,
+        wait: float | None,
+        calls: CallSet,
+    ) -> TensorDict:
+        """The batch of a colocated answer, its rows read from the table's files; rows
+        that read a slot overwritten meanwhile are replaced by fresh draws of the shard
+        (not counted again), read from the files up to :data:`COLOCATED_REDRAWS` times, then
+        sent on the wire. Without a reader (the files are gone), every row is drawn anew on
+        the wire."""
+        reader = self._colocation.reader(shard, table, response.colocated_rows.storage_token)
+        if reader is None:
+            n = int(response.batch.batch_size[0]) if response.batch.batch_size else 0
+            return decode_sample(self._call(shard, table, n, wait, calls, redraw=True))
+        td, stale = decode_colocated(response, reader)
+        for attempt in range(COLOCATED_REDRAWS + 1):
+            if not len(stale):
+                break
+            colocated = attempt < COLOCATED_REDRAWS
+            again = self._call(
+                shard, table, len(stale), wait, calls, colocated=colocated, redraw=True
+            )
+            if again.HasField("colocated_rows"):
+                part, part_stale = decode_colocated(again, reader)
+            else:
+                part, part_stale = decode_sample(again), np.zeros(0, dtype=np.int64)
+            td[torch.from_numpy(stale)] = part
+            stale = stale[part_stale]
+        if len(stale):  # the wire's rows are never stale: only a shard ignoring redraws
+            raise MillpondError(
+                f"shard {shard.address}: table {table!r}: sampled rows were overwritten "
+                f"while they were read, {COLOCATED_REDRAWS + 1} times in a row"
+            )
+        return td
+
+    def _call(
+        self,
+        shard: ShardHandle,
+        table: str,
+        n: int,
+        wait: float | None,
+        calls: CallSet,
+        *,
+        colocated: bool = False,
+        redraw: bool = False,
+    ) -> pb.SampleResponse:
+        """One Sample call of one batch of ``n``; notes the shard's state and mass."""
         request = pb.SampleRequest(
             table=table,
             batch_size=n,
             num_batches=1,
             timeout_ms=0 if wait is None else max(1, int(wait * 1000)),
+            colocated=colocated,
+            redraw=redraw,
         )
         deadline = None if wait is None else wait + DEADLINE_SLACK_S
         if calls.cancelled:
@@ -153,10 +221,8 @@ class SplitSampler:
             raise MillpondError(
                 f"shard {shard.address}: expected one sample batch, received {len(responses)}"
             )
-        td = decode_sample(responses[0])
-        td.set(("index", "shard"), torch.full_like(td.get(("index", "slot")), shard.index))
         self._masses.set_mass(shard, table, responses[0].mass)
-        return td
+        return responses[0]
 
     def _allocate(
         self,

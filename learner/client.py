@@ -74,6 +74,14 @@ class ReplayClient:
         timeout_s: the deadline of admin calls, and the default wait of :meth:`sample`,
             :meth:`iterate` and :meth:`extend`; ``None`` waits forever.
         max_message_mb: the largest gRPC message sent or received, in MiB.
+        colocated: how :meth:`sample` and :meth:`iterate` get the observations of a shard
+            on this host. ``None`` (default): from the table's memory-mapped files when the
+            shard reports the same host and its storage directory opens here with the token
+            the shard reports, else on the wire; ``True``: from the files, or
+            :class:`~millpond.colocated.ColocationError` naming the shard, the table and
+            why not (queue tables never are: their delivered segments may be overwritten
+            at once); ``False``: always on the wire. The shard picks and counts the rows
+            either way, so batches are the same for the same table and seed.
 
     Channels are created on first use, so constructing a client never blocks. A client
     pickles as its addresses and options (writers, caches and channels stay behind), so it
@@ -87,6 +95,7 @@ class ReplayClient:
         tls: bool | str | os.PathLike | None = None,
         timeout_s: float | None = 30.0,
         max_message_mb: int = 256,
+        colocated: bool | None = None,
     ) -> None:
         parts = addresses.split(",") if isinstance(addresses, str) else list(addresses)
         parts = [a.strip() for a in parts if isinstance(a, str) and a.strip()]
@@ -108,15 +117,18 @@ class ReplayClient:
             raise InvalidConfigError(
                 f"max_message_mb ({max_message_mb!r}) must be an integer in [1, 2047]"
             )
+        if colocated is not None and not isinstance(colocated, bool):
+            raise InvalidConfigError(f"colocated ({colocated!r}) must be None, True or False")
         self.token = token
         self.tls = tls
+        self.colocated = colocated
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.max_message_mb = max_message_mb
         self._set = ShardSet(
             parts, channel_options(max_message_mb), tls, bearer_metadata(token), self.timeout_s
         )
         self._masses = ShardMasses(self._set)
-        self._sampler = SplitSampler(self._set, self._masses)
+        self._sampler = SplitSampler(self._set, self._masses, colocated)
         self._lock = threading.Lock()
         self._closed = False
         self._client_id = _default_writer_id()
@@ -125,7 +137,14 @@ class ReplayClient:
 
     # -- identity ------------------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:
-        args = (self.addresses, self.token, self.tls, self.timeout_s, self.max_message_mb)
+        args = (
+            self.addresses,
+            self.token,
+            self.tls,
+            self.timeout_s,
+            self.max_message_mb,
+            self.colocated,
+        )
         return (type(self), args)
 
     def __repr__(self) -> str:

@@ -159,30 +159,50 @@ class InsertResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[int]] = ..., stored_through: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("table", "batch_size", "num_batches", "timeout_ms")
+    __slots__ = ("table", "batch_size", "num_batches", "timeout_ms", "colocated", "redraw")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    REDRAW_FIELD_NUMBER: _ClassVar[int]
     table: str
     batch_size: int
     num_batches: int
     timeout_ms: int
-    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    colocated: bool
+    redraw: bool
+    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., colocated: _Optional[bool] = ..., redraw: _Optional[bool] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("batch", "next_rows", "next_observations", "mass", "slot_observations")
+    __slots__ = ("batch", "next_rows", "next_observations", "mass", "slot_observations", "colocated_rows")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROWS_FIELD_NUMBER: _ClassVar[int]
     NEXT_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     MASS_FIELD_NUMBER: _ClassVar[int]
     SLOT_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_ROWS_FIELD_NUMBER: _ClassVar[int]
     batch: TensorMap
     next_rows: _containers.RepeatedScalarFieldContainer[int]
     next_observations: TensorMap
     mass: float
     slot_observations: SlotObservations
-    def __init__(self, batch: _Optional[_Union[TensorMap, _Mapping]] = ..., next_rows: _Optional[_Iterable[int]] = ..., next_observations: _Optional[_Union[TensorMap, _Mapping]] = ..., mass: _Optional[float] = ..., slot_observations: _Optional[_Union[SlotObservations, _Mapping]] = ...) -> None: ...
+    colocated_rows: ColocatedRows
+    def __init__(self, batch: _Optional[_Union[TensorMap, _Mapping]] = ..., next_rows: _Optional[_Iterable[int]] = ..., next_observations: _Optional[_Union[TensorMap, _Mapping]] = ..., mass: _Optional[float] = ..., slot_observations: _Optional[_Union[SlotObservations, _Mapping]] = ..., colocated_rows: _Optional[_Union[ColocatedRows, _Mapping]] = ...) -> None: ...
+
+class ColocatedRows(_message.Message):
+    __slots__ = ("slots", "generations", "rows", "next_rows", "storage_token")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    slots: Tensor
+    generations: Tensor
+    rows: Tensor
+    next_rows: Tensor
+    storage_token: str
+    def __init__(self, slots: _Optional[_Union[Tensor, _Mapping]] = ..., generations: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., next_rows: _Optional[_Union[Tensor, _Mapping]] = ..., storage_token: _Optional[str] = ...) -> None: ...
 
 class SlotObservations(_message.Message):
     __slots__ = ("observations", "rows", "next_rows")
@@ -219,7 +239,7 @@ class InfoRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("config", "size", "mass", "inserts", "samples", "rate_limiter_diff", "rate_limiter_min_diff", "rate_limiter_max_diff", "bytes_on_disk", "next_generation", "dropped_segments")
+    __slots__ = ("config", "size", "mass", "inserts", "samples", "rate_limiter_diff", "rate_limiter_min_diff", "rate_limiter_max_diff", "bytes_on_disk", "next_generation", "dropped_segments", "host_id", "storage_dir", "storage_token")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MASS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +251,9 @@ class TableInfo(_message.Message):
     BYTES_ON_DISK_FIELD_NUMBER: _ClassVar[int]
     NEXT_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_DIR_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     config: TableConfig
     size: int
     mass: float
@@ -242,7 +265,10 @@ class TableInfo(_message.Message):
     bytes_on_disk: int
     next_generation: int
     dropped_segments: int
-    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., size: _Optional[int] = ..., mass: _Optional[float] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., rate_limiter_diff: _Optional[float] = ..., rate_limiter_min_diff: _Optional[float] = ..., rate_limiter_max_diff: _Optional[float] = ..., bytes_on_disk: _Optional[int] = ..., next_generation: _Optional[int] = ..., dropped_segments: _Optional[int] = ...) -> None: ...
+    host_id: str
+    storage_dir: str
+    storage_token: str
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., size: _Optional[int] = ..., mass: _Optional[float] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., rate_limiter_diff: _Optional[float] = ..., rate_limiter_min_diff: _Optional[float] = ..., rate_limiter_max_diff: _Optional[float] = ..., bytes_on_disk: _Optional[int] = ..., next_generation: _Optional[int] = ..., dropped_segments: _Optional[int] = ..., host_id: _Optional[str] = ..., storage_dir: _Optional[str] = ..., storage_token: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("tables", "weights_version", "refused_tables")

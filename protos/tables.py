@@ -120,4 +120,8 @@ def info_from_proto(msg: pb.TableInfo) -> dict[str, Any]:
         "bytes_on_disk": msg.bytes_on_disk,
         "next_generation": msg.next_generation,
         "dropped_segments": msg.dropped_segments,
+        # Where a learner on the shard's host may read the rows (empty: nowhere).
+        "host_id": msg.host_id,
+        "storage_dir": msg.storage_dir,
+        "storage_token": msg.storage_token,
     }

@@ -20,12 +20,14 @@ import inspect
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
 import torch
 
+from millpond.colocated import host_id
 from millpond.config import MAX_NAME_BYTES, MAX_TIMEOUT_MS
 from millpond.errors import (
     InvalidDataError,
@@ -38,11 +40,12 @@ from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.status import ERROR_KEY, status_of
 from millpond.protos.tables import config_from_proto, config_to_proto, info_to_proto
 from millpond.protos.weights import chunks as weight_chunks
-from millpond.sample_format import SlotSample
+from millpond.sample_format import ColocatedSample, SlotSample
 from millpond.segments import PackedSegments, Segment, concat, pack, pack_columns
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
 from millpond.spec import DONE, TERMINATED, TRUNCATED, FieldSpec, Key, TableSpec
+from millpond.storage_format import ensure_token
 
 log = logging.getLogger("millpond.server")
 T = TypeVar("T")
@@ -192,6 +195,9 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         self.max_message_bytes = max_message_bytes
         self.max_weights_bytes = max_weights_bytes
         self.slot_samples = slot_samples
+        #: What Info reports as this shard's host (colocated readers compare it with theirs).
+        self.host_id = host_id()
+        self._locations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _table(self, name: str):
         return self.shard.table(_check_name(name))
@@ -304,16 +310,28 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             raise InvalidDataError(f"num_batches ({request.num_batches}) must be >= 0")
         timeout = _timeout(request.timeout_ms)
         self._check_batch_size(table, request.batch_size)
+        queue = table.config.sampler == "queue"
+        if request.redraw and queue:
+            raise InvalidDataError(
+                f"table {table.name!r} is a queue: its batches are never redrawn (redraw is "
+                "for rows a colocated reader found overwritten)"
+            )
+        # A queue's delivered segments may be overwritten at once: its rows go on the wire.
+        form = "colocated" if request.colocated and not queue else None
+        form = form or ("slots" if self.slot_samples else "ted")
+        counted = not request.redraw
         sent = 0
         while request.num_batches == 0 or sent < request.num_batches:
-            sampled = self._sample_one(
-                table, request.batch_size, timeout, context, slots=self.slot_samples
-            )
+            sampled = self._sample_one(table, request.batch_size, timeout, context, form, counted)
             if sampled is None:
                 return
             assert table.spec is not None
             compress = table.config.compression == "zstd"
-            if isinstance(sampled, SlotSample):
+            if isinstance(sampled, ColocatedSample):
+                batch = sampled.ted
+                response = self._colocated_response(table, sampled)
+                size = _size_bound(batch, [sampled.slots, sampled.generations, sampled.rows])
+            elif isinstance(sampled, SlotSample):
                 batch = sampled.ted
                 response = codec.encode_slot_sample(sampled, compress=compress)
                 leaves = [*sampled.observations.values(), sampled.rows, sampled.next_rows]
@@ -330,7 +348,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             if size > self.max_message_bytes:
                 size = response.ByteSize()
             if size > self.max_message_bytes or not context.is_active():
-                table.give_back(batch)  # nobody receives it: not counted, a queue's not lost
+                if counted:  # nobody receives it: not counted, a queue's not lost
+                    table.give_back(batch)
                 if size > self.max_message_bytes:
                     raise ResourceExhaustedError(
                         f"a batch of {len(batch)} steps takes {size} bytes, more than the "
@@ -375,13 +394,48 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             )
 
     @staticmethod
-    def _sample_one(table, batch_size: int, timeout: float | None, context, *, slots: bool):
-        """One batch, or ``None`` when the call was cancelled while it waited."""
-        sample = table.sample_slots if slots else table.sample
+    def _sample_one(
+        table, batch_size: int, timeout: float | None, context, form: str, counted: bool
+    ):
+        """One batch in ``form`` (``"ted"``, ``"slots"`` or ``"colocated"``), or ``None``
+        when the call was cancelled while it waited."""
+        sample = {
+            "ted": table.sample,
+            "slots": table.sample_slots,
+            "colocated": table.sample_colocated,
+        }[form]
         try:
-            return _in_slices(lambda wait: sample(batch_size, timeout=wait), timeout, context)
+            return _in_slices(
+                lambda wait: sample(batch_size, timeout=wait, counted=counted), timeout, context
+            )
         except _Cancelled:
             return None
+
+    def _colocated_response(self, table, sampled: ColocatedSample) -> pb.SampleResponse:
+        """The step keys, and which observation slots a reader on this host reads."""
+        response = pb.SampleResponse()
+        codec.to_tensor_map(sampled.ted, out=response.batch)
+        part = response.colocated_rows
+        for name, field, t in (
+            ("slots", part.slots, sampled.slots),
+            ("generations", part.generations, sampled.generations),
+            ("rows", part.rows, sampled.rows),
+            ("next_rows", part.next_rows, sampled.next_rows),
+        ):
+            field.CopyFrom(codec.tensor_to_proto((name,), t))
+        part.storage_token = self._location(table)[1]
+        return response
+
+    def _location(self, table) -> tuple[str, str]:
+        """``(storage_dir, storage_token)`` of ``table`` for colocated readers (the token is
+        written into the directory the first time it is asked for; ``""`` where it cannot
+        be)."""
+        found = self._locations.get(table)
+        if found is None:
+            directory = table.storage.path.resolve()
+            found = (str(directory), ensure_token(directory) or "")
+            self._locations[table] = found
+        return found
 
     @_edge
     def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context):
@@ -394,8 +448,15 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @_edge
     def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         tables = [self._table(request.table)] if request.table else self.shard.tables.values()
+        infos = []
+        for t in tables:
+            info = info_to_proto(t.info(), t.config)
+            info.storage_dir, info.storage_token = self._location(t)
+            if info.storage_token:
+                info.host_id = self.host_id
+            infos.append(info)
         return pb.InfoResponse(
-            tables=[info_to_proto(t.info(), t.config) for t in tables],
+            tables=infos,
             weights_version=self.weights.version,
             refused_tables=self.shard.refused,
         )

@@ -382,20 +382,26 @@ class Table:
         return any(s < start + n and start < s + m for s, m in self._inflight.items())
 
     # -- sample --------------------------------------------------------------------------
-    def sample(self, batch_size: int, timeout: float | None = None) -> TensorDict:
+    def sample(
+        self, batch_size: int, timeout: float | None = None, *, counted: bool = True
+    ) -> TensorDict:
         """Sample ``batch_size`` steps (``[B, slice_len]`` for slices tables) as a TED TensorDict.
 
         Blocks until the rate limiter and the sampler allow it, up to ``timeout`` seconds.
         Queue tables return whole segments, in order: at most ``batch_size`` steps, waiting
         until that many are queued, or less when the queue is full and writers wait on it.
+        ``counted=False``: see :meth:`sample_colocated`.
         """
-        return self._sample(batch_size, timeout, form="ted")
+        return self._sample(batch_size, timeout, form="ted", counted=counted)
 
-    def sample_slots(self, batch_size: int, timeout: float | None = None) -> SlotSample:
+    def sample_slots(
+        self, batch_size: int, timeout: float | None = None, *, counted: bool = True
+    ) -> SlotSample:
         """:meth:`sample`, drawn alike, with each distinct observation slot read once
         (what the servicer sends): ``sample_slots(...).to_ted()`` equals :meth:`sample`
-        on the same table and seed, bit for bit."""
-        return self._sample(batch_size, timeout, form="slots")
+        on the same table and seed, bit for bit. ``counted=False``: see
+        :meth:`sample_colocated`."""
+        return self._sample(batch_size, timeout, form="slots", counted=counted)
 
     def sample_colocated(
         self, batch_size: int, timeout: float | None = None, *, counted: bool = True
