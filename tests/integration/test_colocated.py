@@ -1,0 +1,338 @@
+"""Colocated sampling against real servers on loopback: a learner on the shard's host gets the
+sampled slots over gRPC and reads the observation rows from the table's files.
+
+Every batch is checked against the wire's and the in-process table's (same config, seed and
+inserts: the samplers draw the same slots), bit for bit; rows that encode their own episode
+and step show that no torn or stale row comes back while a writer overwrites the ring; and a
+table whose files cannot be read is sampled on the wire (automatic mode) or refused, with the
+reason (``colocated=True``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from millpond import ReplayClient, TableConfig
+from millpond.colocated import ColocatedReader, ColocationError
+from millpond.learner import _colocated
+from millpond.storage_format import TOKEN_FILE
+from millpond.testing import pattern, pattern_segment
+
+OBS = (6, 10)
+
+
+def _segments(n: int, length: int = 9, first_episode: int = 0, obs=OBS) -> list:
+    return [
+        pattern_segment(first_episode + e, 3 * e, length + e % 4, obs, terminated=e % 2 == 0)
+        for e in range(n)
+    ]
+
+
+def _stacked_segments(n: int, k: int = 3, length: int = 7) -> list:
+    """Segments whose observation is a stack of ``k`` pattern frames, oldest first."""
+    out = []
+    for seg in _segments(n, length):
+        ep, first = seg.episode_id, seg.first_step
+        steps = torch.arange(first, first + len(seg.steps) + 1)
+        frames = torch.stack(
+            [pattern(ep, steps - (k - 1 - j), OBS) for j in range(k)], dim=1
+        )  # [L + 1, k, *OBS]
+        seg.steps["observation"] = frames[:-1]
+        seg.tail["observation"] = frames[-1]
+        out.append(seg)
+    return out
+
+
+def _fill(client: ReplayClient, table: str, segments: list) -> None:
+    with client.writer(table, f"{table}-writer") as w:
+        w.write_segments(segments)
+
+
+def _assert_same(actual, expected, what: str) -> None:
+    keys = set(expected.keys(True, True)) - {("index", "shard")}
+    assert keys == set(actual.keys(True, True)) - {("index", "shard")}, what
+    for key in keys:
+        a, e = actual[key], expected[key]
+        assert a.dtype == e.dtype and a.shape == e.shape, (what, key)
+        assert torch.equal(a, e), (what, key)
+
+
+def _check_pattern(batch) -> None:
+    """Every row holds what its (episode, step) wrote: no torn or stale row."""
+    eps, steps = batch["episode_id"].reshape(-1), batch["step"].reshape(-1)
+    obs = batch["observation"].reshape(len(eps), *OBS)
+    nxt = batch["next", "observation"].reshape(len(eps), *OBS)
+    assert torch.equal(obs, pattern(eps, steps, OBS))
+    assert torch.equal(nxt, pattern(eps, steps + 1, OBS))
+    assert torch.equal(batch["action"].reshape(-1, 2), torch.stack([eps, steps], 1))
+
+
+CONFIGS = {
+    "uniform": lambda name: TableConfig.uniform(name, capacity=2_000, seed=11),
+    "prioritized": lambda name: TableConfig.prioritized(name, capacity=2_000, seed=12),
+    "slices": lambda name: TableConfig.slices(name, capacity=2_000, slice_len=4, seed=13),
+    "verify_reads": lambda name: TableConfig.uniform(
+        name, capacity=2_000, seed=14, verify_reads=True
+    ),
+    "frame_stacks": lambda name: TableConfig.uniform(
+        name, capacity=2_000, seed=15, frame_stacks={"observation": 3}
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_wire_colocated_and_in_process_batches_are_bit_identical(
+    server1, table_name, make_table, kind
+):
+    segments = (_stacked_segments if kind == "frame_stacks" else _segments)(30)
+    batches = {}
+    for mode in (False, True):
+        name = f"{table_name}-{mode}"
+        with ReplayClient(server1.address, colocated=mode) as client:
+            client.create_table(CONFIGS[kind](name))
+            _fill(client, name, segments)
+            got = []
+            for i in range(4):
+                batch = client.sample(name, 32)
+                got.append(batch)
+                if kind == "prioritized":
+                    prios = torch.arange(batch.numel(), dtype=torch.float64) + i
+                    client.update_priorities(name, batch["index"], prios)
+            batches[mode] = got
+            readers = client._sampler._colocation._readers
+            assert bool(readers) == mode, "colocated=True must read the files"
+    local = make_table(CONFIGS[kind](f"{table_name}-local"))
+    local.insert_many(segments)
+    expected = []
+    for i in range(4):
+        batch = local.sample(32)
+        expected.append(batch)
+        if kind == "prioritized":
+            prios = torch.arange(batch.numel(), dtype=torch.float64) + i
+            local.update_priorities(batch["index", "slot"], batch["index", "generation"], prios)
+    for i, e in enumerate(expected):
+        _assert_same(batches[False][i], e, f"wire batch {i}")
+        _assert_same(batches[True][i], e, f"colocated batch {i}")
+    if kind == "prioritized":
+        assert "weight" in expected[-1]
+    if kind != "frame_stacks":
+        for b in batches[True]:
+            _check_pattern(b)
+
+
+def test_colocated_sampling_over_three_shards(server3, table_name, covering_writer_ids):
+    with ReplayClient(server3.address, colocated=True) as client:
+        client.create_table(TableConfig.uniform(table_name, capacity=3_000, seed=1))
+        for i, wid in enumerate(covering_writer_ids(table_name, server3.shards)):
+            with client.writer(table_name, wid) as w:
+                w.write_segments(_segments(12, first_episode=100 * i))
+        shards = set()
+        for _ in range(5):
+            batch = client.sample(table_name, 64)
+            _check_pattern(batch)
+            shards.update(batch["index", "shard"].tolist())
+        assert shards == {0, 1, 2}
+        assert len(client._sampler._colocation._readers) == 3
+        iterated = client.iterate(table_name, 32, prefetch=3)
+        for _, batch in zip(range(6), iterated, strict=False):
+            _check_pattern(batch)
+        iterated.close()
+
+
+def test_reader_flags_slots_overwritten_after_the_sample(make_table, table_name):
+    """The generation check: a slot overwritten between the sample and the read is stale."""
+    table = make_table(TableConfig.uniform(table_name, capacity=120, seed=3))
+    table.insert_many(_segments(6))
+    sampled = table.sample_colocated(16)
+    config = table.config
+    reader = ColocatedReader(
+        table.storage.path.resolve(),
+        _ensure_token(table),
+        config.capacity,
+        config.spec,
+        config.frame_stacks,
+    )
+    obs, nxt, stale = reader.read(
+        sampled.slots, sampled.generations, sampled.rows, sampled.next_rows
+    )
+    assert not stale.any()
+    batch = sampled.ted
+    for key in obs:
+        batch.set(key, obs[key])
+        batch.set(("next", *key), nxt[key])
+    _check_pattern(batch)
+    table.insert_many(_segments(12, first_episode=500))  # the ring wraps over every slot
+    _, _, stale = reader.read(sampled.slots, sampled.generations, sampled.rows, sampled.next_rows)
+    assert stale.all()
+
+
+def _ensure_token(table) -> str:
+    from millpond.storage_format import ensure_token
+
+    token = ensure_token(table.storage.path.resolve())
+    assert token
+    return token
+
+
+def test_rows_overwritten_while_read_are_redrawn(server1, table_name, monkeypatch):
+    """Every read is preceded by a writer overwriting the whole ring: each time, the rows
+    read are stale, and the client redraws them (from the files, then on the wire)."""
+    name = table_name
+    with ReplayClient(server1.address, colocated=True) as client:
+        client.create_table(TableConfig.uniform(name, capacity=200, seed=5))
+        writer = client.writer(name, f"{name}-w")
+        episode = [0]
+
+        def overwrite() -> None:
+            segs = _segments(14, first_episode=episode[0])
+            episode[0] += 14
+            writer.write_segments(segs)
+            writer.flush()
+
+        overwrite()
+        real_read = ColocatedReader.read
+        reads = {"n": 0, "stale": 0}
+
+        def read(self, slots, generations, rows, next_rows):
+            if reads["n"] < 2:  # the first read and the first redraw find everything gone
+                overwrite()
+            reads["n"] += 1
+            out = real_read(self, slots, generations, rows, next_rows)
+            reads["stale"] += int(out[2].sum())
+            return out
+
+        monkeypatch.setattr(ColocatedReader, "read", read)
+        before = client.info(name)["samples"]
+        batch = client.sample(name, 24)
+        _check_pattern(batch)
+        assert reads["stale"] > 0 and reads["n"] == 3
+        # Redraws replace rows of a counted batch: the rate limiter counted 24 steps.
+        assert client.info(name)["samples"] - before == 24
+        writer.close()
+
+
+def test_concurrent_writer_never_yields_a_torn_row(server1, table_name, monkeypatch):
+    name = table_name
+    big = (64, 64)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    stale = {"n": 0}
+    real_read = ColocatedReader.read
+
+    def counting_read(self, *args):
+        out = real_read(self, *args)
+        stale["n"] += int(out[2].sum())
+        return out
+
+    monkeypatch.setattr(ColocatedReader, "read", counting_read)
+    with ReplayClient(server1.address, colocated=True) as client:
+        client.create_table(TableConfig.uniform(name, capacity=400, seed=6))
+
+        def write() -> None:
+            try:
+                with client.writer(name, f"{name}-w") as w:
+                    e = 0
+                    while not stop.is_set():
+                        w.write_segments(_segments(4, first_episode=e, obs=big))
+                        e += 4
+            except BaseException as err:  # surfaced below
+                errors.append(err)
+
+        with ReplayClient(server1.address) as setup:
+            _fill(setup, name, _segments(20, first_episode=10_000, obs=big))
+        thread = threading.Thread(target=write)
+        thread.start()
+        try:
+            for _ in range(150):
+                batch = client.sample(name, 48)
+                eps, steps = batch["episode_id"], batch["step"]
+                assert torch.equal(batch["observation"], pattern(eps, steps, big))
+                assert torch.equal(batch["next", "observation"], pattern(eps, steps + 1, big))
+        finally:
+            stop.set()
+            thread.join()
+        assert not errors, errors
+    print(f"stale distinct slots detected and redrawn: {stale['n']}")
+
+
+def _storage_dir(client: ReplayClient, table: str) -> str:
+    return client.info(table)["shards"][0]["storage_dir"]
+
+
+def test_files_that_do_not_open_fall_back_to_the_wire(server1, table_name):
+    name = table_name
+    with ReplayClient(server1.address) as setup:
+        setup.create_table(TableConfig.uniform(name, capacity=1_000, seed=8))
+        _fill(setup, name, _segments(10))
+        directory = _storage_dir(setup, name)
+    token_file = f"{directory}/{TOKEN_FILE}"
+    with open(token_file) as f:
+        token = f.read()
+    try:
+        with open(token_file, "w") as f:  # another table's files now, as the reader sees it
+            f.write("0" * 32 + "\n")
+        with ReplayClient(server1.address) as auto:
+            _check_pattern(auto.sample(name, 16))
+            assert not auto._sampler._colocation._readers
+        with (
+            ReplayClient(server1.address, colocated=True) as strict,
+            pytest.raises(ColocationError, match=f"{name}.*another table's files"),
+        ):
+            strict.sample(name, 16)
+    finally:
+        with open(token_file, "w") as f:
+            f.write(token)
+    with ReplayClient(server1.address) as auto:
+        _check_pattern(auto.sample(name, 16))
+        assert auto._sampler._colocation._readers
+
+
+def test_another_host_is_sampled_on_the_wire(server1, table_name, monkeypatch):
+    monkeypatch.setattr(_colocated, "host_id", lambda: "elsewhere/0")
+    with ReplayClient(server1.address) as auto:
+        auto.create_table(TableConfig.uniform(table_name, capacity=1_000, seed=9))
+        _fill(auto, table_name, _segments(10))
+        _check_pattern(auto.sample(table_name, 16))
+        assert not auto._sampler._colocation._readers
+    with (
+        ReplayClient(server1.address, colocated=True) as strict,
+        pytest.raises(ColocationError, match="another host"),
+    ):
+        strict.sample(table_name, 16)
+
+
+def test_queue_tables_stay_on_the_wire(server1, table_name):
+    with ReplayClient(server1.address) as auto:
+        auto.create_table(TableConfig.queue(table_name, capacity=1_000, seed=10))
+        _fill(auto, table_name, _segments(6))
+        batch = auto.sample(table_name, 20)
+        _check_pattern(batch)
+        assert not auto._sampler._colocation._readers
+    with (
+        ReplayClient(server1.address, colocated=True) as strict,
+        pytest.raises(ColocationError, match=f"{table_name}.*queue table"),
+    ):
+        strict.sample(table_name, 20)
+
+
+def test_colocated_flag_is_checked_and_pickled(server1):
+    with pytest.raises(Exception, match="colocated"):
+        ReplayClient(server1.address, colocated="yes")
+    import pickle
+
+    client = pickle.loads(pickle.dumps(ReplayClient(server1.address, colocated=False)))
+    assert client.colocated is False
+
+
+def test_info_reports_where_the_table_is_stored(server1, table_name):
+    with ReplayClient(server1.address) as client:
+        client.create_table(TableConfig.uniform(table_name, capacity=100))
+        shard = client.info(table_name)["shards"][0]
+        assert shard["storage_dir"].startswith("/") and shard["storage_dir"].endswith("data")
+        assert len(shard["storage_token"]) == 32
+        assert shard["host_id"]
+        assert np.all(np.array([c != "" for c in shard["host_id"].split("/")]))
