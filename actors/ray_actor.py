@@ -27,6 +27,7 @@ from millpond.actors.episode_stats import ReturnTracker
 from millpond.actors.policies import EpsilonGreedy
 from millpond.actors.processor_specs import ProcessorSpec, build_processors, check_processors
 from millpond.actors.processors import ExperienceProcessor, PassThrough
+from millpond.allocator import keep_freed_buffers
 from millpond.errors import DeadlineExceededError, InvalidConfigError
 from millpond.learner.client import ReplayClient
 
@@ -124,6 +125,7 @@ class EnvActor:
         incarnation: int | None = None,
     ) -> None:
         torch.set_num_threads(1)  # tiny forward passes: threads cost more than they give
+        keep_freed_buffers()
         if incarnation is None:
             incarnation = _incarnation()
         self.actor_index = actor_index

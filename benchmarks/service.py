@@ -28,7 +28,9 @@ a share of the raw ceiling, ``sample(256)`` transitions/s with p50/p99 latency p
 system is started first; each insert repetition and each sampling repetition then runs every
 system in turn, so that the slow phases of a shared machine fall on all of them alike, and
 the report gives the medians and, for the targets, the ratios of repetitions run side by side.
-Set ``GLIBC_TUNABLES`` (it reaches every process) to measure allocator settings.
+Every process keeps freed message-sized buffers for reuse
+(:func:`millpond.allocator.keep_freed_buffers`, what millpond's own processes do), the raw
+ceiling's too.
 
 Run ``python benchmarks/service.py`` (about 4 minutes on 2 cores; see ``--help``), or
 ``--quick`` for a small smoke run (< 90 s).
@@ -74,6 +76,8 @@ from _common import (
     ted_chunk,
 )
 from tensordict import TensorDict
+
+from millpond.allocator import keep_freed_buffers
 
 SYSTEMS = ("raw-grpc", "millpond", "torchrl-ray")
 BATCH = 256
@@ -1046,6 +1050,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    # As millpond's own processes do (its shards call it too): on both sides of the
+    # ceiling alike, the raw server's process included.
+    keep_freed_buffers()
     if args.raw_server:
         return run_raw_server()
     shapes = [SHAPES[x] for x in args.shapes.split(",") if x]

@@ -21,6 +21,7 @@ import grpc
 from millpond.errors import MillpondError
 from millpond.learner._channels import TLS, open_channel
 from millpond.learner._errors import from_rpc_error, is_connect_failure
+from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("millpond.client")
@@ -54,6 +55,7 @@ class ShardHandle:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ReplayStub | None = None
+        self._raw_insert: grpc.StreamStreamMultiCallable | None = None
         self.down = False
         self.retry_at = 0.0
 
@@ -66,8 +68,20 @@ class ShardHandle:
         with self._lock:
             if self._stub is None:
                 self._channel = open_channel(self.address, self._options, self._tls)
+                self._raw_insert = self._channel.stream_stream(
+                    "/millpond.v1.Replay/Insert",
+                    request_serializer=None,
+                    response_deserializer=pb.InsertResponse.FromString,
+                )
                 self._stub = pb_grpc.ReplayStub(self._channel)
             return self._stub
+
+    @property
+    def raw_insert(self) -> grpc.StreamStreamMultiCallable:
+        """``Insert`` taking requests already serialized (``bytes``, see
+        :mod:`millpond.protos.wire`), creating the channel on first use."""
+        self.stub  # noqa: B018  (creates the channel and this call with it)
+        return self._raw_insert
 
     def mark_down(self) -> bool:
         """Record that the shard is unreachable; returns whether it was up until now."""

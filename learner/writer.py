@@ -36,10 +36,10 @@ from millpond.errors import (
     MillpondError,
     ResourceExhaustedError,
 )
+from millpond.frame_stacks import compact_stacks, stack_examples
 from millpond.learner._errors import from_rpc_error, is_retryable
 from millpond.learner._shards import ShardHandle
-from millpond.protos import millpond_pb2 as pb
-from millpond.protos.codec import to_tensor_map
+from millpond.protos import wire
 from millpond.routing import writer_hash
 from millpond.segments import PackedSegments, Segment, pack
 from millpond.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, TableSpec
@@ -73,12 +73,13 @@ _SEQUENCE_BYTES = 11  # a sequence number's bytes, set after a message's size is
 
 
 class _Queued:
-    """Consecutive segments queued as one ``pb.PackedSegments`` message."""
+    """Consecutive segments queued as one ``pb.PackedSegments`` message: its bytes without
+    the sequences (:func:`~millpond.protos.wire.encode_packed`), numbered when sent."""
 
-    __slots__ = ("count", "first", "msg", "size")
+    __slots__ = ("body", "count", "first", "size")
 
-    def __init__(self, msg: pb.PackedSegments, count: int, size: int) -> None:
-        self.msg = msg
+    def __init__(self, body: bytes, count: int, size: int) -> None:
+        self.body = body
         self.first = 0
         self.count = count
         self.size = size + count * _SEQUENCE_BYTES
@@ -90,7 +91,6 @@ class _Queued:
     def number(self, first: int) -> None:
         """Give the segments the sequences ``first, first + 1, ...``."""
         self.first = first
-        self.msg.sequences[:] = range(first, first + self.count)
 
 
 class Writer:
@@ -275,7 +275,7 @@ class Writer:
         self._raise_if_unusable()
         packed = pack([Segment(steps, tail, episode_id or 0, first_step or 0)])
         with self._write_lock:
-            self._check_spec(packed)
+            packed = self._check_spec(packed)
             length = int(packed.lengths[0])
             ended = bool(packed.steps[TERMINATED][-1] | packed.steps[TRUNCATED][-1])
             if episode_id is None:
@@ -330,7 +330,7 @@ class Writer:
             raise InvalidDataError("episode ids and first steps must be >= 0")
         self._raise_if_unusable()
         with self._write_lock:
-            self._check_spec(packed)
+            packed = self._check_spec(packed)
             sequences = self._enqueue_many(self._encode_packed(packed))
             if not track_episodes:
                 return sequences
@@ -447,6 +447,9 @@ class Writer:
         limit = min(REQUEST_BYTES, self._max_message_bytes - _MESSAGE_OVERHEAD)
         row_bytes = sum(v[0].numel() * v.element_size() for v in packed.steps.values())
         tail_bytes = sum(v[0].numel() * v.element_size() for v in packed.tails.values())
+        for key, v in packed.frames.items():  # L + k frames per segment
+            row_bytes += v[0].numel() * v.element_size()
+            tail_bytes += v[0].numel() * v.element_size() * packed.stacks[key]
         sizes = (packed.lengths * row_bytes + tail_bytes).tolist()
         messages, i, n = [], 0, len(packed)
         while i < n:
@@ -461,18 +464,14 @@ class Writer:
     def _encode_group(self, packed: PackedSegments) -> _Queued:
         config = self._table_config()
         compress = (
-            set(packed.tails) if config is not None and config.compression == "zstd" else set()
+            set(packed.tails) | set(packed.frames)
+            if config is not None and config.compression == "zstd"
+            else set()
         )
-        # Filled in place: a TensorMap passed to the constructor would be deep-copied (upb
-        # copies nested messages at ~1 GB/s, as slow as encoding them).
-        msg = pb.PackedSegments(
-            episode_ids=packed.episode_ids.tolist(),
-            first_steps=packed.first_steps.tolist(),
-            lengths=packed.lengths.tolist(),
-        )
-        to_tensor_map(packed.steps, [packed.num_steps], compress_keys=compress, out=msg.steps)
-        to_tensor_map(packed.tails, [len(packed)], compress_keys=compress, out=msg.tails)
-        size = msg.ByteSize()  # upb serializes to measure: do it once per message
+        # Encoded by hand, straight from the tensors' memory: one copy, where protobuf's
+        # message, request and serialization made four.
+        body = wire.encode_packed(packed, compress)
+        size = len(body)
         limit = self._max_message_bytes - _MESSAGE_OVERHEAD
         if size > limit:
             raise ResourceExhaustedError(
@@ -480,20 +479,30 @@ class Writer:
                 f"than the message limit ({limit} bytes; raise max_message_mb or cut shorter "
                 "segments)"
             )
-        return _Queued(msg, len(packed), size)
+        return _Queued(body, len(packed), size)
 
     # -- caller side ---------------------------------------------------------------------
-    def _check_spec(self, packed: PackedSegments) -> None:
+    def _check_spec(self, packed: PackedSegments) -> PackedSegments:
+        """``packed`` checked against the table's spec, as far as it is known, with the
+        table's frame-stacked keys cut to frames (checked to overlap first): each frame
+        travels once. Unknown stacks: whole stacks go, and the shard cuts them."""
         config = self._table_config()
+        if config is not None:
+            packed = compact_stacks(packed, config.frame_stacks)
+        if any(key not in packed.stacks for key in packed.frames):
+            raise InvalidDataError("frames are sent only for the table's frame-stacked keys")
+        stacks = stack_examples(packed)
+        tails, steps = {**packed.tails, **stacks}, {**packed.steps, **stacks}
         spec = config.spec if config is not None and config.spec is not None else self._spec
         if spec is None:  # unknown: the first segment sets it, as on the server
             try:
-                spec = TableSpec.from_example(packed.steps, packed.tails)
+                spec = TableSpec.from_example(steps, tails)
             except InvalidConfigError as e:
                 raise InvalidDataError(str(e)) from None
-        spec.check(packed.tails, (OBSERVATION,), "tail")
-        spec.check(packed.steps, (OBSERVATION, STEP), "steps")
+        spec.check(tails, (OBSERVATION,), "tail")
+        spec.check(steps, (OBSERVATION, STEP), "steps")
         self._spec = spec
+        return packed
 
     def _enqueue_many(self, messages: Sequence[_Queued]) -> list[int]:
         """Queue messages in order, waking the sender once per batch (not once per message);
@@ -563,7 +572,7 @@ class Writer:
                 acked_before = self._acked
             err: BaseException | None = None
             try:
-                call = self._shard.stub.Insert(self._requests(stream_id), metadata=self._metadata)
+                call = self._shard.raw_insert(self._requests(stream_id), metadata=self._metadata)
                 with self._cv:
                     self._call = call
                     if self._aborted:
@@ -626,7 +635,7 @@ class Writer:
             self._numbering_known = True
             self._cv.notify_all()
 
-    def _requests(self, stream_id: int) -> Iterator[pb.InsertRequest]:
+    def _requests(self, stream_id: int) -> Iterator[bytes]:
         """The requests of one stream: every unacknowledged segment in order, then new ones.
 
         The first stream opens with a request without segments, whose answer tells where
@@ -637,7 +646,7 @@ class Writer:
         if not self._numbering_known:
             with self._cv:
                 self._requests_in_flight += 1
-            yield pb.InsertRequest(writer_id=self._writer_id, table=self._table, timeout_ms=0)
+            yield wire.insert_request(self._writer_id, self._table, [])
             with self._cv:
                 while not self._numbering_known:
                     if self._stream_id != stream_id or self._aborted:
@@ -677,10 +686,9 @@ class Writer:
                 sent_up_to = batch[-1].last
                 self._max_sent = max(self._max_sent, sent_up_to)
                 self._requests_in_flight += 1
-            request = pb.InsertRequest(writer_id=self._writer_id, table=self._table, timeout_ms=0)
-            for queued in batch:  # CopyFrom: a plain memcpy; packed=batch deep-copies slowly
-                request.packed.add().CopyFrom(queued.msg)
-            yield request
+            yield wire.insert_request(
+                self._writer_id, self._table, [(q.first, q.count, q.body) for q in batch]
+            )
 
     def _on_ack(self, sequences: Sequence[int]) -> None:
         with self._cv:

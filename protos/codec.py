@@ -58,30 +58,42 @@ def tensor_to_proto(key: Key, t: torch.Tensor, compress: bool = False) -> pb.Ten
 
 def _fill_tensor(msg: pb.Tensor, key: Key, t: torch.Tensor, compress: bool) -> None:
     """Write one tensor into the empty ``msg`` (in place: a field of the message being built)."""
+    dtype, shape, data, compression = tensor_payload(t, compress)
+    msg.key.extend(key)
+    msg.dtype = dtype
+    msg.shape.extend(shape)
+    msg.data = data if isinstance(data, bytes) else data.tobytes()
+    msg.compression = compression
+
+
+def tensor_payload(
+    t: torch.Tensor, compress: bool = False
+) -> tuple[str, tuple[int, ...], np.ndarray | bytes, int]:
+    """What a :class:`pb.Tensor` of ``t`` carries: ``(dtype name, shape, data, compression)``.
+
+    ``data`` is the tensor's little-endian bytes in C order: a flat uint8 array that is a
+    view of ``t``'s memory where it can be (contiguous, little-endian host), so the caller
+    copies it once, where it lands; or the zstd-compressed bytes when ``compress``.
+    """
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     if t.is_conj() or t.is_neg():  # lazy views (e.g. ``x.conj()``): materialise the values
         t = t.resolve_conj().resolve_neg()
     if _LITTLE and t.dtype is not torch.bfloat16:
-        # numpy writes C order from any strides: half the cost of the general path below
-        # for the small tensors of short segments.
-        data = t.numpy().tobytes()
+        # numpy copies only what is not C-contiguous already
+        data = np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
     else:
         flat = t.contiguous().reshape(-1)
         raw = flat.view(torch.uint8)
         if not _LITTLE and t.element_size() > 1:
             raw = torch.from_numpy(flat.numpy().byteswap()).view(torch.uint8)
-        data = raw.numpy().tobytes()
+        data = raw.numpy()
     compression = pb.COMPRESSION_NONE
-    if compress and data:
+    if compress and data.size:
         data = _compressor().compress(data)
         compression = pb.COMPRESSION_ZSTD
-    msg.key.extend(key)
-    msg.dtype = dtype_name(t.dtype)
-    msg.shape.extend(t.shape)
-    msg.data = data
-    msg.compression = compression
+    return dtype_name(t.dtype), tuple(t.shape), data, compression
 
 
 class Budget:
@@ -242,13 +254,16 @@ def from_tensor_map_flat(
     budget: Budget | None = None,
     spec: Mapping[Key, FieldSpec] | None = None,
     what: str = "steps",
+    *,
+    copy: bool = True,
 ) -> tuple[dict[Key, torch.Tensor], list[int]]:
     """Decode a :class:`pb.TensorMap` into ``({key tuple: tensor}, batch_size)``.
 
     With a ``budget``, the tensors' decoded bytes are charged to it before they are
     allocated. With ``spec`` (a table's fields), a tensor of a key of ``spec`` whose dtype or
     per-step shape (after the batch dimensions) differs is refused before it is decoded;
-    ``what`` names the part of the message in that error.
+    ``what`` names the part of the message in that error. ``copy=False``: the tensors are
+    read-only views of the message's bytes where they can be (see :func:`proto_to_tensor`).
     """
     batch = list(msg.batch_size)
     if any(b < 0 for b in batch):
@@ -269,7 +284,7 @@ def from_tensor_map_flat(
 
     out: dict[Key, torch.Tensor] = {}
     for t in msg.tensors:
-        key, value = proto_to_tensor(t, budget, expect)
+        key, value = proto_to_tensor(t, budget, expect, copy=copy)
         if key in out:
             raise InvalidDataError(f"tensor {format_key(key)} appears twice")
         out[key] = value

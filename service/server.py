@@ -26,8 +26,10 @@ import grpc
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from millpond.allocator import keep_freed_buffers
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError
+from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.service.admission import AdmissionInterceptor
 from millpond.service.auth import TokenAuthInterceptor, load_tokens
@@ -112,6 +114,7 @@ class ShardServer:
 
 def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
     """Build and start a shard server; returns it and the port it bound."""
+    keep_freed_buffers()
     shard = Shard(config.dir, fsync=config.fsync)
     for table_config in config.tables:
         shard.create_table(table_config)
@@ -135,6 +138,18 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
         shard, weights, limit, max_weights_bytes=config.max_weights_mb * 1024 * 1024
     )
     pb_grpc.add_ReplayServicer_to_server(servicer, server)
+    # Insert takes its requests as bytes and parses them itself, its tensors as views of
+    # those bytes (protos/wire.py): protobuf's parse would copy every tensor three times.
+    server.add_registered_method_handlers(
+        SERVICE_NAME,
+        {
+            "Insert": grpc.stream_stream_rpc_method_handler(
+                servicer.Insert,
+                request_deserializer=None,
+                response_serializer=pb.InsertResponse.SerializeToString,
+            )
+        },
+    )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"

@@ -34,7 +34,7 @@ from millpond.errors import (
     RateLimiterTimeoutError,
     ResourceExhaustedError,
 )
-from millpond.protos import codec
+from millpond.protos import codec, wire
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.status import ERROR_KEY, status_of
@@ -214,6 +214,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     def Insert(self, request_iterator: Iterator[pb.InsertRequest], context):
         writer_id = table_name = None
         for request in request_iterator:
+            if isinstance(request, bytes):  # the server's raw-bytes Insert (see server.py)
+                request = wire.parse_insert_request(request)
             writer_id = request.writer_id or writer_id
             table_name = request.table or table_name
             if not table_name:
@@ -257,10 +259,14 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @staticmethod
     def _packed(
-        msg: pb.PackedSegments, budget: codec.Budget, spec: dict[Key, FieldSpec] | None
+        msg: pb.PackedSegments | wire.PackedView,
+        budget: codec.Budget,
+        spec: dict[Key, FieldSpec] | None,
     ) -> PackedSegments:
-        steps, batch = codec.from_tensor_map_flat(msg.steps, budget, spec, "steps")
-        tails, tail_batch = codec.from_tensor_map_flat(msg.tails, budget, spec, "tail")
+        # Views of the request's bytes, not copies: the table copies them once, into its
+        # memory maps, and nothing writes to them.
+        steps, batch = codec.from_tensor_map_flat(msg.steps, budget, spec, "steps", copy=False)
+        tails, tail_batch = codec.from_tensor_map_flat(msg.tails, budget, spec, "tail", copy=False)
         n, rows = len(msg.lengths), sum(msg.lengths)
         if batch != [rows]:
             raise InvalidDataError(
@@ -274,6 +280,10 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             )
         if any(q >= 2**63 for q in msg.sequences):
             raise InvalidDataError("packed segments: a sequence is out of range (>= 2**63)")
+        # Frame-stacked keys: their rows (L + k per segment) are checked by the table.
+        frames = {}
+        if msg.frames.tensors:
+            frames, _ = codec.from_tensor_map_flat(msg.frames, budget, None, "frames", copy=False)
         return pack_columns(
             steps,
             tails,
@@ -281,6 +291,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             msg.episode_ids,
             msg.first_steps,
             msg.sequences if len(msg.sequences) else None,
+            frames,
         )
 
     @staticmethod

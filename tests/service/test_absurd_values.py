@@ -330,3 +330,18 @@ def test_segment_sequence_out_of_range(served, sequence):
     seg.sequence = sequence
     refused(lambda: insert(stub, "t", seg, writer="seq"), "sequence", str(sequence), "2**63")
     assert stub.Info(pb.InfoRequest(table="t")).tables[0].inserts == before
+
+
+def test_a_key_of_empty_rows_is_stored_and_sampled(make_table):
+    """A key whose rows hold no bytes (shape ``[L, 0]``): its column file is empty, and
+    reserving its disk space asked ``posix_fallocate`` for 0 bytes (EINVAL), which failed
+    every insert as an internal error."""
+    from millpond.testing import constant_segment
+
+    table = make_table(TableConfig.uniform("empty-rows", 64))
+    steps, tail = constant_segment(3, length=6)
+    steps["nothing"] = torch.empty(6, 0)
+    table.insert(steps, tail, episode_id=3)
+    batch = table.sample(16)
+    assert batch["nothing"].shape == (16, 0)
+    assert torch.equal(batch["observation"], torch.full((16, 4), 3.0))
