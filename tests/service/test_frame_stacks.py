@@ -12,6 +12,7 @@ after the table is reopened.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -337,3 +338,15 @@ def test_bytes_on_disk_per_transition(make_table, ted):
     ted_bytes = 2 * STEPS * K * frame  # TED: obs and ("next", obs) per row
     assert obs["stacked"] < 0.2 * ted_bytes
     assert obs["stacked"] < 0.4 * obs["plain"]
+
+
+def test_job_configs_declare_stacks(tmp_path):
+    from millpond.deploy.launch_config import load_config
+
+    configs = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+    config = load_config(configs / "atari-dqn.yaml", ["replay.table.frame_stacks={observation: 4}"])
+    assert config.replay.table_config().frame_stacks == {("observation",): K}
+    path = tmp_path / "job.yaml"
+    path.write_text("replay:\n  table: {name: r, capacity: 64, frame_stacks: {observation: 1}}\n")
+    with pytest.raises(InvalidConfigError, match=r"replay.table: frame_stacks: .*integer >= 2"):
+        load_config(path).replay.table_config()
