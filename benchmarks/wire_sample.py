@@ -192,9 +192,14 @@ def main() -> int:
 
 
 def _measure(args, tables, slots_port, rows_port, raw_port, ReplayClient, grpc, pb):
+    # On the wire even though the server is on this host (see colocated_sample.py for that).
     clients = {
-        "millpond, slot layout": ReplayClient(f"127.0.0.1:{slots_port}", max_message_mb=256),
-        "millpond, older form": ReplayClient(f"127.0.0.1:{rows_port}", max_message_mb=256),
+        "millpond, slot layout": ReplayClient(
+            f"127.0.0.1:{slots_port}", max_message_mb=256, colocated=False
+        ),
+        "millpond, older form": ReplayClient(
+            f"127.0.0.1:{rows_port}", max_message_mb=256, colocated=False
+        ),
     }
     ports = {"millpond, slot layout": slots_port, "millpond, older form": rows_port}
     raw_channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=_options())

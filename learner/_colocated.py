@@ -14,18 +14,22 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 from tensordict import TensorDict
 
 from millpond.colocated import ColocatedReader, ColocationError, host_id
 from millpond.errors import InvalidDataError, MillpondError
+from millpond.learner._channels import TLS, open_channel
 from millpond.learner._masses import ShardMasses
 from millpond.learner._shards import ShardHandle
 from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
+from millpond.protos import millpond_pb2_grpc as pb_grpc
 
 #: A table whose files could not be opened is tried again after this many seconds (or as
 #: soon as its shard reports another storage token).
@@ -47,14 +51,44 @@ class Colocation:
         masses: the client's table infos (where each shard's tables are stored).
     """
 
-    def __init__(self, mode: bool | None, masses: ShardMasses) -> None:
+    def __init__(
+        self,
+        mode: bool | None,
+        masses: ShardMasses,
+        options: Sequence[tuple[str, Any]] = (),
+        tls: TLS = None,
+    ) -> None:
         self.mode = mode
         self._masses = masses
+        # A colocated answer is small: the default's extra thread per streaming call (to
+        # drive it) would cost as much as the call itself.
+        self._options = [*options, ("SingleThreadedUnaryStream", 1)]
+        self._tls = tls
+        self._channels: dict[int, tuple[str, grpc.Channel, pb_grpc.ReplayStub]] = {}
         self._lock = threading.Lock()
         self._host: str | None = None
         self._readers: dict[tuple[int, str], ColocatedReader] = {}
         # (shard index, table) -> (storage token, when, why it could not be opened)
         self._refused: dict[tuple[int, str], tuple[str, float, str]] = {}
+
+    def stub(self, shard: ShardHandle) -> pb_grpc.ReplayStub:
+        """A stub of ``shard`` for colocated Sample calls, on a channel of its own whose
+        streaming calls run on the calling thread."""
+        with self._lock:
+            found = self._channels.get(shard.index)
+            if found is None or found[0] != shard.address:
+                channel = open_channel(shard.address, self._options, self._tls)
+                found = (shard.address, channel, pb_grpc.ReplayStub(channel))
+                self._channels[shard.index] = found
+            return found[2]
+
+    def close(self) -> None:
+        """Close the channels of :meth:`stub` (the readers' maps go with them)."""
+        with self._lock:
+            channels, self._channels = self._channels, {}
+            self._readers = {}
+        for _, channel, _ in channels.values():
+            channel.close()
 
     def wanted(self, shard: ShardHandle, table: str) -> bool:
         """Whether to ask ``shard`` for ``table``'s slots only (and read the rows here).

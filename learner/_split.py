@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,6 +20,7 @@ from tensordict import TensorDict
 
 from millpond.errors import MillpondError, RateLimiterTimeoutError, ShardBusyError
 from millpond.learner._calls import CallSet, Cancelled
+from millpond.learner._channels import TLS
 from millpond.learner._colocated import Colocation, decode_colocated
 from millpond.learner._errors import ShardUnavailableError, from_rpc_error, is_connect_failure
 from millpond.learner._masses import ShardMasses
@@ -64,11 +66,18 @@ class SplitSampler:
     """Samples a table across the shards of ``shards``, split by the masses in ``masses``."""
 
     def __init__(
-        self, shards: ShardSet, masses: ShardMasses, colocated: bool | None = None
+        self,
+        shards: ShardSet,
+        masses: ShardMasses,
+        colocated: bool | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+        tls: TLS = None,
     ) -> None:
+        """``colocated``: see :class:`Colocation`; ``options`` and ``tls``: those of the
+        client's channels, for the colocated calls' own."""
         self._set = shards
         self._masses = masses
-        self._colocation = Colocation(colocated, masses)
+        self._colocation = Colocation(colocated, masses, options, tls)
         self._rng = np.random.default_rng()
 
     def sample(
@@ -109,6 +118,10 @@ class SplitSampler:
             calls.release()
         batches = [td for index in sorted(parts) for td in parts[index]]
         return batches[0] if len(batches) == 1 else torch.cat(batches, dim=0)
+
+    def close(self) -> None:
+        """Release the colocated readers and their channels."""
+        self._colocation.close()
 
     def _sample_shard(
         self, shard: ShardHandle, table: str, n: int, wait: float | None, calls: CallSet
@@ -201,7 +214,8 @@ class SplitSampler:
         deadline = None if wait is None else wait + DEADLINE_SLACK_S
         if calls.cancelled:
             raise Cancelled
-        call = shard.stub.Sample(request, timeout=deadline, metadata=self._set.metadata)
+        stub = self._colocation.stub(shard) if colocated else shard.stub
+        call = stub.Sample(request, timeout=deadline, metadata=self._set.metadata)
         if not calls.add(call):
             raise Cancelled
         try:

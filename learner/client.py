@@ -128,7 +128,9 @@ class ReplayClient:
             parts, channel_options(max_message_mb), tls, bearer_metadata(token), self.timeout_s
         )
         self._masses = ShardMasses(self._set)
-        self._sampler = SplitSampler(self._set, self._masses, colocated)
+        self._sampler = SplitSampler(
+            self._set, self._masses, colocated, channel_options(max_message_mb), tls
+        )
         self._lock = threading.Lock()
         self._closed = False
         self._client_id = _default_writer_id()
@@ -546,6 +548,7 @@ class ReplayClient:
             except MillpondError as e:
                 first = first or e
         self._set.close()
+        self._sampler.close()
         if first is not None:
             raise first
 

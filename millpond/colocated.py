@@ -59,29 +59,31 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _open_readonly(file: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``file`` mapped read-only as a tensor of ``shape`` (its size checked first)."""
+def _map_readonly(file: Path, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+    """The bytes of ``file`` mapped read-only, ``[shape[0], row bytes]`` (its size checked
+    first)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = int(np.prod(shape, dtype=np.int64)) * itemsize
+    row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+    expected = shape[0] * row
     size = file.stat().st_size
     if size != expected:
         raise ColocationError(f"{file} has {size} bytes, expected {expected}")
-    raw = np.memmap(file, dtype=np.uint8, mode="r", shape=(expected,))
+    # A plain ndarray view: numpy's memmap subclass costs microseconds on every indexing.
+    return np.memmap(file, dtype=np.uint8, mode="r", shape=(shape[0], row)).view(np.ndarray)
+
+
+def _as_tensor(raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The mapped bytes ``raw`` as a tensor of ``shape`` and ``dtype`` (no copy)."""
     with warnings.catch_warnings():
         # The map is read-only and is only ever read: torch warns that it cannot write it.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(raw)
+        flat = torch.from_numpy(raw.reshape(-1))
     return flat.view(dtype).reshape(shape)
 
 
-def _wide(col: torch.Tensor) -> torch.Tensor:
-    """The rows of ``col`` as ``[N, w]`` of the widest integer type dividing a row: torch's
-    index kernels move one element at a time, so image rows gather several times faster."""
-    raw = col.reshape(col.shape[0], -1).view(torch.uint8)
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if raw.shape[1] and raw.shape[1] % dtype.itemsize == 0:
-            return raw.view(dtype)
-    return raw
+def _open_readonly(file: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``file`` mapped read-only as a tensor of ``shape`` (its size checked first)."""
+    return _as_tensor(_map_readonly(file, shape, dtype), shape, dtype)
 
 
 class ColocatedReader:
@@ -130,6 +132,7 @@ class ColocatedReader:
             )
             self.columns: dict[Key, torch.Tensor] = {}
             self.prefixes: dict[Key, torch.Tensor] = {}
+            self._rows: dict[Key, np.ndarray] = {}  # the columns' bytes, a row per slot
             for key, f in spec.fields.items():
                 if f.role != OBSERVATION:
                     continue
@@ -147,13 +150,13 @@ class ColocatedReader:
                         f.dtype,
                     )
                 else:
-                    self.columns[key] = _open_readonly(file, (capacity, *f.shape), f.dtype)
+                    raw = _map_readonly(file, (capacity, *f.shape), f.dtype)
+                    self._rows[key] = raw
+                    self.columns[key] = _as_tensor(raw, (capacity, *f.shape), f.dtype)
         except ColocationError:
             raise
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ColocationError(f"cannot open the files in {self.directory}: {e}") from None
-        # Gathers move whole rows: the widest integer view of each column.
-        self._wide = {key: _wide(col) for key, col in self.columns.items()}
         self._spec = spec
 
     def __repr__(self) -> str:
@@ -204,10 +207,15 @@ class ColocatedReader:
                     stacked = rebuild(col, self.prefixes[key], where, starts[r], records[r])
                     out[key] = stacked.reshape(*shape, *stacked.shape[1:])
                 continue
-            wide = self._wide[key]
-            for out, where in ((obs, at), (nxt, at_next)):
-                values = torch.empty((len(where), *feature), dtype=col.dtype)
-                torch.index_select(wide, 0, where, out=_wide(values))
+            # One buffer for both: two of megabytes each, freed together, would make the
+            # allocator hand their pages back and fault them in again on every batch.
+            both = np.empty((2, len(at), self._rows[key].shape[1]), dtype=np.uint8)
+            for i, (out, where) in enumerate(((obs, at), (nxt, at_next))):
+                # One memcpy per row (torch's index kernels move one element at a time);
+                # "clip" copies straight into ``out`` ("raise" goes through a temporary),
+                # and the slots were checked above.
+                np.take(self._rows[key], where.numpy(), axis=0, out=both[i], mode="clip")
+                values = torch.from_numpy(both[i]).view(col.dtype)
                 out[key] = values.reshape(*shape, *feature)
         # After every read: a slot overwritten meanwhile was unpublished before its rows were.
         stale = self.generations(slots) != generations

@@ -1,0 +1,179 @@
+"""Colocated sampling, Atari-shaped: the wire, the colocated read, and a bare memory-map
+gather of the same rows, in one run.
+
+One server process fills a shard with Atari-shaped steps (``uint8[4, 84, 84]`` observations,
+as :mod:`wire_sample` does) and serves it on loopback. The client process calls
+``ReplayClient.sample(table, B)`` with ``colocated=False`` (observations on the wire) and
+``colocated=True`` (the shard sends the sampled slots, the client reads the rows from the
+table's memory-mapped files and checks their generations), and, as the floor, gathers the
+observations and next observations of the slots the colocated calls drew straight from the
+column file (``np.memmap``, read-only: no RPC, no metadata, no checks). Each repetition runs
+every system in turn, so that the load of a shared machine falls on all alike.
+
+    python benchmarks/colocated_sample.py                  # uniform, batch 256, ~1 minute
+    python benchmarks/colocated_sample.py --reps 5 --calls 40 --threads 4
+
+Prints a Markdown table: transitions/s (steps per second of back-to-back calls), the p50/p99
+latency of one call pooled over repetitions, and each system's time over the bare gather's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from wire_sample import OBS_SHAPE, _fill, _options, _pct
+
+MiB = 1 << 20
+TABLE = "uniform"
+
+
+def serve(root: Path) -> int:
+    """``--serve``: one millpond server over a filled shard, until stdin closes."""
+    from concurrent import futures
+
+    import grpc
+
+    from millpond.protos import millpond_pb2_grpc as pb_grpc
+    from millpond.service.servicer import ReplayServicer
+    from millpond.service.shard import Shard
+    from millpond.service.weights import WeightStore
+
+    shard = Shard(root / "shard")
+    _fill(shard, [TABLE])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_options())
+    servicer = ReplayServicer(shard, WeightStore(root / "weights"), 256 * MiB)
+    pb_grpc.add_ReplayServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print("PORT", port, flush=True)
+    sys.stdin.read()
+    server.stop(0)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256, help="steps per batch")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=30, help="calls per system per repetition")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the client")
+    parser.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        return serve(Path(args.serve))
+
+    import tempfile
+
+    import grpc
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", tmp],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = proc.stdout.readline().split()
+            assert line and line[0] == "PORT", line
+            rows = _measure(args, int(line[1]))
+        finally:
+            proc.stdin.close()
+            proc.wait(30)
+    load = os.getloadavg()
+    print(
+        f"\n{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__},"
+        f" grpcio {grpc.__version__}, {args.threads} torch thread(s); load average "
+        f"{load[0]:.1f}; batch {args.batch} steps of uint8{list(OBS_SHAPE)} with next "
+        f"observations; {args.reps} reps x {args.calls} calls\n"
+    )
+    print("| system | tr/s | p50 ms | p99 ms | time / bare gather |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+def _measure(args, port: int) -> list[list[str]]:
+    import json
+
+    import torch
+
+    from millpond import ReplayClient
+    from millpond.storage_format import COLUMN_INDEX, COLUMNS_DIR
+
+    address = f"127.0.0.1:{port}"
+    wire = ReplayClient(address, max_message_mb=256, colocated=False)
+    colocated = ReplayClient(address, max_message_mb=256, colocated=True)
+    info = colocated.info(TABLE)
+    shard = info["shards"][0]
+    capacity = info["config"].capacity
+    directory = Path(shard["storage_dir"])
+    index = json.loads((directory / COLUMNS_DIR / COLUMN_INDEX).read_text())
+    file = next(c["file"] for c in index["columns"] if c["key"] == ["observation"])
+    column = np.memmap(
+        directory / COLUMNS_DIR / file, dtype=np.uint8, mode="r", shape=(capacity, *OBS_SHAPE)
+    )
+    drawn: list[np.ndarray] = []
+
+    def sample_colocated() -> None:
+        batch = colocated.sample(TABLE, args.batch, timeout_s=30)
+        drawn.append(batch["index", "slot"].numpy())
+
+    calls_done = [0]
+
+    def bare() -> tuple:
+        # The rows a colocated call of this repetition drew: observations and next
+        # observations, both held as a batch holds them.
+        slots = drawn[-args.calls + calls_done[0] % args.calls]
+        calls_done[0] += 1
+        obs = torch.from_numpy(np.take(column, slots, axis=0))
+        nxt = torch.from_numpy(np.take(column, slots + 1, axis=0))
+        return obs, nxt
+
+    systems = {
+        "wire (colocated=False)": lambda: wire.sample(TABLE, args.batch, timeout_s=30),
+        "colocated (colocated=True)": sample_colocated,
+        "bare memmap gather, same rows": bare,
+    }
+    for _ in range(max(3, args.calls)):  # warm-up: page cache, channels, readers
+        systems["wire (colocated=False)"]()
+        sample_colocated()
+    assert colocated._sampler._colocation._readers, "the colocated client must read the files"
+    lat: dict[str, list[float]] = {name: [] for name in systems}
+    wall: dict[str, float] = {name: 0.0 for name in systems}
+    for _ in range(args.reps):
+        for name, fn in systems.items():
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                t0 = time.perf_counter()
+                fn()
+                lat[name].append(time.perf_counter() - t0)
+            wall[name] += time.perf_counter() - start
+    wire.close()
+    colocated.close()
+    calls = args.reps * args.calls
+    floor = wall["bare memmap gather, same rows"]
+    return [
+        [
+            name,
+            f"{calls * args.batch / wall[name]:,.0f}",
+            f"{_pct(lat[name], 50):.2f}",
+            f"{_pct(lat[name], 99):.2f}",
+            f"{wall[name] / floor:.2f}x",
+        ]
+        for name in systems
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
