@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("ale_py", reason="needs the atari extra: pip install 'millpond[atari]'")
 pytest.importorskip("cv2", reason="AtariPreprocessing needs opencv (the atari extra)")
 
-from millpond import TableConfig
+from millpond import ReplayClient, TableConfig
 from millpond.actors.envs import WrapperSpec, make_env
 from millpond.errors import InvalidDataError
 from millpond.segmenting import from_ted
@@ -134,3 +134,25 @@ def test_a_shard_takes_whole_stacks_from_a_writer_that_does_not_know(client, tab
         writer.write_segments(_segments(ted)[:3])
     assert client.info(table_name)["size"] == sum(s.steps.shape[0] for s in _segments(ted)[:3])
     _check(client.sample(table_name, 32), ted)
+
+
+def test_a_sigkilled_shard_comes_back_with_exact_stacks(server_process, ted):
+    server = server_process()
+    client = ReplayClient(server.address, timeout_s=30)
+    try:
+        client.create_table(_config("fs"))
+        with client.writer("fs") as writer:
+            writer.write_segments(_segments(ted))
+        server.kill()  # no checkpoint: the shard recovers from its files alone
+        server.restart()
+        info = client.info("fs")
+        assert info["size"] == STEPS and info["dropped_segments"] == 0
+        assert info["config"].frame_stacks == {("observation",): K}
+        seen: set = set()
+        for _ in range(20):
+            seen |= _check(client.sample("fs", 64), ted)
+            if len(seen) == STEPS:
+                break
+        assert len(seen) == STEPS
+    finally:
+        client.close()
