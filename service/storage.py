@@ -68,7 +68,7 @@ from millpond.service import checksums as cks
 from millpond.service.atomic_json import atomic_write_json
 from millpond.service.disk_space import Reservation, create_sparse, data_end
 from millpond.service.segment_batch import SegmentBatch, check_step_range, ranges
-from millpond.spec import OBSERVATION, Key, TableSpec
+from millpond.spec import OBSERVATION, FieldSpec, Key, TableSpec, format_key
 from millpond.storage_format import (  # the format a reader on the same host shares
     RECORD_WIDTH,
     SEGMENTS_FILE,
@@ -305,7 +305,8 @@ class SegmentStorage:
                 fds.append((os.open(filename, os.O_RDWR), nbytes, filename.name))
                 index["columns"].append({"key": list(key), "file": filename.name})
             for key, k in self.stacks.items():
-                prefixes[key] = self._open_prefix(key, k, spec.fields[key], prefix_fds)
+                existed = (cols_dir / column_filename(key)).stat().st_blocks > 0
+                prefixes[key] = self._open_prefix(key, k, spec.fields[key], prefix_fds, existed)
             if prefixes:  # only then: the index of a table without stacks stays as it was
                 index["prefixes"] = [
                     {"key": list(key), "file": f"{PREFIX_DIR}/{column_filename(key)}", "k": k}
@@ -342,8 +343,11 @@ class SegmentStorage:
         self.spec = spec
         self._row_copy = {key: f.nbytes >= _ROW_COPY_BYTES for key, f in spec.fields.items()}
 
-    def _open_prefix(self, key: Key, k: int, f, fds: list[tuple[int, int, str]]) -> torch.Tensor:
-        """The prefix column of a frame-stacked key, created sparse if new."""
+    def _open_prefix(
+        self, key: Key, k: int, f: FieldSpec, fds: list[tuple[int, int, str]], stored: bool
+    ) -> torch.Tensor:
+        """The prefix column of a frame-stacked key, created sparse if new (``stored``: its
+        column holds data, so the file must be there)."""
         directory = self.path / PREFIX_DIR
         directory.mkdir(exist_ok=True)
         filename = directory / column_filename(key)
@@ -351,6 +355,12 @@ class SegmentStorage:
         shape = torch.Size([n_records, k - 1, *f.shape[1:]])
         nbytes = f.nbytes // k * (k - 1)
         if not filename.exists():
+            if stored:
+                raise StorageCorruptedError(
+                    f"prefix file {filename} is missing (the older frames of the first stack "
+                    f"of {format_key(key)} in each stored segment): restore the table "
+                    "directory from a copy"
+                )
             create_sparse(filename, n_records * nbytes, self.table_dir)
         elif filename.stat().st_size != n_records * nbytes:
             raise StorageCorruptedError(

@@ -23,7 +23,7 @@ pytest.importorskip("cv2", reason="AtariPreprocessing needs opencv (the atari ex
 
 from millpond.actors.envs import WrapperSpec, make_env
 from millpond.config import TableConfig
-from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.errors import InvalidConfigError, InvalidDataError, StorageCorruptedError
 from millpond.frame_stacks import compact_stacks, expand_stacks, rebuild
 from millpond.protos.tables import config_from_proto, config_to_proto
 from millpond.segmenting import from_ted
@@ -350,3 +350,13 @@ def test_job_configs_declare_stacks(tmp_path):
     path.write_text("replay:\n  table: {name: r, capacity: 64, frame_stacks: {observation: 1}}\n")
     with pytest.raises(InvalidConfigError, match=r"replay.table: frame_stacks: .*integer >= 2"):
         load_config(path).replay.table_config()
+
+
+def test_a_missing_prefix_file_refuses_the_table(tmp_path, ted):
+    path = tmp_path / "t"
+    table = Table.create(path, _config())
+    table.insert_many(_segments(ted)[:3])
+    table.close()
+    (path / "data" / "prefixes" / "observation.bin").unlink()
+    with pytest.raises(StorageCorruptedError, match="prefix file .* is missing"):
+        Table.open(path)
