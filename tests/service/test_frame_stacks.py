@@ -360,3 +360,65 @@ def test_a_missing_prefix_file_refuses_the_table(tmp_path, ted):
     (path / "data" / "prefixes" / "observation.bin").unlink()
     with pytest.raises(StorageCorruptedError, match="prefix file .* is missing"):
         Table.open(path)
+
+
+def test_the_shard_checks_declarations_and_frames(tmp_path):
+    import grpc
+
+    from millpond.protos import codec
+    from millpond.protos import millpond_pb2 as pb
+    from millpond.protos import millpond_pb2_grpc as pb_grpc
+    from millpond.service.server import ServerConfig, create_server
+
+    running, port = create_server(ServerConfig(dir=str(tmp_path / "shard")))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.ReplayStub(channel)
+    try:
+        bad = config_to_proto(TableConfig("x", 64))
+        bad.frame_stacks.add(key=["observation"], frames=1)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.CreateTable(pb.CreateTableRequest(config=bad))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "integer >= 2" in info.value.details()
+        stub.CreateTable(pb.CreateTableRequest(config=config_to_proto(_config("t", 64))))
+
+        def insert(frame_rows: int, frame_shape=(2, 3)):
+            n = 5  # one segment of 5 steps: 5 + K frames
+            steps = {
+                ("action",): torch.zeros(n, dtype=torch.int64),
+                ("next", "reward"): torch.zeros(n, 1),
+                ("next", "terminated"): torch.zeros(n, 1, dtype=torch.bool),
+                ("next", "truncated"): torch.zeros(n, 1, dtype=torch.bool),
+            }
+            frames = torch.arange(frame_rows * 6, dtype=torch.uint8).reshape(
+                frame_rows, *frame_shape
+            )
+            packed = pb.PackedSegments(
+                episode_ids=[1],
+                first_steps=[0],
+                lengths=[n],
+                steps=codec.to_tensor_map(steps, batch_size=[n]),
+                tails=codec.to_tensor_map({}, [1]),
+                frames=codec.to_tensor_map({("observation",): frames}, []),
+            )
+            request = pb.InsertRequest(writer_id="", table="t", packed=[packed])
+            return list(stub.Insert(iter([request])))
+
+        with pytest.raises(grpc.RpcError) as info:
+            insert(5 + K - 1)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"expected {5 + K} frames" in info.value.details()
+        insert(5 + K)  # the spec comes from it: uint8[4, 2, 3]
+        with pytest.raises(grpc.RpcError) as info:
+            insert(5 + K, (3, 2))
+        assert "expected uint8[4, 2, 3]" in info.value.details()
+        batch = codec.decode_sample(next(stub.Sample(pb.SampleRequest(table="t", batch_size=5))))
+        frames = torch.arange((5 + K) * 6, dtype=torch.uint8).reshape(5 + K, 2, 3)
+        for obs, nxt, step in zip(
+            batch["observation"], batch["next", "observation"], batch["step"]
+        ):
+            assert torch.equal(obs, frames[int(step) : int(step) + K])
+            assert torch.equal(nxt, frames[int(step) + 1 : int(step) + 1 + K])
+    finally:
+        channel.close()
+        running.stop(grace=1)
