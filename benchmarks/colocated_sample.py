@@ -5,7 +5,8 @@ One server process fills a shard with Atari-shaped steps (``uint8[4, 84, 84]`` o
 as :mod:`wire_sample` does) and serves it on loopback. The client process calls
 ``ReplayClient.sample(table, B)`` with ``colocated=False`` (observations on the wire) and
 ``colocated=True`` (the shard sends the sampled slots, the client reads the rows from the
-table's memory-mapped files and checks their generations), and, as the floor, gathers the
+table's memory-mapped files and checks their generations), ``sample`` call after call and
+through ``iterate`` (requests kept in flight), and, as the floor, gathers the
 observations and next observations of the slots the colocated calls drew straight from the
 column file (``np.memmap``, read-only: no RPC, no metadata, no checks). Each repetition runs
 every system in turn, so that the load of a shared machine falls on all alike.
@@ -64,6 +65,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--calls", type=int, default=30, help="calls per system per repetition")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the client")
+    parser.add_argument("--prefetch", type=int, default=4, help="iterate's requests in flight")
     parser.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -140,14 +142,20 @@ def _measure(args, port: int) -> list[list[str]]:
         nxt = torch.from_numpy(np.take(column, slots + 1, axis=0))
         return obs, nxt
 
+    streams = {
+        "wire": wire.iterate(TABLE, args.batch, prefetch=args.prefetch, timeout_s=30),
+        "colocated": colocated.iterate(TABLE, args.batch, prefetch=args.prefetch, timeout_s=30),
+    }
     systems = {
-        "wire (colocated=False)": lambda: wire.sample(TABLE, args.batch, timeout_s=30),
-        "colocated (colocated=True)": sample_colocated,
+        "wire, sample (colocated=False)": lambda: wire.sample(TABLE, args.batch, timeout_s=30),
+        "colocated, sample (colocated=True)": sample_colocated,
+        f"wire, iterate (prefetch {args.prefetch})": lambda: next(streams["wire"]),
+        f"colocated, iterate (prefetch {args.prefetch})": lambda: next(streams["colocated"]),
         "bare memmap gather, same rows": bare,
     }
     for _ in range(max(3, args.calls)):  # warm-up: page cache, channels, readers
-        systems["wire (colocated=False)"]()
-        sample_colocated()
+        for fn in list(systems.values())[:4]:
+            fn()
     assert colocated._sampler._colocation._readers, "the colocated client must read the files"
     lat: dict[str, list[float]] = {name: [] for name in systems}
     wall: dict[str, float] = {name: 0.0 for name in systems}
@@ -159,6 +167,8 @@ def _measure(args, port: int) -> list[list[str]]:
                 fn()
                 lat[name].append(time.perf_counter() - t0)
             wall[name] += time.perf_counter() - start
+    for stream in streams.values():
+        stream.close()
     wire.close()
     colocated.close()
     calls = args.reps * args.calls

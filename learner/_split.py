@@ -10,7 +10,8 @@ from the others when it goes down meanwhile, and concatenates the parts.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -26,6 +27,7 @@ from millpond.learner._errors import ShardUnavailableError, from_rpc_error, is_c
 from millpond.learner._masses import ShardMasses
 from millpond.learner._shards import ShardHandle, ShardSet
 from millpond.protos import millpond_pb2 as pb
+from millpond.protos import wire
 from millpond.protos.codec import decode_sample
 
 #: Extra seconds a call's gRPC deadline allows beyond the wait the server is asked to honour.
@@ -97,8 +99,11 @@ class SplitSampler:
             while remaining > 0:
                 plan = self._allocate(table, remaining, deadline, timeout, calls)
                 wait = None if deadline is None else max(0.001, deadline - time.monotonic())
+                # One shard's part is asked on this thread: a hop through the pool costs
+                # more than a colocated batch's own RPC on a busy host.
+                start = self._inline if len(plan) == 1 else self._set.submit
                 futures = [
-                    (shard, n, self._set.submit(self._sample_shard, shard, table, n, wait, calls))
+                    (shard, n, start(self._sample_shard, shard, table, n, wait, calls))
                     for shard, n in plan
                 ]
                 remaining = 0
@@ -118,6 +123,16 @@ class SplitSampler:
             calls.release()
         batches = [td for index in sorted(parts) for td in parts[index]]
         return batches[0] if len(batches) == 1 else torch.cat(batches, dim=0)
+
+    @staticmethod
+    def _inline(fn: Callable[..., TensorDict], *args: Any) -> Future[TensorDict]:
+        """``fn(*args)`` run now, as a finished future (what the pool's ``submit`` returns)."""
+        future: Future[TensorDict] = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # raised again by result(), as from the pool
+            future.set_exception(e)
+        return future
 
     def close(self) -> None:
         """Release the colocated readers and their channels."""
@@ -214,8 +229,12 @@ class SplitSampler:
         deadline = None if wait is None else wait + DEADLINE_SLACK_S
         if calls.cancelled:
             raise Cancelled
-        stub = self._colocation.stub(shard) if colocated else shard.stub
-        call = stub.Sample(request, timeout=deadline, metadata=self._set.metadata)
+        if colocated:
+            call = self._colocation.stub(shard).Sample(
+                request, timeout=deadline, metadata=self._set.metadata
+            )
+        else:  # bytes, parsed below: the observations stay views of them (protos/wire.py)
+            call = shard.raw_sample(request, timeout=deadline, metadata=self._set.metadata)
         if not calls.add(call):
             raise Cancelled
         try:
@@ -235,8 +254,11 @@ class SplitSampler:
             raise MillpondError(
                 f"shard {shard.address}: expected one sample batch, received {len(responses)}"
             )
-        self._masses.set_mass(shard, table, responses[0].mass)
-        return responses[0]
+        response = responses[0]
+        if isinstance(response, bytes):
+            response = wire.parse_sample_response(response)
+        self._masses.set_mass(shard, table, response.mass)
+        return response
 
     def _allocate(
         self,
