@@ -35,7 +35,7 @@ from millpond.storage_format import (
     SLOTS_FILE,
     RecordField,
     num_records,
-    read_token,
+    storage_identity,
 )
 
 __all__ = ["ColocatedReader", "ColocationError", "host_id"]
@@ -115,7 +115,7 @@ class ColocatedReader:
             raise ColocationError(f"storage directory {str(directory)!r} is not absolute")
         if not self.directory.is_dir():
             raise ColocationError(f"storage directory {self.directory} is not on this host")
-        found = read_token(self.directory)
+        found = storage_identity(self.directory)
         if found != token:
             raise ColocationError(
                 f"storage directory {self.directory} holds another table's files (storage "

@@ -28,6 +28,7 @@ __all__ = [
     "ensure_token",
     "num_records",
     "read_token",
+    "storage_identity",
 ]
 
 SLOTS_FILE = "slots.bin"
@@ -102,3 +103,18 @@ def ensure_token(directory: str | os.PathLike) -> str | None:
         with contextlib.suppress(OSError):
             tmp.unlink()
     return read_token(directory)
+
+
+def storage_identity(directory: str | os.PathLike) -> str | None:
+    """What names the files of ``directory`` on its host: its token (:func:`read_token`) and
+    the inode numbers of its slot and record files, so that files put in place of others
+    (a restored copy, token included) do not pass for the ones a reader mapped. ``None``
+    where it has no token or the files cannot be read."""
+    token = read_token(directory)
+    if token is None:
+        return None
+    try:
+        inodes = [os.stat(Path(directory) / f).st_ino for f in (SLOTS_FILE, SEGMENTS_FILE)]
+    except OSError:
+        return None
+    return "-".join([token, *map(str, inodes)])

@@ -45,7 +45,7 @@ from millpond.segments import PackedSegments, Segment, concat, pack, pack_column
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
 from millpond.spec import DONE, TERMINATED, TRUNCATED, FieldSpec, Key, TableSpec
-from millpond.storage_format import ensure_token
+from millpond.storage_format import ensure_token, storage_identity
 
 log = logging.getLogger("millpond.server")
 T = TypeVar("T")
@@ -438,13 +438,14 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         return response
 
     def _location(self, table) -> tuple[str, str]:
-        """``(storage_dir, storage_token)`` of ``table`` for colocated readers (the token is
-        written into the directory the first time it is asked for; ``""`` where it cannot
-        be)."""
+        """``(storage_dir, storage_token)`` of ``table`` for colocated readers: the token is
+        :func:`storage_identity`, its random part written into the directory the first time
+        it is asked for (``""`` where it cannot be)."""
         found = self._locations.get(table)
         if found is None:
             directory = table.storage.path.resolve()
-            found = (str(directory), ensure_token(directory) or "")
+            token = ensure_token(directory) and storage_identity(directory)
+            found = (str(directory), token or "")
             self._locations[table] = found
         return found
 

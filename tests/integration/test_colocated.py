@@ -19,7 +19,7 @@ import torch
 from millpond import ReplayClient, TableConfig
 from millpond.colocated import ColocatedReader, ColocationError
 from millpond.learner import _colocated
-from millpond.storage_format import TOKEN_FILE
+from millpond.storage_format import TOKEN_FILE, ensure_token, read_token, storage_identity
 from millpond.testing import pattern, pattern_segment
 
 OBS = (6, 10)
@@ -171,11 +171,9 @@ def test_reader_flags_slots_overwritten_after_the_sample(make_table, table_name)
 
 
 def _ensure_token(table) -> str:
-    from millpond.storage_format import ensure_token
-
-    token = ensure_token(table.storage.path.resolve())
-    assert token
-    return token
+    directory = table.storage.path.resolve()
+    assert ensure_token(directory)
+    return storage_identity(directory)
 
 
 def test_rows_overwritten_while_read_are_redrawn(server1, table_name, monkeypatch):
@@ -333,6 +331,8 @@ def test_info_reports_where_the_table_is_stored(server1, table_name):
         client.create_table(TableConfig.uniform(table_name, capacity=100))
         shard = client.info(table_name)["shards"][0]
         assert shard["storage_dir"].startswith("/") and shard["storage_dir"].endswith("data")
-        assert len(shard["storage_token"]) == 32
+        token = read_token(shard["storage_dir"])
+        assert len(token) == 32 and shard["storage_token"].startswith(token + "-")
+        assert shard["storage_token"] == storage_identity(shard["storage_dir"])
         assert shard["host_id"]
         assert np.all(np.array([c != "" for c in shard["host_id"].split("/")]))
