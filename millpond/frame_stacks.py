@@ -103,15 +103,31 @@ def check_stacks(stacks: Mapping[Key, int], spec: TableSpec) -> None:
 
 
 def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[N]``: whether rows of ``a`` and ``b`` differ in any bit (NaNs compared by bits)."""
+    """``[N]``: whether rows of ``a`` and ``b`` (``[N, frames, *frame]``) differ in any bit
+    (NaNs compared by their bits)."""
     if a.dtype.is_complex:
         a, b = torch.view_as_real(a), torch.view_as_real(b)
-    if a.dtype.is_floating_point:
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.view(bits), b.view(bits)
+    if a.dtype == torch.bool:
+        a, b = a.to(torch.uint8), b.to(torch.uint8)
     if a.numel() == 0:
         return torch.zeros(a.shape[0], dtype=torch.bool)
+    # Each frame's bytes as the widest integers they divide into (8x fewer comparisons for
+    # uint8 images), floats compared by their bits.
+    a, b = a.reshape(*a.shape[:2], -1), b.reshape(*b.shape[:2], -1)
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        a, b = a.contiguous(), b.contiguous()
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    for bits in (torch.int64, torch.int32, torch.int16):
+        try:
+            a, b = a.view(bits), b.view(bits)
+            break
+        except RuntimeError:  # rows or strides that do not divide into this width
+            continue
     return (a != b).reshape(a.shape[0], -1).any(-1)
+
+
+#: Frames at least this large are cut out with one slice copy per segment.
+_SLICE_COPY_BYTES = 1024
 
 
 def _to_frames(
@@ -159,6 +175,15 @@ def _to_frames(
         )
     frame = steps.shape[2:]
     out = torch.empty((rows + n * k, *frame), dtype=steps.dtype)
+    if steps[0, 0].numel() * steps.element_size() >= _SLICE_COPY_BYTES:
+        # Large frames: slice copies per segment beat index_copy_'s per-row kernel ~20x.
+        at = 0
+        for s, length, i in zip(starts.tolist(), lengths.tolist(), range(n)):
+            out[at : at + k] = steps[s]
+            out[at + k : at + k + length - 1] = steps[s + 1 : s + length, -1]
+            out[at + k + length - 1] = tails[i, -1]
+            at += length + k
+        return out
     offsets = torch.from_numpy(starts + np.arange(n) * k)  # each segment's first frame row
     # The first stack whole, then the newest frame of each following observation.
     first = (offsets[:, None] + torch.arange(k)[None]).reshape(-1)
