@@ -90,7 +90,7 @@ def serve(root: Path, tables: list[str]) -> int:
 
     import grpc
 
-    from millpond.protos import millpond_pb2_grpc as pb_grpc
+    from millpond.service.server import add_replay_servicer
     from millpond.service.servicer import ReplayServicer
     from millpond.service.shard import Shard
     from millpond.service.weights import WeightStore
@@ -104,7 +104,7 @@ def serve(root: Path, tables: list[str]) -> int:
         servicer = ReplayServicer(
             shard, WeightStore(root / mode / "weights"), 256 * MiB, slot_samples=mode == "slots"
         )
-        pb_grpc.add_ReplayServicer_to_server(servicer, server)
+        add_replay_servicer(server, servicer)  # as `millpond serve` registers it
         ports.append(server.add_insecure_port("127.0.0.1:0"))
         server.start()
         servers.append(server)
@@ -151,6 +151,9 @@ def main() -> int:
     parser.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tables = args.tables.split(",")
+    from millpond.allocator import keep_freed_buffers
+
+    keep_freed_buffers()  # as millpond's processes do; the ceiling's (same processes) alike
     if args.serve:
         return serve(Path(args.serve), tables)
 

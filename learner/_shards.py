@@ -56,6 +56,7 @@ class ShardHandle:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ReplayStub | None = None
         self._raw_insert: grpc.StreamStreamMultiCallable | None = None
+        self._raw_sample: grpc.UnaryStreamMultiCallable | None = None
         self.down = False
         self.retry_at = 0.0
 
@@ -73,6 +74,11 @@ class ShardHandle:
                     request_serializer=None,
                     response_deserializer=pb.InsertResponse.FromString,
                 )
+                self._raw_sample = self._channel.unary_stream(
+                    "/millpond.v1.Replay/Sample",
+                    request_serializer=pb.SampleRequest.SerializeToString,
+                    response_deserializer=None,
+                )
                 self._stub = pb_grpc.ReplayStub(self._channel)
             return self._stub
 
@@ -82,6 +88,14 @@ class ShardHandle:
         :mod:`millpond.protos.wire`), creating the channel on first use."""
         self.stub  # noqa: B018  (creates the channel and this call with it)
         return self._raw_insert
+
+    @property
+    def raw_sample(self) -> grpc.UnaryStreamMultiCallable:
+        """``Sample`` answering with the responses' bytes (parse them with
+        :func:`millpond.protos.wire.parse_sample_response`), creating the channel on first
+        use."""
+        self.stub  # noqa: B018  (creates the channel and this call with it)
+        return self._raw_sample
 
     def mark_down(self) -> bool:
         """Record that the shard is unreachable; returns whether it was up until now."""

@@ -289,6 +289,8 @@ class SplitSampler:
                 self._masses.refresh(table, unknown)
                 continue
             masses = [self._masses.get(s, table) for s in live]
+            if len(live) == 1 and masses[0] > 0:  # what split_batch gives, without its cost
+                return [(live[0], n)]
             if sum(masses) > 0:
                 counts = split_batch(n, masses, self._rng)
                 return [(s, k) for s, k in zip(live, counts, strict=True) if k > 0]

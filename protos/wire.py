@@ -1,89 +1,49 @@
-"""Insert messages framed by hand: tensor bytes go from memory into the request, and come
-back out as views of it, without protobuf's copies.
+"""Insert and Sample messages framed by hand (:mod:`.framing`): tensor bytes go from
+memory into the message, and come back out as views of it, without protobuf's copies.
 
-An image-shaped insert moves megabytes per message. Built and parsed by protobuf, each
-byte is copied about four times on each side (the tensor's bytes, the message, the request,
-the serialization; then the parse, ``Tensor.data``, a writable buffer), and those copies,
-not the network, bound an insert. Here a writer encodes each ``PackedSegments`` straight
-from the tensors' memory (:func:`encode_packed`: one copy) and joins requests from those
-bytes (:func:`insert_request`: one more); the shard walks the framing itself
-(:func:`parse_insert_request`) and takes each tensor's data as a view of the request, which
-the table copies once, into its memory maps.
+An image-shaped insert or sample moves megabytes per message. A writer encodes each
+``PackedSegments`` straight from the tensors' memory (:func:`encode_packed`: one copy) and
+joins requests from those bytes (:func:`insert_request`: one more); the shard walks the
+framing itself (:func:`parse_insert_request`) and takes each tensor's data as a view of the
+request, which the table copies once, into its memory maps. A sample goes the other way:
+the shard joins the gathered rows into the response (:func:`encode_slot_sample`), and the
+client indexes ``obs`` and ``("next", obs)`` straight out of the received bytes
+(:func:`parse_sample_response`).
 
 The bytes are the protobuf encoding of the same messages, so any protobuf client or server
-reads them, and requests built either way mix freely on one stream. Only the tensors are
-parsed here; every other field goes through protobuf itself, and anything malformed is
-refused with :class:`~millpond.errors.InvalidDataError`.
+reads them, and messages built either way mix freely on one stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import struct
 from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
-import torch
-
-from millpond.errors import InvalidDataError
 from millpond.protos import millpond_pb2 as pb
-from millpond.protos.codec import tensor_payload
+from millpond.protos.framing import (
+    FIXED64,
+    LEN,
+    Piece,
+    TensorMapView,
+    TensorView,
+    fields,
+    message,
+    packed_ints,
+    parse_rest,
+    read_tensor,
+    read_tensor_map,
+    tag,
+    tensor,
+    tensor_map,
+    varint,
+)
+from millpond.sample_format import SlotSample
 from millpond.segments import PackedSegments
 from millpond.spec import Key
 
-_U64 = (1 << 64) - 1
-_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
 
-
-# -- encoding ------------------------------------------------------------------------------
-def _varint(value: int) -> bytes:
-    value &= _U64  # negative int64: ten bytes of two's complement, as protobuf writes them
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _tag(number: int, wire: int) -> bytes:
-    return _varint(number << 3 | wire)
-
-
-def _packed_ints(number: int, values: Sequence[int]) -> bytes:
-    if not values:
-        return b""
-    body = b"".join(_varint(v) for v in values)
-    return _tag(number, _LEN) + _varint(len(body)) + body
-
-
-def _string(number: int, text: str) -> bytes:
-    raw = text.encode()
-    return _tag(number, _LEN) + _varint(len(raw)) + raw
-
-
-def _tensor_map(
-    number: int,
-    tensors: Mapping[Key, torch.Tensor],
-    batch_size: Sequence[int],
-    compress_keys: frozenset[Key] | set[Key],
-) -> list[bytes | np.ndarray]:
-    """Field ``number`` holding a ``TensorMap``, as pieces to join: headers and the tensors'
-    own bytes (views where they can be)."""
-    pieces: list[bytes | np.ndarray] = [_packed_ints(1, batch_size)]
-    for key, value in tensors.items():
-        dtype, shape, data, compression = tensor_payload(value, key in compress_keys)
-        head = b"".join(_string(1, part) for part in key) + _string(2, dtype)
-        head += _packed_ints(3, shape)
-        n = len(data) if isinstance(data, bytes) else data.nbytes
-        if n:
-            head += _tag(4, _LEN) + _varint(n)
-        tail = _tag(5, _VARINT) + _varint(compression) if compression else b""
-        size = len(head) + n + len(tail)
-        pieces += [_tag(2, _LEN) + _varint(size) + head, data, tail]
-    size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
-    return [_tag(number, _LEN) + _varint(size), *pieces]
-
-
+# -- insert --------------------------------------------------------------------------------
 def encode_packed(
     packed: PackedSegments, compress_keys: frozenset[Key] | set[Key] = frozenset()
 ) -> bytes:
@@ -95,46 +55,25 @@ def encode_packed(
         first_steps=packed.first_steps.tolist(),
         lengths=packed.lengths.tolist(),
     ).SerializeToString()
-    pieces = [meta]
-    pieces += _tensor_map(5, packed.steps, [packed.num_steps], compress_keys)
-    pieces += _tensor_map(6, packed.tails, [len(packed)], compress_keys)
+    pieces: list[Piece] = [meta]
+    pieces += tensor_map(5, packed.steps, [packed.num_steps], compress_keys)
+    pieces += tensor_map(6, packed.tails, [len(packed)], compress_keys)
     if packed.frames:  # frame-stacked keys; their rows differ with their k: no batch
-        pieces += _tensor_map(7, packed.frames, [], compress_keys)
+        pieces += tensor_map(7, packed.frames, [], compress_keys)
     return b"".join(pieces)
 
 
 def insert_request(
-    writer_id: str, table: str, packed: Sequence[tuple[int, int, bytes]], timeout_ms: int = 0
+    writer_id: str, table: str, packed: list[tuple[int, int, bytes]], timeout_ms: int = 0
 ) -> bytes:
     """The bytes of an ``InsertRequest`` carrying ``packed``: ``(first sequence, segment
     count, bytes from encode_packed)`` each, numbered ``first, first + 1, ...``."""
     head = pb.InsertRequest(writer_id=writer_id, table=table, timeout_ms=timeout_ms)
     out = [head.SerializeToString()]
     for first, count, body in packed:
-        sequences = _packed_ints(1, range(first, first + count))
-        out += [_tag(5, _LEN), _varint(len(sequences) + len(body)), sequences, body]
+        sequences = packed_ints(1, range(first, first + count))
+        out += [tag(5, LEN), varint(len(sequences) + len(body)), sequences, body]
     return b"".join(out)
-
-
-# -- parsing -------------------------------------------------------------------------------
-@dataclass
-class TensorView:
-    """A ``pb.Tensor`` whose ``data`` is a view of the request (what
-    :func:`~millpond.protos.codec.proto_to_tensor` reads)."""
-
-    key: list[str] = field(default_factory=list)
-    dtype: str = ""
-    shape: list[int] = field(default_factory=list)
-    data: memoryview | bytes = b""
-    compression: int = 0
-
-
-@dataclass
-class TensorMapView:
-    """A ``pb.TensorMap`` of :class:`TensorView` tensors."""
-
-    batch_size: list[int] = field(default_factory=list)
-    tensors: list[TensorView] = field(default_factory=list)
 
 
 @dataclass
@@ -193,122 +132,118 @@ def parse_insert_request(buf: bytes) -> InsertView:
     rest: list[bytes] = []
     packed: list[PackedView] = []
     view = memoryview(buf)
-    for number, wire, first, start, stop in _fields(buf, 0, len(buf), "InsertRequest"):
-        if number == 5 and wire == _LEN:
+    for number, wire, first, start, stop in fields(buf, 0, len(buf), "InsertRequest"):
+        if number == 5 and wire == LEN:
             packed.append(_packed(buf, view, start, stop))
         else:
             rest.append(buf[first:stop])
-    return InsertView(_protobuf(pb.InsertRequest, rest, "InsertRequest"), packed)
+    return InsertView(parse_rest(pb.InsertRequest, rest, "InsertRequest"), packed)
 
 
 def _packed(buf: bytes, view: memoryview, start: int, stop: int) -> PackedView:
     rest: list[bytes] = []
     maps = {5: TensorMapView(), 6: TensorMapView(), 7: TensorMapView()}  # steps, tails, frames
-    for number, wire, first, s, e in _fields(buf, start, stop, "PackedSegments"):
-        if number in maps and wire == _LEN:
-            # a message field given twice merges, as protobuf does
-            _tensor_map_into(maps[number], buf, view, s, e)
+    for number, wire, first, s, e in fields(buf, start, stop, "PackedSegments"):
+        if number in maps and wire == LEN:
+            read_tensor_map(maps[number], buf, view, s, e)
         else:
             rest.append(buf[first:e])
     return PackedView(
-        _protobuf(pb.PackedSegments, rest, "PackedSegments"), maps[5], maps[6], maps[7]
+        parse_rest(pb.PackedSegments, rest, "PackedSegments"), maps[5], maps[6], maps[7]
     )
 
 
-def _tensor_map_into(out: TensorMapView, buf: bytes, view: memoryview, start: int, stop: int):
-    for number, wire, _, s, e in _fields(buf, start, stop, "TensorMap"):
-        if number == 1:
-            out.batch_size += _ints(buf, wire, s, e)
-        elif number == 2 and wire == _LEN:
-            out.tensors.append(_tensor(buf, view, s, e))
+# -- sample --------------------------------------------------------------------------------
+def encode_slot_sample(sample: SlotSample, mass: float, compress: bool = False) -> bytes:
+    """The bytes of a ``SampleResponse`` in the slot layout (what
+    :func:`~millpond.protos.codec.encode_slot_sample` builds with protobuf, with ``mass``):
+    the gathered rows are copied once, into the response."""
+    ted = sample.ted
+    steps = {
+        (k,) if isinstance(k, str) else tuple(k): v
+        for k, v in ted.items(include_nested=True, leaves_only=True)
+    }
+    observations = sample.observations
+    distinct = int(next(iter(observations.values())).shape[0]) if observations else 0
+    slot_part = tensor_map(
+        1, observations, [distinct], set(observations) if compress else frozenset()
+    )
+    slot_part += tensor(2, ("rows",), sample.rows)
+    slot_part += tensor(3, ("next_rows",), sample.next_rows)
+    pieces = tensor_map(1, steps, list(ted.batch_size))
+    pieces += [tag(4, FIXED64) + struct.pack("<d", mass)]
+    pieces += message(5, slot_part)
+    return b"".join(pieces)
 
 
-def _tensor(buf: bytes, view: memoryview, start: int, stop: int) -> TensorView:
-    t = TensorView()
-    for number, wire, _, s, e in _fields(buf, start, stop, "Tensor"):
-        if wire == _LEN and number in (1, 2):
-            try:
-                text = str(buf[s:e], "utf-8")
-            except UnicodeDecodeError:
-                raise InvalidDataError(
-                    "malformed Tensor: a string field is not valid UTF-8"
-                ) from None
-            if number == 1:
-                t.key.append(text)
-            else:
-                t.dtype = text
-        elif number == 3:
-            t.shape += _ints(buf, wire, s, e)
-        elif number == 4 and wire == _LEN:
-            t.data = view[s:e]
-        elif number == 5 and wire == _VARINT:
-            t.compression = _signed(s)
-    return t
+@dataclass
+class SlotObservationsView:
+    """A ``pb.SlotObservations`` of views."""
+
+    observations: TensorMapView = field(default_factory=TensorMapView)
+    rows: TensorView = field(default_factory=TensorView)
+    next_rows: TensorView = field(default_factory=TensorView)
 
 
-def _ints(buf: bytes, wire: int, start: int, stop: int) -> list[int]:
-    """A repeated int64 field's values: one varint (``start`` holds it) or a packed run."""
-    if wire == _VARINT:
-        return [_signed(start)]
-    if wire != _LEN:
-        return []  # another wire type: an unknown field to protobuf, skipped alike
-    values, pos = [], start
-    while pos < stop:
-        v, pos = _read_varint(buf, pos, stop, "packed integers")
-        values.append(_signed(v))
-    return values
+class SampleView:
+    """A ``pb.SampleResponse`` whose step keys and slot observations are views of the
+    received bytes; its other fields (colocated rows, the older form) parsed by protobuf."""
+
+    def __init__(
+        self,
+        rest: pb.SampleResponse,
+        batch: TensorMapView | None,
+        slot_observations: SlotObservationsView | None,
+    ) -> None:
+        self._rest = rest
+        self._batch = batch
+        self._slots = slot_observations
+
+    @property
+    def batch(self) -> TensorMapView | pb.TensorMap:
+        return self._rest.batch if self._batch is None else self._batch
+
+    @property
+    def slot_observations(self) -> SlotObservationsView | pb.SlotObservations:
+        return self._rest.slot_observations if self._slots is None else self._slots
+
+    def HasField(self, name: str) -> bool:  # protobuf's name
+        if name == "batch" and self._batch is not None:
+            return True
+        if name == "slot_observations" and self._slots is not None:
+            return True
+        return self._rest.HasField(name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rest, name)
 
 
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def _fields(buf: bytes, pos: int, end: int, what: str):
-    """``(number, wire type, first, start, stop)`` for each field in ``buf[pos:end]``: the
-    field's bytes are ``buf[first:stop]`` (tag included), its value's ``buf[start:stop]``
-    (a varint's value is ``start`` itself)."""
-    while pos < end:
-        first = pos
-        tag, pos = _read_varint(buf, pos, end, what)
-        number, wire = tag >> 3, tag & 7
-        if number == 0:
-            raise InvalidDataError(f"malformed {what}: field number 0")
-        if wire == _VARINT:
-            start, pos = _read_varint(buf, pos, end, what)
-        elif wire == _LEN:
-            n, pos = _read_varint(buf, pos, end, what)
-            if n > end - pos:
-                raise InvalidDataError(
-                    f"malformed {what}: a field of {n} bytes runs past the message's end"
-                )
-            start, pos = pos, pos + n
-        elif wire in (_FIXED64, _FIXED32):
-            start = pos
-            pos += 8 if wire == _FIXED64 else 4
-            if pos > end:
-                raise InvalidDataError(f"malformed {what}: a fixed-width field is cut short")
+def parse_sample_response(buf: bytes) -> SampleView:
+    """Parse the bytes of a ``SampleResponse``, its tensors as views of ``buf``."""
+    rest: list[bytes] = []
+    batch: TensorMapView | None = None
+    slots: SlotObservationsView | None = None
+    view = memoryview(buf)
+    for number, wire, first, start, stop in fields(buf, 0, len(buf), "SampleResponse"):
+        if number == 1 and wire == LEN:
+            batch = read_tensor_map(batch or TensorMapView(), buf, view, start, stop)
+        elif number == 5 and wire == LEN:
+            slots = _slot_observations(slots or SlotObservationsView(), buf, view, start, stop)
         else:
-            raise InvalidDataError(f"malformed {what}: wire type {wire} (groups) is not taken")
-        yield number, wire, first, start, pos
+            rest.append(buf[first:stop])
+    return SampleView(parse_rest(pb.SampleResponse, rest, "SampleResponse"), batch, slots)
 
 
-def _read_varint(buf: bytes, pos: int, end: int, what: str) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= end:
-            raise InvalidDataError(f"malformed {what}: a varint is cut short")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result & _U64, pos
-        shift += 7
-        if shift >= 70:
-            raise InvalidDataError(f"malformed {what}: a varint longer than ten bytes")
-
-
-def _protobuf(message: type, pieces: list[bytes], what: str):
-    try:
-        return message.FromString(b"".join(pieces))
-    except Exception as e:  # protobuf's DecodeError, or an invalid UTF-8 string
-        raise InvalidDataError(f"malformed {what}: {e}") from None
+def _slot_observations(
+    out: SlotObservationsView, buf: bytes, view: memoryview, start: int, stop: int
+) -> SlotObservationsView:
+    for number, wire, _, s, e in fields(buf, start, stop, "SlotObservations"):
+        if wire != LEN:
+            continue  # not a field of this message's: unknown, skipped
+        if number == 1:
+            read_tensor_map(out.observations, buf, view, s, e)
+        elif number == 2:
+            read_tensor(out.rows, buf, view, s, e)
+        elif number == 3:
+            read_tensor(out.next_rows, buf, view, s, e)
+    return out

@@ -137,19 +137,7 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
     servicer = ReplayServicer(
         shard, weights, limit, max_weights_bytes=config.max_weights_mb * 1024 * 1024
     )
-    pb_grpc.add_ReplayServicer_to_server(servicer, server)
-    # Insert takes its requests as bytes and parses them itself, its tensors as views of
-    # those bytes (protos/wire.py): protobuf's parse would copy every tensor three times.
-    server.add_registered_method_handlers(
-        SERVICE_NAME,
-        {
-            "Insert": grpc.stream_stream_rpc_method_handler(
-                servicer.Insert,
-                request_deserializer=None,
-                response_serializer=pb.InsertResponse.SerializeToString,
-            )
-        },
-    )
+    add_replay_servicer(server, servicer)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"
@@ -172,6 +160,35 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return ShardServer(server, port, shard, health_servicer), port
+
+
+def add_replay_servicer(server: grpc.Server, servicer: ReplayServicer) -> None:
+    """Register ``servicer`` on ``server``: the generated handlers, with Insert taking its
+    requests as bytes (parsed by the servicer, its tensors as views of those bytes) and
+    Sample sending bytes the servicer framed itself (:mod:`millpond.protos.wire`):
+    protobuf would copy every tensor three times more on each side."""
+    pb_grpc.add_ReplayServicer_to_server(servicer, server)
+    server.add_registered_method_handlers(
+        SERVICE_NAME,
+        {
+            "Insert": grpc.stream_stream_rpc_method_handler(
+                servicer.Insert,
+                request_deserializer=None,
+                response_serializer=pb.InsertResponse.SerializeToString,
+            ),
+            "Sample": grpc.unary_stream_rpc_method_handler(
+                servicer.Sample,
+                request_deserializer=pb.SampleRequest.FromString,
+                response_serializer=_bytes_or_message,
+            ),
+        },
+    )
+    servicer.framed_samples = True
+
+
+def _bytes_or_message(response: bytes | pb.SampleResponse) -> bytes:
+    """A Sample answer: bytes framed by the servicer as they are, a message serialized."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
 
 
 _PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.DOTALL)

@@ -195,6 +195,10 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         self.max_message_bytes = max_message_bytes
         self.max_weights_bytes = max_weights_bytes
         self.slot_samples = slot_samples
+        #: Answer Sample (slot layout) with bytes framed by hand, which only a server
+        #: registered by :func:`~millpond.service.server.add_replay_servicer` sends as
+        #: they are; the generated registration serializes messages.
+        self.framed_samples = False
         #: What Info reports as this shard's host (colocated readers compare it with theirs).
         self.host_id = host_id()
         self._locations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -344,8 +348,18 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 size = _size_bound(batch, [sampled.slots, sampled.generations, sampled.rows])
             elif isinstance(sampled, SlotSample):
                 batch = sampled.ted
-                response = codec.encode_slot_sample(sampled, compress=compress)
                 leaves = [*sampled.observations.values(), sampled.rows, sampled.next_rows]
+                if (
+                    self.framed_samples
+                    and _size_bound(batch, leaves) <= self.max_message_bytes
+                    and context.is_active()
+                ):
+                    # Framed by hand: the gathered rows are copied once, into the response
+                    # (server.py sends these bytes as they are).
+                    yield wire.encode_slot_sample(sampled, table.sampler.mass, compress)
+                    sent += 1
+                    continue
+                response = codec.encode_slot_sample(sampled, compress=compress)
                 size = _size_bound(batch, leaves)
             else:
                 batch = sampled

@@ -8,7 +8,7 @@ import torch
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import InvalidDataError
-from millpond.protos import codec, wire
+from millpond.protos import codec, framing, wire
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_to_proto
 from millpond.segments import PackedSegments, pack_columns
@@ -97,10 +97,10 @@ def test_a_field_given_twice_merges_as_in_protobuf():
     packed = _packed()
     msg = _protobuf_message(packed, set(), 1)
     tails = msg.tails.SerializeToString()
-    extra = b"\x32" + wire._varint(len(tails)) + tails  # the tails TensorMap again
+    extra = b"\x32" + framing.varint(len(tails)) + tails  # the tails TensorMap again
     raw = pb.InsertRequest(writer_id="w", table="t").SerializeToString()
     body = msg.SerializeToString() + extra
-    raw += b"\x2a" + wire._varint(len(body)) + body
+    raw += b"\x2a" + framing.varint(len(body)) + body
     want = pb.InsertRequest.FromString(raw).packed[0]
     got = wire.parse_insert_request(raw).packed[0]
     assert len(got.tails.tensors) == len(want.tails.tensors) == 2
@@ -170,3 +170,30 @@ def test_protobuf_built_requests_still_insert(served):
     stored = packed.steps[("pixels",)]
     for row in batch["pixels"]:
         assert any(torch.equal(row, s) for s in stored)
+
+
+def test_slot_sample_bytes_are_the_protobuf_message(make_table):
+    from millpond.testing import pattern_segment
+
+    table = make_table(TableConfig.uniform("pixels", 200, seed=3))
+    for episode in range(6):
+        seg = pattern_segment(episode, 0, 20, (2, 6, 6))
+        table.insert(seg.steps, seg.tail, episode_id=episode)
+    sample = table.sample_slots(32)
+    for compress in (False, True):
+        want = codec.encode_slot_sample(sample, compress=compress)
+        want.mass = 12.5
+        raw = wire.encode_slot_sample(sample, 12.5, compress)
+        assert pb.SampleResponse.FromString(raw) == want
+        view = wire.parse_sample_response(raw)
+        assert view.mass == 12.5 and view.HasField("slot_observations")
+        got, expected = codec.decode_sample(view), codec.decode_sample(want)
+        for key, value in expected.items(include_nested=True, leaves_only=True):
+            assert torch.equal(got.get(key), value), key
+
+
+def test_malformed_sample_bytes_are_refused_by_name():
+    with pytest.raises(InvalidDataError, match="malformed SampleResponse"):
+        wire.parse_sample_response(b"\x0a\x09\x0a")
+    with pytest.raises(InvalidDataError, match="malformed Tensor"):
+        wire.parse_sample_response(b"\x2a\x04\x12\x02\x0a\xff")  # slot rows: a bad key
