@@ -89,7 +89,10 @@ def test_real_frames_reach_a_table_exactly(make_table, tmp_path, restore_threads
     assert config.policy == f"millpond.learner.networks:{policy}"
     assert len(config.env_wrappers) == 2
     num_envs, chunk_len, chunks, seed = 2, 48, 3, 5
-    table = make_table(TableConfig.uniform("atari", capacity=1024))
+    # the config's table declaration: each frame of the stacks stored once
+    stacks = load_config(CONFIGS / name).replay.table_config().frame_stacks
+    assert stacks == {("observation",): 4}
+    table = make_table(TableConfig.uniform("atari", capacity=1024, frame_stacks=stacks))
     collector = Collector(
         config.env,
         TableSink(table),
