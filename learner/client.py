@@ -212,7 +212,9 @@ class ReplayClient:
         ``"error"`` (``None``, or why the shard gave nothing) and, when it answered, its
         ``"weights_version"`` and :func:`millpond.protos.tables.info_from_proto`'s keys
         (``"config"``, ``"size"``, ``"mass"``, ``"inserts"``, ``"samples"``,
-        ``"rate_limiter"``, ``"bytes_on_disk"``, ``"next_generation"``, ...).
+        ``"rate_limiter"``, ``"bytes_on_disk"``, ``"next_generation"``, and ``"host_id"``,
+        ``"storage_dir"``, ``"storage_token"``: where a learner on the shard's host reads
+        the table's files, see ``colocated``, ...).
 
         Without: ``{"tables": {name: the dict above}, "shards": [...], "weights_version"}``,
         the per-shard entries listing their ``"tables"`` (names).
