@@ -1,7 +1,7 @@
 """Colocated sampling, Atari-shaped: the wire, the colocated read, and a bare memory-map
 gather of the same rows, in one run.
 
-One server process fills a shard with Atari-shaped steps (``uint8[4, 84, 84]`` observations,
+One ``millpond serve``-like server process fills a shard with Atari-shaped steps (``uint8[4, 84, 84]`` observations,
 as :mod:`wire_sample` does) and serves it on loopback. The client process calls
 ``ReplayClient.sample(table, B)`` with ``colocated=False`` (observations on the wire) and
 ``colocated=True`` (the shard sends the sampled slots, the client reads the rows from the
@@ -29,33 +29,22 @@ import time
 from pathlib import Path
 
 import numpy as np
-from wire_sample import OBS_SHAPE, _fill, _options, _pct
+from wire_sample import OBS_SHAPE, _fill, _pct
 
 MiB = 1 << 20
 TABLE = "uniform"
 
 
 def serve(root: Path) -> int:
-    """``--serve``: one millpond server over a filled shard, until stdin closes."""
-    from concurrent import futures
+    """``--serve``: one shard server (as ``millpond serve`` runs it) over a filled shard,
+    until stdin closes."""
+    from millpond.service.server import ServerConfig, create_server
 
-    import grpc
-
-    from millpond.protos import millpond_pb2_grpc as pb_grpc
-    from millpond.service.servicer import ReplayServicer
-    from millpond.service.shard import Shard
-    from millpond.service.weights import WeightStore
-
-    shard = Shard(root / "shard")
-    _fill(shard, [TABLE])
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_options())
-    servicer = ReplayServicer(shard, WeightStore(root / "weights"), 256 * MiB)
-    pb_grpc.add_ReplayServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = create_server(ServerConfig(dir=str(root / "shard")))
+    _fill(server.shard, [TABLE])
     print("PORT", port, flush=True)
     sys.stdin.read()
-    server.stop(0)
+    server.server.stop(0)
     return 0
 
 
@@ -108,9 +97,12 @@ def main() -> int:
 def _measure(args, port: int) -> list[list[str]]:
     import json
 
+    import grpc
     import torch
 
     from millpond import ReplayClient
+    from millpond.protos import millpond_pb2 as pb
+    from millpond.protos import millpond_pb2_grpc as pb_grpc
     from millpond.storage_format import COLUMN_INDEX, COLUMNS_DIR
 
     address = f"127.0.0.1:{port}"
@@ -142,6 +134,11 @@ def _measure(args, port: int) -> list[list[str]]:
         nxt = torch.from_numpy(np.take(column, slots + 1, axis=0))
         return obs, nxt
 
+    # The colocated request alone (the shard samples, counts and answers; nothing is read),
+    # on a channel like the client's own for it: the floor under a colocated call.
+    channel = grpc.insecure_channel(address, options=[("SingleThreadedUnaryStream", 1)])
+    stub = pb_grpc.ReplayStub(channel)
+    request = pb.SampleRequest(table=TABLE, batch_size=args.batch, num_batches=1, colocated=True)
     streams = {
         "wire": wire.iterate(TABLE, args.batch, prefetch=args.prefetch, timeout_s=30),
         "colocated": colocated.iterate(TABLE, args.batch, prefetch=args.prefetch, timeout_s=30),
@@ -152,6 +149,7 @@ def _measure(args, port: int) -> list[list[str]]:
         f"wire, iterate (prefetch {args.prefetch})": lambda: next(streams["wire"]),
         f"colocated, iterate (prefetch {args.prefetch})": lambda: next(streams["colocated"]),
         "bare memmap gather, same rows": bare,
+        "colocated request alone (no read)": lambda: list(stub.Sample(request)),
     }
     for _ in range(max(3, args.calls)):  # warm-up: page cache, channels, readers
         for fn in list(systems.values())[:4]:
@@ -169,6 +167,7 @@ def _measure(args, port: int) -> list[list[str]]:
             wall[name] += time.perf_counter() - start
     for stream in streams.values():
         stream.close()
+    channel.close()
     wire.close()
     colocated.close()
     calls = args.reps * args.calls
