@@ -211,9 +211,8 @@ class ColocatedReader:
             # allocator hand their pages back and fault them in again on every batch.
             both = np.empty((2, len(at), self._rows[key].shape[1]), dtype=np.uint8)
             for i, (out, where) in enumerate(((obs, at), (nxt, at_next))):
-                # One memcpy per row (torch's index kernels move one element at a time);
-                # "clip" copies straight into ``out`` ("raise" goes through a temporary),
-                # and the slots were checked above.
+                # "clip" copies straight into the buffer ("raise" goes through a
+                # temporary); the slots were checked above.
                 np.take(self._rows[key], where.numpy(), axis=0, out=both[i], mode="clip")
                 values = torch.from_numpy(both[i]).view(col.dtype)
                 out[key] = values.reshape(*shape, *feature)
