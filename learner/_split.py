@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -29,6 +29,8 @@ from millpond.learner._shards import ShardHandle, ShardSet
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import wire
 from millpond.protos.codec import decode_sample
+
+T = TypeVar("T")
 
 #: Extra seconds a call's gRPC deadline allows beyond the wait the server is asked to honour.
 DEADLINE_SLACK_S = 10.0
@@ -143,18 +145,7 @@ class SplitSampler:
     ) -> TensorDict:
         """One shard's part; a shard busy with streams is asked again, with backoff, while
         the wait lasts (it refuses at once, to keep threads for probes)."""
-        deadline = None if wait is None else time.monotonic() + wait
-        backoff = BUSY_BACKOFF_INITIAL_S
-        while True:
-            try:
-                return self._sample_once(shard, table, n, wait, calls)
-            except ShardBusyError:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= backoff:
-                    raise
-                time.sleep(backoff)
-                backoff = min(BUSY_BACKOFF_MAX_S, backoff * 2)
-                wait = None if deadline is None else deadline - time.monotonic()
+        return _while_busy(lambda w: self._sample_once(shard, table, n, w, calls), wait)
 
     def _sample_once(
         self, shard: ShardHandle, table: str, n: int, wait: float | None, calls: CallSet
@@ -184,14 +175,23 @@ class SplitSampler:
         reader = self._colocation.reader(shard, table, response.colocated_rows.storage_token)
         if reader is None:
             n = int(response.batch.batch_size[0]) if response.batch.batch_size else 0
-            return decode_sample(self._call(shard, table, n, wait, calls, redraw=True))
+            redrawn = _while_busy(
+                lambda w: self._call(shard, table, n, w, calls, redraw=True), wait
+            )
+            return decode_sample(redrawn)
         td, stale = decode_colocated(response, reader)
         for attempt in range(COLOCATED_REDRAWS + 1):
             if not len(stale):
                 break
             colocated = attempt < COLOCATED_REDRAWS
-            again = self._call(
-                shard, table, len(stale), wait, calls, colocated=colocated, redraw=True
+            k = len(stale)
+            # Busy: asked again, not given up (the whole part would then be drawn and
+            # counted a second time).
+            again = _while_busy(
+                lambda w, k=k, c=colocated: self._call(
+                    shard, table, k, w, calls, colocated=c, redraw=True
+                ),
+                wait,
             )
             if again.HasField("colocated_rows"):
                 part, part_stale = decode_colocated(again, reader)
@@ -303,3 +303,20 @@ class SplitSampler:
                 delay = min(0.2, delay * 2)
             self._masses.refresh(table, live)
             refreshed = True
+
+
+def _while_busy(attempt: Callable[[float | None], T], wait: float | None) -> T:
+    """``attempt(wait left)``, asked again with backoff while the shard refuses it as busy
+    and the wait lasts."""
+    deadline = None if wait is None else time.monotonic() + wait
+    backoff = BUSY_BACKOFF_INITIAL_S
+    while True:
+        try:
+            return attempt(wait)
+        except ShardBusyError:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= backoff:
+                raise
+            time.sleep(backoff)
+            backoff = min(BUSY_BACKOFF_MAX_S, backoff * 2)
+            wait = None if deadline is None else deadline - time.monotonic()

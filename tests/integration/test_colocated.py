@@ -176,18 +176,30 @@ def _ensure_token(table) -> str:
     return storage_identity(directory)
 
 
-def test_rows_overwritten_while_read_are_redrawn(server1, table_name, monkeypatch):
-    """Every read is preceded by a writer overwriting the whole ring: each time, the rows
-    read are stale, and the client redraws them (from the files, then on the wire)."""
+@pytest.mark.parametrize(
+    ("kind", "overwritten"),
+    [("uniform", 2), ("prioritized", 2), ("slices", 2), ("uniform", 99), ("slices", 99)],
+)
+def test_rows_overwritten_while_read_are_redrawn(
+    server1, table_name, monkeypatch, kind, overwritten
+):
+    """The first ``overwritten`` reads are preceded by a writer overwriting the ring: the rows
+    they read are stale, and the client draws them again, from the files up to three times,
+    then on the wire."""
     name = table_name
+    config = {
+        "uniform": TableConfig.uniform(name, capacity=200, seed=5),
+        "prioritized": TableConfig.prioritized(name, capacity=200, seed=5),
+        "slices": TableConfig.slices(name, capacity=200, slice_len=3, seed=5),
+    }[kind]
     with ReplayClient(server1.address, colocated=True) as client:
-        client.create_table(TableConfig.uniform(name, capacity=200, seed=5))
+        client.create_table(config)
         writer = client.writer(name, f"{name}-w")
         episode = [0]
 
-        def overwrite() -> None:
-            segs = _segments(14, first_episode=episode[0])
-            episode[0] += 14
+        def overwrite() -> None:  # more slots than the ring holds
+            segs = _segments(20, first_episode=episode[0])
+            episode[0] += 20
             writer.write_segments(segs)
             writer.flush()
 
@@ -196,7 +208,7 @@ def test_rows_overwritten_while_read_are_redrawn(server1, table_name, monkeypatc
         reads = {"n": 0, "stale": 0}
 
         def read(self, slots, generations, rows, next_rows):
-            if reads["n"] < 2:  # the first read and the first redraw find everything gone
+            if reads["n"] < overwritten:
                 overwrite()
             reads["n"] += 1
             out = real_read(self, slots, generations, rows, next_rows)
@@ -205,11 +217,11 @@ def test_rows_overwritten_while_read_are_redrawn(server1, table_name, monkeypatc
 
         monkeypatch.setattr(ColocatedReader, "read", read)
         before = client.info(name)["samples"]
-        batch = client.sample(name, 24)
+        batch = client.sample(name, 8)
         _check_pattern(batch)
-        assert reads["stale"] > 0 and reads["n"] == 3
-        # Redraws replace rows of a counted batch: the rate limiter counted 24 steps.
-        assert client.info(name)["samples"] - before == 24
+        assert reads["stale"] > 0 and reads["n"] == min(overwritten + 1, 4)
+        # Redraws replace rows of a counted batch: the rate limiter counted its steps once.
+        assert client.info(name)["samples"] - before == batch.numel()
         writer.close()
 
 
