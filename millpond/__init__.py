@@ -24,6 +24,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "service")) and _os.path.isfile
 ):
     __path__.append(_checkout)
 
+from millpond.colocated import ColocationError
 from millpond.config import TableConfig
 from millpond.errors import (
     AuthenticationError,
@@ -55,6 +56,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthenticationError",
     "ClosedError",
+    "ColocationError",
     "DeadlineExceededError",
     "FieldSpec",
     "InvalidConfigError",
