@@ -6,7 +6,8 @@ sample time, so learners receive TorchRL-style TED TensorDicts.
 
 This package is the ground floor: the vocabulary every side shares, in modules that import
 nothing else of millpond (:mod:`.errors`, :mod:`.spec`, :mod:`.config`, :mod:`.segments`,
-:mod:`.ted`, :mod:`.segmenting`, :mod:`.sample_format`, :mod:`.routing`). The
+:mod:`.ted`, :mod:`.segmenting`, :mod:`.sample_format`, :mod:`.routing`,
+:mod:`.storage_format`, :mod:`.colocated`). The
 subpackages stand on it (``docs/architecture.md``); this ``__init__`` re-exports the public
 names, and :mod:`.cli` and :mod:`.testing` sit on top of everything.
 """
