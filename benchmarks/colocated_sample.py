@@ -55,6 +55,12 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=30, help="calls per system per repetition")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the client")
     parser.add_argument("--prefetch", type=int, default=4, help="iterate's requests in flight")
+    parser.add_argument(
+        "--keep-freed-buffers",
+        action="store_true",
+        help="the client keeps freed buffers for reuse, as millpond's learners do "
+        "(millpond.allocator); by default glibc's thresholds stay as they are",
+    )
     parser.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -66,6 +72,10 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.keep_freed_buffers:
+        from millpond.allocator import keep_freed_buffers
+
+        keep_freed_buffers()
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", tmp],
@@ -83,7 +93,8 @@ def main() -> int:
     load = os.getloadavg()
     print(
         f"\n{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__},"
-        f" grpcio {grpc.__version__}, {args.threads} torch thread(s); load average "
+        f" grpcio {grpc.__version__}, {args.threads} torch thread(s), "
+        f"{'freed buffers kept' if args.keep_freed_buffers else 'default allocator'}; load average "
         f"{load[0]:.1f}; batch {args.batch} steps of uint8{list(OBS_SHAPE)} with next "
         f"observations; {args.reps} reps x {args.calls} calls\n"
     )

@@ -10,7 +10,7 @@ from the others when it goes down meanwhile, and concatenates the parts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -125,6 +125,75 @@ class SplitSampler:
             calls.release()
         batches = [td for index in sorted(parts) for td in parts[index]]
         return batches[0] if len(batches) == 1 else torch.cat(batches, dim=0)
+
+    def stream(
+        self, table: str, batch_size: int, prefetch: int, timeout: float | None
+    ) -> Iterator[TensorDict] | None:
+        """Batches of a table held by this client's only shard, read from the table's files
+        on this host and asked ``prefetch`` at a time in one call (what a prefetching
+        iterator keeps in flight, without a call per batch); ``None`` where that shard's
+        table is not read colocated (then :meth:`sample` serves)."""
+        shards = self._set.shards
+        if len(shards) != 1 or shards[0].down:
+            return None
+        shard = shards[0]
+        if not self._masses.known(shard, table):
+            self._masses.refresh(table, [shard])
+        if not self._colocation.wanted(shard, table):
+            return None
+        return self._stream(shard, table, batch_size, prefetch, timeout)
+
+    def _stream(
+        self, shard: ShardHandle, table: str, n: int, prefetch: int, timeout: float | None
+    ) -> Iterator[TensorDict]:
+        calls = CallSet()
+        backoff = BUSY_BACKOFF_INITIAL_S
+        # Each batch may wait ``timeout`` for the rate limiter; the call, for all of them.
+        deadline = None if timeout is None else prefetch * timeout + DEADLINE_SLACK_S
+        request = pb.SampleRequest(
+            table=table,
+            batch_size=n,
+            num_batches=prefetch,
+            timeout_ms=0 if timeout is None else max(1, int(timeout * 1000)),
+            colocated=True,
+        )
+        try:
+            while True:
+                call = self._colocation.stub(shard).Sample(
+                    request, timeout=deadline, metadata=self._set.metadata
+                )
+                if not calls.add(call):
+                    return
+                received = 0
+                try:
+                    for response in call:
+                        received += 1
+                        self._masses.set_mass(shard, table, response.mass)
+                        if response.HasField("colocated_rows"):
+                            td = self._read_colocated(shard, table, response, timeout, calls)
+                        else:
+                            td = decode_sample(response)
+                        slots = td.get(("index", "slot"))
+                        td.set(("index", "shard"), torch.full_like(slots, shard.index))
+                        yield td
+                except grpc.RpcError as err:
+                    if calls.cancelled:
+                        return
+                    error = from_rpc_error(err, shard.address)
+                    if is_connect_failure(err):
+                        self._set.note_down(shard, error)
+                    if isinstance(error, ShardBusyError) and not received:
+                        time.sleep(backoff)  # refused at once: asked again, as sample does
+                        backoff = min(BUSY_BACKOFF_MAX_S, backoff * 2)
+                        continue
+                    raise error from err
+                finally:
+                    call.cancel()  # the iterator closed mid-call: the shard stops sampling
+                    calls.discard(call)
+                self._set.note_up(shard)
+                backoff = BUSY_BACKOFF_INITIAL_S
+        finally:
+            calls.cancel()
 
     @staticmethod
     def _inline(fn: Callable[..., TensorDict], *args: Any) -> Future[TensorDict]:

@@ -376,7 +376,8 @@ class ReplayClient:
         """Sample batches forever, keeping ``prefetch`` requests in flight; yields in order.
 
         Closing the generator (``break`` out of the loop, ``close()``) cancels what is in
-        flight and joins its threads. For queue tables the requests run one after another,
+        flight and joins its threads. A table of a client's only shard that is read from its
+        files on this host (``colocated``) is asked ``prefetch`` batches per call instead. For queue tables the requests run one after another,
         so batches come in the queue's order. Errors of :meth:`sample` are raised here.
         """
         _check_table(table)
@@ -395,6 +396,10 @@ class ReplayClient:
             self._masses.refresh(table, [s for s in self._set.shards if not s.down])
             config = self._masses.configs.get(table)
         in_order = config is not None and config.sampler == "queue"
+        streamed = None if in_order else self._sampler.stream(table, batch_size, prefetch, timeout)
+        if streamed is not None:
+            yield from streamed
+            return
         calls = CallSet()
         pool = ThreadPoolExecutor(
             max_workers=1 if in_order else prefetch, thread_name_prefix="millpond-prefetch"

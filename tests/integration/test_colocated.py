@@ -338,3 +338,30 @@ def test_info_reports_where_the_table_is_stored(server1, table_name):
         assert shard["storage_token"] == storage_identity(shard["storage_dir"])
         assert shard["host_id"]
         assert np.all(np.array([c != "" for c in shard["host_id"].split("/")]))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized", "slices"])
+def test_iterate_streams_the_batches_sample_would_draw(server1, table_name, kind):
+    """A colocated iterator of a one-shard client asks several batches per call: the same
+    batches, in the same order, as one wire sample after another on a same-seeded table."""
+    segments = _segments(30)
+    batches = {}
+    for mode in (False, True):
+        name = f"{table_name}-{mode}"
+        with ReplayClient(server1.address, colocated=mode) as client:
+            client.create_table(CONFIGS[kind](name))
+            _fill(client, name, segments)
+            if mode:
+                stream = client.iterate(name, 16, prefetch=3)
+                batches[mode] = [next(stream) for _ in range(7)]
+                stream.close()
+                assert client._sampler._colocation._readers
+                info = client.info(name)
+                # 7 delivered, and at most the rest of the last call's 3 were drawn.
+                steps = batches[mode][0].numel()
+                assert 7 * steps <= info["samples"] <= 9 * steps
+            else:
+                batches[mode] = [client.sample(name, 16) for _ in range(7)]
+    for i, (got, expected) in enumerate(zip(batches[True], batches[False], strict=True)):
+        _assert_same(got, expected, f"batch {i}")
+        _check_pattern(got)
