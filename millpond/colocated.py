@@ -116,6 +116,11 @@ class ColocatedReader:
         if not self.directory.is_dir():
             raise ColocationError(f"storage directory {self.directory} is not on this host")
         found = storage_identity(self.directory)
+        if found is None:
+            raise ColocationError(
+                f"cannot read the storage token and files of {self.directory} here (no token, "
+                "or no permission to read them)"
+            )
         if found != token:
             raise ColocationError(
                 f"storage directory {self.directory} holds another table's files (storage "
