@@ -10,6 +10,7 @@ reason (``colocated=True``).
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -365,3 +366,26 @@ def test_iterate_streams_the_batches_sample_would_draw(server1, table_name, kind
     for i, (got, expected) in enumerate(zip(batches[True], batches[False], strict=True)):
         _assert_same(got, expected, f"batch {i}")
         _check_pattern(got)
+
+
+def test_a_directory_that_is_not_here_falls_back_to_the_wire(server_process, table_name):
+    """The shard's directory path names nothing on this side (another mount namespace, say):
+    the automatic client samples on the wire, ``colocated=True`` says why not."""
+    server = server_process()
+    with ReplayClient(server.address) as setup:
+        setup.create_table(TableConfig.uniform(table_name, capacity=1_000, seed=4))
+        _fill(setup, table_name, _segments(10))
+        directory = _storage_dir(setup, table_name)
+    moved = directory + "-elsewhere"
+    os.rename(directory, moved)  # the shard keeps its maps and descriptors
+    try:
+        with ReplayClient(server.address) as auto:
+            _check_pattern(auto.sample(table_name, 16))
+            assert not auto._sampler._colocation._readers
+        with (
+            ReplayClient(server.address, colocated=True) as strict,
+            pytest.raises(ColocationError, match=f"{table_name}.*not on this host"),
+        ):
+            strict.sample(table_name, 16)
+    finally:
+        os.rename(moved, directory)
