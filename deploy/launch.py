@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import yaml
 
+from millpond.allocator import keep_freed_buffers
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.errors import (
@@ -80,6 +81,7 @@ class Launch:
         self.run_dir = Path(run_dir or Path(config.run.dir) / f"{config.name}-{stamp}")
         self.out = out or sys.stdout
         self._started_ray = False
+        self._ray_info: dict[str, Any] = {}  # the cluster the job ran on
         self.network: str | None = None  # the learner's network family, once chosen
         self._shards: list[Any] = []
         self._fleet: Any = None
@@ -154,7 +156,9 @@ class Launch:
         torch.set_num_threads(c.learner.threads)
         if not ray.is_initialized():
             ray.init(
-                address=c.ray.address,
+                # "local" and not None: None joins whatever RAY_ADDRESS or the last `ray start`
+                # on this machine names, and a job must join a cluster only when told to.
+                address=c.ray.address or "local",
                 num_cpus=c.ray.num_cpus if c.ray.address is None else None,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
@@ -163,6 +167,7 @@ class Launch:
             self._started_ray = True
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, _raise_stop)  # ray.init installs its own
+        self._ray_info = {"gcs_address": ray.get_runtime_context().gcs_address}
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         addresses = self.replay or self._start_shards()
         admin_token, writer_token = c.replay.tokens()
@@ -504,6 +509,7 @@ class Launch:
             "learner_update_s": round(self._timing["learn_s"], 2),
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint else None,
+            "ray": self._ray_info,
         }
 
     def _say(self, line: str) -> None:
@@ -540,6 +546,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
+    keep_freed_buffers()  # the learner runs here: its batches are message-sized buffers
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"ray.address={args.address}")

@@ -263,8 +263,9 @@ class RaySection:
     """Where the job runs.
 
     Attributes:
-        address: ``None`` starts a local Ray instance; ``"auto"`` or ``"ray://host:port"``
-            joins a cluster.
+        address: ``None`` starts a local Ray instance of the job's own, even when another
+            Ray cluster runs on this machine (``RAY_ADDRESS`` and ``ray start`` are not
+            followed); ``"auto"`` or ``"ray://host:port"`` joins a cluster.
         num_cpus: CPUs of the local instance; ``None``: all of this machine's.
     """
 

@@ -1,5 +1,6 @@
 """`millpond launch` end to end: the real CLI, a local Ray instance, real shards and actors."""
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -213,3 +214,69 @@ def test_shards_the_job_starts_require_the_token_file_too(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, out[-3000:]
+
+
+@pytest.fixture
+def other_ray_cluster():
+    """A Ray head of its own on this machine (``ray start --block``), its address; stopped
+    with its whole process group afterwards."""
+    import os
+    import shutil
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # A short temp dir of its own: Ray's socket paths must stay short, and other Ray users on
+    # this machine must not find this head as "the last cluster started".
+    temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")
+    ray_cli = Path(sys.executable).parent / "ray"
+    proc = subprocess.Popen(
+        [
+            *(str(ray_cli), "start", "--head", f"--port={port}", "--num-cpus=1", "--block"),
+            *("--include-dashboard=false", f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the GCS listens once the head is up
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.connect(("127.0.0.1", port))
+                break
+            assert proc.poll() is None, "ray start failed"
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 30)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)  # the head's GCS and raylet are in its group
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait_s)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_without_address_the_job_starts_its_own_ray_even_beside_another_cluster(
+    tmp_path, other_ray_cluster
+):
+    import os
+
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            *(*millpond_command(), "launch", str(PPO), *SMALL, "--set", "run.frames=2000"),
+            *("--run-dir", str(run_dir)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "RAY_ADDRESS": other_ray_cluster},  # what `ray.init()` would join
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ray"]["gcs_address"], summary
+    assert summary["ray"]["gcs_address"] != other_ray_cluster
