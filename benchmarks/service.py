@@ -589,7 +589,9 @@ class MillpondRunner(Runner):
         self.server = server
         self.shards = shards
         self.label = f"millpond, {shards} shard(s)"
-        self.client = ReplayClient(server.addresses, timeout_s=300)
+        # The wire, as a learner on another host samples: the same host would read the
+        # rows from the table's files (colocated sampling; benchmarks/colocated_sample.py).
+        self.client = ReplayClient(server.addresses, timeout_s=300, colocated=False)
         self.passes = 0
 
     def setup(self, wl: Workload) -> None:

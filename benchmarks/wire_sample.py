@@ -155,6 +155,9 @@ def main() -> int:
 
     keep_freed_buffers()  # as millpond's processes do; the ceiling's (same processes) alike
     if args.serve:
+        from millpond.service.server import tune_shard_process
+
+        tune_shard_process()  # as `millpond serve` does
         return serve(Path(args.serve), tables)
 
     import tempfile

@@ -8,7 +8,7 @@ reach it over gRPC at the address the actor reports.
 
 from __future__ import annotations
 
-from millpond.service.server import ServerConfig, create_server
+from millpond.service.server import ServerConfig, create_server, tune_shard_process
 
 __all__ = ["ReplayShardActor"]
 
@@ -23,6 +23,7 @@ class ReplayShardActor:
     """
 
     def __init__(self, config: ServerConfig, advertise_host: str | None = None) -> None:
+        tune_shard_process()  # this actor's process serves only its shard
         self._server, port = create_server(config)
         host = advertise_host
         if host is None:

