@@ -57,6 +57,7 @@ from torch import nn
 
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner import distributed
 from millpond.learner._common import published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import n_step_return
@@ -153,6 +154,11 @@ class DQNLearner:
         version: the last published weight version; every publication takes the next
             one. ``None``: the version the server holds now (``-1`` if none), so a restarted
             learner goes on counting.
+        data_parallel: train as one rank of the initialised ``torch.distributed`` group
+            (:mod:`millpond.learner.distributed`): every rank samples its own batch, the
+            ranks' gradients are averaged before each step (so a step trains on the ranks'
+            batches together), each rank updates the priorities of what it sampled, and
+            rank 0 alone publishes. The network should start equal on every rank.
 
     Attributes:
         q_network: the online network.
@@ -170,6 +176,7 @@ class DQNLearner:
         q_network: nn.Module,
         *,
         version: int | None = None,
+        data_parallel: bool = False,
     ) -> None:
         if not isinstance(config, DQNConfig):
             raise InvalidConfigError(f"config must be a DQNConfig, received {config!r}")
@@ -189,6 +196,8 @@ class DQNLearner:
         self.version = published_version(client) if version is None else version
         params = list(q_network.parameters())
         self.device = params[0].device if params else torch.device("cpu")
+        self.data_parallel = data_parallel
+        self._turn = distributed.BatchTurn(data_parallel, self.device)
 
     # -- the update ----------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -202,7 +211,7 @@ class DQNLearner:
         """
         c = self.config
         started = time.perf_counter()
-        batch = self._next_batch()
+        batch = self._turn.take(self._next_batch)
         sampled = time.perf_counter()
         metrics: dict[str, Any] = {}
         if "policy_version" in batch:
@@ -214,6 +223,8 @@ class DQNLearner:
         loss, td_error, q_value = self.loss(batch)
         self.optimizer.zero_grad()
         loss.backward()
+        if self.data_parallel:
+            distributed.average_gradients(self.q_network.parameters(), batch.shape[0])
         if c.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.q_network.parameters(), c.max_grad_norm)
         self.optimizer.step()
@@ -336,8 +347,12 @@ class DQNLearner:
         """Publish the online network's weights as version :attr:`version` ``+ 1``; returns it.
 
         :meth:`step` calls it every ``publish_every`` steps. Call it once before the actors
-        start, so that they act with the learner's initial weights.
+        start, so that they act with the learner's initial weights. Data-parallel ranks other
+        than 0 take the next version without sending anything.
         """
+        if self.data_parallel and distributed.rank() != 0:
+            self.version += 1
+            return self.version
         state = {k: v.detach().cpu() for k, v in self.q_network.state_dict().items()}
         self.version = self.client.publish_weights(state, self.version + 1)
         return self.version

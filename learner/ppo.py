@@ -23,6 +23,13 @@ under the factory name ``"millpond.learner.networks:mlp_policy"``): it maps the 
 tensor to logits over a ``Discrete(n)`` action space (start 0), returning a tensor or a
 mapping with ``"logits"``. The critic maps observations to ``V(s)``, ``[..., 1]``.
 
+Data-parallel: with ``data_parallel=True`` in an initialised ``torch.distributed`` group
+(:mod:`millpond.learner.distributed`), every rank runs this learner on batches of its own
+from the same queue; each minibatch step averages the ranks' gradients weighted by their
+rows, every rank takes the same number of minibatch steps (the most any rank's batch
+needs; smaller batches are split into as many smaller parts), and rank 0 alone publishes.
+Advantages are standardised per rank.
+
 A minimal loop::
 
     client = ReplayClient("127.0.0.1:50051")
@@ -46,6 +53,7 @@ from torch import nn
 
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner import distributed
 from millpond.learner._common import published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import gae_from_batch
@@ -128,6 +136,8 @@ class PPOLearner:
         version: the last published weight version; every publication takes the next
             one. ``None``: the version the server holds now (``-1`` if none), so a restarted
             learner goes on counting.
+        data_parallel: train as one rank of the initialised ``torch.distributed`` group
+            (see the module docstring); the modules should start equal on every rank.
 
     Attributes:
         version: the last published version: the learner's policy, as far as actors know it.
@@ -144,6 +154,7 @@ class PPOLearner:
         critic: nn.Module,
         *,
         version: int | None = None,
+        data_parallel: bool = False,
     ) -> None:
         if not isinstance(config, PPOConfig):
             raise InvalidConfigError(f"config must be a PPOConfig, received {config!r}")
@@ -161,6 +172,8 @@ class PPOLearner:
         params = list({id(p): p for p in [*policy.parameters(), *critic.parameters()]}.values())
         self.optimizer = torch.optim.Adam(params, lr=config.lr, eps=1e-5)
         self.device = params[0].device if params else torch.device("cpu")
+        self.data_parallel = data_parallel
+        self._turn = distributed.BatchTurn(data_parallel, self.device)
 
     # -- the iteration -------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -176,14 +189,22 @@ class PPOLearner:
         """
         c = self.config
         started = time.perf_counter()
-        batch = self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
+        batch = self._turn.take(
+            lambda: self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
+        )
         sampled = time.perf_counter()
         batch, metrics = self.drop_stale(batch)
         metrics["sample_s"] = sampled - started
-        if batch.shape[0] == 0:
+        rows = batch.shape[0] > 0
+        if not (distributed.any_true(rows, self.device) if self.data_parallel else rows):
             metrics.update(version=self.version, update_s=0.0)
             return metrics
         batch = batch.to(self.device)
+        if not rows:  # another rank has rows: this one takes part with empty minibatches
+            metrics.update(self.update(batch))
+            metrics["version"] = self.publish()
+            metrics["update_s"] = time.perf_counter() - sampled
+            return metrics
         advantage, _ = gae_from_batch(
             batch, self.critic, c.gamma, c.lmbda, obs_key=c.observation_key
         )
@@ -222,6 +243,8 @@ class PPOLearner:
         and ``"value_target"``; returns the mean of each loss term over the minibatches."""
         c = self.config
         n = batch.shape[0]
+        if self.data_parallel:
+            return self._update_data_parallel(batch)
         totals: dict[str, float] = {}
         count = 0
         for _ in range(c.epochs):
@@ -239,6 +262,29 @@ class PPOLearner:
                     totals[name] = totals.get(name, 0.0) + float(value.detach())
                 count += 1
         return {name: total / count for name, total in totals.items()}
+
+    def _update_data_parallel(self, batch: TensorDictBase) -> dict[str, float]:
+        c = self.config
+        n = batch.shape[0]
+        parts = int(distributed.global_max(-(-n // c.minibatch_size), self.device))
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        totals: dict[str, float] = {}
+        count = 0
+        for _ in range(c.epochs):
+            order = torch.randperm(n, device=batch.device)
+            for rows in torch.tensor_split(order, parts):
+                self.optimizer.zero_grad()
+                if rows.numel():
+                    losses = self.loss(batch[rows])
+                    losses["loss"].backward()
+                    for name, value in losses.items():
+                        totals[name] = totals.get(name, 0.0) + float(value.detach())
+                    count += 1
+                distributed.average_gradients(params, rows.numel())
+                if c.max_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(params, c.max_grad_norm)
+                self.optimizer.step()
+        return {name: total / count for name, total in totals.items()} if count else {}
 
     def loss(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
         """PPO's loss terms on ``batch`` (``"advantage"``, ``"value_target"``,
@@ -288,8 +334,12 @@ class PPOLearner:
         """Publish the policy's weights as version :attr:`version` ``+ 1``; returns it.
 
         :meth:`step` calls it after every update. Call it once before the actors start, so
-        that they act with the learner's initial weights.
+        that they act with the learner's initial weights. Data-parallel ranks other than 0
+        take the next version without sending anything.
         """
+        if self.data_parallel and distributed.rank() != 0:
+            self.version += 1
+            return self.version
         state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
         self.version = self.client.publish_weights(state, self.version + 1)
         return self.version

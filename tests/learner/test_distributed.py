@@ -1,0 +1,130 @@
+"""Data-parallel learners: averaged gradients equal the gradient of the concatenated batch.
+
+Two gloo processes (``torch.multiprocessing``) each hold part of one batch; after
+:func:`~millpond.learner.distributed.average_gradients` (and after a whole data-parallel PPO
+update) they must hold what one process computes on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tensordict import TensorDict
+from torch import nn
+
+from millpond.learner import distributed
+from millpond.learner.ppo import PPOConfig, PPOLearner
+
+ROWS = (3, 5)  # unequal parts: the weights matter
+
+
+def whole_batch() -> TensorDict:
+    g = torch.Generator().manual_seed(1)
+    n = sum(ROWS)
+    return TensorDict(
+        {
+            "observation": torch.randn(n, 4, generator=g),
+            "action": torch.randint(0, 2, (n,), generator=g),
+            "sample_log_prob": torch.full((n,), -0.7),
+            "advantage": torch.randn(n, generator=g),
+            "value_target": torch.randn(n, generator=g),
+        },
+        batch_size=[n],
+    )
+
+
+def networks() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), nn.Linear(4, 1)
+
+
+def part(batch: TensorDict, rank: int) -> TensorDict:
+    start = sum(ROWS[:rank])
+    return batch[start : start + ROWS[rank]]
+
+
+class Publisher:
+    """Stands in for the client: records what is published."""
+
+    def __init__(self) -> None:
+        self.published: list[int] = []
+
+    def publish_weights(self, state, version: int) -> int:
+        self.published.append(version)
+        return version
+
+
+def _rank_main(rank: int, init_file: str, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        batch = part(whole_batch(), rank)
+        policy, critic = networks()
+        learner = PPOLearner(None, "t", PPOConfig(), policy, critic, version=0, data_parallel=True)
+        learner.loss(batch)["loss"].backward()
+        params = [*policy.parameters(), *critic.parameters()]
+        total = distributed.average_gradients(params, batch.shape[0])
+        grads = [p.grad.clone() for p in params]
+        # A whole update: each rank's part in one minibatch, one epoch.
+        config = PPOConfig(epochs=1, minibatch_size=8, max_grad_norm=0.5)
+        policy, critic = networks()
+        client = Publisher()
+        learner = PPOLearner(client, "t", config, policy, critic, version=0, data_parallel=True)
+        learner.update(batch)
+        version = learner.publish()
+        results[rank] = {
+            "total": total,
+            "grads": grads,
+            "params": [p.detach().clone() for p in learner.optimizer.param_groups[0]["params"]],
+            "version": version,
+            "published": client.published,
+            "agree": distributed.all_true(rank == 0),
+            "any": distributed.any_true(rank == 0),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_averaged_gradients_equal_the_gradient_of_the_concatenated_batch(tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        results = dict(results)
+
+    batch = whole_batch()
+    policy, critic = networks()
+    learner = PPOLearner(None, "t", PPOConfig(), policy, critic, version=0)
+    learner.loss(batch)["loss"].backward()
+    expected = [p.grad for p in [*policy.parameters(), *critic.parameters()]]
+    for rank in (0, 1):
+        assert results[rank]["total"] == sum(ROWS)
+        for got, want in zip(results[rank]["grads"], expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    config = PPOConfig(epochs=1, minibatch_size=8, max_grad_norm=0.5)
+    policy, critic = networks()
+    single = PPOLearner(None, "t", config, policy, critic, version=0)
+    single.update(batch)
+    want = single.optimizer.param_groups[0]["params"]
+    for rank in (0, 1):
+        for got, w in zip(results[rank]["params"], want, strict=True):
+            torch.testing.assert_close(got, w.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)  # the ranks stay identical
+    assert results[0]["version"] == results[1]["version"] == 1
+    assert results[0]["published"] == [1] and results[1]["published"] == []  # rank 0 alone
+    assert results[0]["agree"] is False and results[0]["any"] is True
+
+
+def test_without_a_group_everything_is_the_single_process_case():
+    assert distributed.world_size() == 1 and distributed.rank() == 0
+    assert distributed.all_true(True) and not distributed.any_true(False)
+    assert distributed.global_max(3.0) == 3.0
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.full((2,), 2.0)
+    assert distributed.average_gradients([p], 4) == 4.0 and torch.equal(
+        p.grad, torch.full((2,), 2.0)
+    )
+    turn = distributed.BatchTurn(False)
+    assert turn.take(lambda: "batch") == "batch"
