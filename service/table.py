@@ -83,6 +83,10 @@ class Table:
         self._inflight: dict[int, int] = {}  # reserved block start -> slots, during copies
         self._queue_full_writers = 0  # writers waiting for a learner to drain a full queue
         self._evictions = 0  # bumped (under the lock) whenever published slots are dropped
+        # Steps that uncounted redraws may still take: those dropped since (a row is only
+        # ever stale because its slot was overwritten), so that a client asking for
+        # "redraws" cannot sample past the rate limiter.
+        self._redraw_allowance = 0
         # Trajectories extend() left open, by episode id (every source's ids differ): their
         # next step and last next observation, so a trajectory that continues in the next
         # call keeps counting its steps (and slices chain across calls).
@@ -342,6 +346,7 @@ class Table:
             self.sampler.reserve_space(start + n_slots)
             if len(victims):
                 self._evictions += 1
+                self._allow_redraws(int(victims.lengths.sum()))
             self.storage.unpublish(victims)
             self.sampler.on_evict(victims)
             self.storage.reserve(start, n_slots)
@@ -412,7 +417,10 @@ class Table:
 
         ``counted=False`` draws replacements for rows of a batch already counted (rows that
         reader found overwritten): the rate limiter neither holds them back nor counts them,
-        as it does not count the rows :meth:`sample` redraws itself.
+        as it does not count the rows :meth:`sample` redraws itself — as far as steps were
+        dropped (evicted, found damaged, reset) since: a row is only ever stale because its
+        slot was overwritten, so redraws past that are ordinary samples, held back and
+        counted (a client cannot sample past the rate limiter by calling them redraws).
 
         Not for queue tables (:class:`InvalidDataError`): a delivered queue segment may be
         overwritten at once, so a read after the answer could find it gone.
@@ -442,10 +450,14 @@ class Table:
                 f"batch_size ({batch_size}) exceeds the queue's capacity ({self.config.capacity})"
             )
         deadline = None if timeout is None else time.monotonic() + timeout
+        steps = batch_size * (self.config.slice_len or 1)
         with self._cond:
             while True:
                 self._check_open()
-                if (not counted or self.rate_limiter.can_sample(self.sampler.size)) and (
+                # Uncounted only as far as steps were dropped since: past that, a redraw is
+                # an ordinary sample, held back and counted by the rate limiter.
+                free = not counted and steps <= self._redraw_allowance
+                if (free or self.rate_limiter.can_sample(self.sampler.size)) and (
                     self.sampler.can_sample(batch_size)
                     # A full queue delivers what it holds rather than deadlock its writers.
                     or (self._queue_full_writers and self.sampler.size > 0)
@@ -459,7 +471,9 @@ class Table:
             selection = self.sampler.sample(batch_size)
             rows = self.storage.slot_info(selection.slots)
             evictions = self._evictions
-            if counted:
+            if free:
+                self._redraw_allowance -= steps
+            else:
                 self.rate_limiter.on_sample(int(selection.slots.size))
             self._cond.notify_all()
             if isinstance(self.sampler, QueueSampler):
@@ -519,9 +533,14 @@ class Table:
             self._drop(damaged)
         return True
 
+    def _allow_redraws(self, steps: int) -> None:
+        """``steps`` were dropped: as many uncounted redraws may follow (under the lock)."""
+        self._redraw_allowance = min(self.config.capacity, self._redraw_allowance + steps)
+
     def _drop(self, damaged: SegmentBatch) -> None:
         """Unpublish segments found damaged, count and log them (under the lock)."""
         self._evictions += 1
+        self._allow_redraws(int(damaged.lengths.sum()))
         self.storage.unpublish(damaged)
         self.sampler.on_evict(damaged)
         self.storage.count_dropped(damaged)
@@ -686,6 +705,7 @@ class Table:
             while self._inflight:
                 self._cond.wait()
             self._evictions += 1
+            self._allow_redraws(self.sampler.size)
             self.storage.clear()
             self.sampler.reset(self._files.reset_counters())
             self._write_meta()

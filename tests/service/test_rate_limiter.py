@@ -89,3 +89,30 @@ def test_counters_live_in_the_given_array():
 def test_bad_config(kwargs):
     with pytest.raises(InvalidConfigError):
         RateLimiter(**kwargs)
+
+
+def test_uncounted_redraws_are_bounded_by_the_steps_dropped(make_table):
+    """Redraws (rows a colocated reader found overwritten) are not counted, but only as far
+    as steps were dropped since: asking for "redraws" of a table that overwrote nothing is
+    sampling, held back by the rate limiter like any sample."""
+    from millpond import TableConfig
+    from millpond.errors import RateLimiterTimeoutError
+    from millpond.testing import constant_segment
+
+    config = TableConfig.uniform(
+        "limited", 40, min_size=1, samples_per_insert=1.0, error_buffer=8.0
+    )
+    table = make_table(config)
+    for episode in range(2):  # 16 steps in 18 slots: nothing evicted
+        table.insert(*constant_segment(episode, length=8), episode_id=episode)
+    before = table.info()["samples"]
+    with pytest.raises(RateLimiterTimeoutError):
+        for _ in range(50):  # without a bound: uncounted and never held back, for ever
+            table.sample_colocated(4, timeout=0.2, counted=False)
+    assert table.info()["samples"] > before  # counted as the samples they were
+    for episode in range(2, 6):  # the ring wraps: the first segments are evicted
+        table.insert(*constant_segment(episode, length=8), episode_id=episode, timeout=5)
+        table.sample(8, timeout=5)  # keeps inserts going
+    counted = table.info()["samples"]
+    table.sample_colocated(4, timeout=0.2, counted=False)  # a real redraw: evicted rows
+    assert table.info()["samples"] == counted
