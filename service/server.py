@@ -21,11 +21,13 @@ import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
 
 from millpond.allocator import keep_freed_buffers
 from millpond.config import TableConfig
@@ -61,6 +63,8 @@ class ServerConfig:
             ``max_workers - 1``: health checks, Info and learners' calls always find a
             thread, and a stream past the bound is refused as "shard busy" (writers retry).
         max_weights_mb: the largest weights PublishWeights takes, in MiB.
+        metrics_port: serve Prometheus metrics over HTTP on this port of ``host`` (0: a
+            free port, :attr:`ShardServer.metrics_port` says which); ``None``: not at all.
     """
 
     dir: str
@@ -74,10 +78,13 @@ class ServerConfig:
     max_message_mb: int = 256
     max_workers: int = 64
     max_weights_mb: int = DEFAULT_MAX_WEIGHTS_BYTES >> 20
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise InvalidConfigError(f"port ({self.port}) must be in [0, 65535]")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise InvalidConfigError(f"metrics port ({self.metrics_port}) must be in [0, 65535]")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidConfigError("--tls-cert and --tls-key go together")
         if self.max_message_mb < 1:
@@ -91,12 +98,25 @@ class ServerConfig:
 class ShardServer:
     """A running shard: the gRPC server, the shard and its weight store."""
 
-    def __init__(self, server: grpc.Server, port: int, shard: Shard, health: health.HealthServicer):
+    def __init__(
+        self,
+        server: grpc.Server,
+        port: int,
+        shard: Shard,
+        health: health.HealthServicer,
+        metrics_http: Any = None,
+    ):
         self.server = server
         self.port = port
         self.shard = shard
         self._health = health
+        self._metrics_http = metrics_http
         self._stopped = False
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the Prometheus endpoint (``/metrics``), ``None`` without one."""
+        return None if self._metrics_http is None else self._metrics_http.server_port
 
     @property
     def address(self) -> str:
@@ -107,6 +127,9 @@ class ShardServer:
         if self._stopped:
             return
         self._stopped = True
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
         self._health.enter_graceful_shutdown()
         event = self.server.stop(grace)
         self.shard.close()  # wakes blocked samples and inserts with ClosedError
@@ -167,10 +190,21 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
     if port == 0:
         shard.close()
         raise InvalidConfigError(f"cannot bind {address} (in use?)")
+    metrics_http = None
+    if config.metrics_port is not None:
+        try:
+            metrics_http, _ = start_http_server(
+                config.metrics_port, addr=config.host, registry=servicer.metrics.registry
+            )
+        except OSError as e:
+            shard.close()
+            raise InvalidConfigError(
+                f"cannot serve metrics on {config.host}:{config.metrics_port}: {e}"
+            ) from None
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return ShardServer(server, port, shard, health_servicer), port
+    return ShardServer(server, port, shard, health_servicer, metrics_http), port
 
 
 def add_replay_servicer(server: grpc.Server, servicer: ReplayServicer) -> None:
@@ -313,6 +347,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=DEFAULT_MAX_WEIGHTS_BYTES >> 20,
         help="largest weights PublishWeights takes, MiB",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this HTTP port of --host (0: a free port; with "
+        "--shards N, shard i on PORT + i); off by default",
+    )
     return p
 
 
@@ -335,6 +376,7 @@ def serve(args: argparse.Namespace) -> int:
         max_message_mb=args.max_message_mb,
         max_workers=args.max_workers,
         max_weights_mb=args.max_weights_mb,
+        metrics_port=args.metrics_port,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -342,6 +384,8 @@ def serve(args: argparse.Namespace) -> int:
     running, port = create_server(config)
     print(f"millpond shard serving {args.dir} on {args.host}:{port}", flush=True)
     print(f"ADDRESSES {args.host}:{port}", flush=True)
+    if running.metrics_port is not None:
+        print(f"metrics on http://{args.host}:{running.metrics_port}/metrics", flush=True)
     stop.wait()
     log.info("stopping: finishing in-flight calls and checkpointing")
     running.stop(grace=5.0)
@@ -370,6 +414,9 @@ def _serve_many(args: argparse.Namespace) -> int:
     try:
         for i in range(args.shards):
             port = args.port + i if args.port else 0
+            metrics = []
+            if args.metrics_port is not None:  # consecutive ports too (0: each a free one)
+                metrics = ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
             cmd = [
                 sys.executable,
                 "-m",
@@ -379,6 +426,7 @@ def _serve_many(args: argparse.Namespace) -> int:
                 str(base / f"shard-{i}"),
                 "--port",
                 str(port),
+                *metrics,
                 *passthrough,
             ]
             child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

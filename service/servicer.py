@@ -42,6 +42,7 @@ from millpond.protos.tables import config_from_proto, config_to_proto, info_to_p
 from millpond.protos.weights import chunks as weight_chunks
 from millpond.sample_format import ColocatedSample, SlotSample
 from millpond.segments import PackedSegments, Segment, concat, pack, pack_columns
+from millpond.service.metrics import ServiceMetrics
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
 from millpond.spec import DONE, TERMINATED, TRUNCATED, FieldSpec, Key, TableSpec
@@ -67,12 +68,13 @@ _FLAG_KEYS = frozenset({DONE, TERMINATED, TRUNCATED})
 def _edge(method: Callable) -> Callable:
     """Map exceptions raised by an RPC method (plain or generator) to gRPC statuses."""
 
-    def fail(exc: BaseException, context: grpc.ServicerContext) -> None:
+    def fail(servicer, exc: BaseException, context: grpc.ServicerContext) -> None:
         if isinstance(exc, grpc.RpcError) or not context.is_active():
             return  # the client went away (or the server is stopping): nobody to answer
         if isinstance(exc, MemoryError):  # what a request asked for does not fit: say so
             exc = ResourceExhaustedError(f"out of memory serving {method.__name__}: {exc}")
         code, message, error_name = status_of(exc)
+        servicer.metrics.error(method.__name__, code.name)
         if len(message) > _MAX_DETAILS:
             message = f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"
         if code == grpc.StatusCode.INTERNAL:
@@ -91,7 +93,7 @@ def _edge(method: Callable) -> Callable:
             try:
                 yield from method(self, request, context)
             except Exception as exc:
-                fail(exc, context)
+                fail(self, exc, context)
 
         return stream
 
@@ -100,7 +102,7 @@ def _edge(method: Callable) -> Callable:
         try:
             return method(self, request, context)
         except Exception as exc:
-            fail(exc, context)
+            fail(self, exc, context)
 
     return unary
 
@@ -182,6 +184,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         *,
         max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
         slot_samples: bool = True,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         """``max_message_bytes``: the channel's message limit, which also bounds the decoded
         tensors of one insert message and the bytes of one sampled batch.
@@ -189,12 +192,14 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         ``total_size`` and refused before anything is buffered).
         ``slot_samples``: answer Sample with each distinct observation slot once
         (``SampleResponse.slot_observations``); ``False`` sends the form older clients
-        read (``next_rows``), kept to compare the two."""
+        read (``next_rows``), kept to compare the two.
+        ``metrics``: where calls are recorded (a registry of its own by default)."""
         self.shard = shard
         self.weights = weights
         self.max_message_bytes = max_message_bytes
         self.max_weights_bytes = max_weights_bytes
         self.slot_samples = slot_samples
+        self.metrics = metrics or ServiceMetrics(lambda: shard.tables)
         #: Answer Sample (slot layout) with bytes framed by hand, which only a server
         #: registered by :func:`~millpond.service.server.add_replay_servicer` sends as
         #: they are; the generated registration serializes messages.
@@ -219,6 +224,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         writer_id = table_name = None
         for request in request_iterator:
             if isinstance(request, bytes):  # the server's raw-bytes Insert (see server.py)
+                self.metrics.received("Insert", len(request))
                 request = wire.parse_insert_request(request)
             writer_id = request.writer_id or writer_id
             table_name = request.table or table_name
@@ -337,6 +343,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         counted = not request.redraw
         sent = 0
         while request.num_batches == 0 or sent < request.num_batches:
+            started = time.monotonic()
             sampled = self._sample_one(table, request.batch_size, timeout, context, form, counted)
             if sampled is None:
                 return
@@ -356,7 +363,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 ):
                     # Framed by hand: the gathered rows are copied once, into the response
                     # (server.py sends these bytes as they are).
-                    yield wire.encode_slot_sample(sampled, table.sampler.mass, compress)
+                    framed = wire.encode_slot_sample(sampled, table.sampler.mass, compress)
+                    self.metrics.sampled(
+                        table.name, time.monotonic() - started, batch.numel(), len(framed)
+                    )
+                    yield framed
                     sent += 1
                     continue
                 response = codec.encode_slot_sample(sampled, compress=compress)
@@ -381,6 +392,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                         f"message limit ({self.max_message_bytes}); sample fewer at a time"
                     )
                 return
+            self.metrics.sampled(table.name, time.monotonic() - started, batch.numel(), size)
             yield response
             sent += 1
 

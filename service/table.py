@@ -87,6 +87,8 @@ class Table:
         # ever stale because its slot was overwritten), so that a client asking for
         # "redraws" cannot sample past the rate limiter.
         self._redraw_allowance = 0
+        self._evicted_steps = 0  # since the table opened (Prometheus counters start at 0)
+        self._waiting = {"insert": 0, "sample": 0}  # calls held back now, by side
         # Trajectories extend() left open, by episode id (every source's ids differ): their
         # next step and last next observation, so a trajectory that continues in the next
         # call keeps counting its steps (and slices chain across calls).
@@ -334,11 +336,11 @@ class Table:
                     self._queue_full_writers += 1
                     self._cond.notify_all()
                     try:
-                        self._wait(deadline, message)
+                        self._wait(deadline, message, "insert")
                     finally:
                         self._queue_full_writers -= 1
                 else:
-                    self._wait(deadline, message)
+                    self._wait(deadline, message, "insert")
             # Disk blocks first: a full disk refuses the insert here, the table unchanged.
             # Evicting writes only into slots and records already written (the victims'),
             # which have their blocks, so nothing after this point can meet a full disk.
@@ -467,6 +469,7 @@ class Table:
                     deadline,
                     f"sample of {batch_size} timed out: {self.sampler.size} steps stored "
                     f"(min_size {self.config.min_size}); {self.rate_limiter.describe()}",
+                    "sample",
                 )
             selection = self.sampler.sample(batch_size)
             rows = self.storage.slot_info(selection.slots)
@@ -535,6 +538,7 @@ class Table:
 
     def _allow_redraws(self, steps: int) -> None:
         """``steps`` were dropped: as many uncounted redraws may follow (under the lock)."""
+        self._evicted_steps += steps
         self._redraw_allowance = min(self.config.capacity, self._redraw_allowance + steps)
 
     def _drop(self, damaged: SegmentBatch) -> None:
@@ -690,6 +694,28 @@ class Table:
                 "spec": self.spec.to_json() if self.spec is not None else None,
             }
 
+    def metrics(self) -> dict[str, float]:
+        """What a metrics scrape reads (:mod:`millpond.service.metrics`): counts since the
+        table was created (inserted, sampled) or opened (evicted), and gauges of now."""
+        with self._cond:
+            inserted, sampled = self.rate_limiter.inserts, self.rate_limiter.samples
+            spi = self.config.samples_per_insert
+            values: dict[str, float] = {
+                "inserted": inserted,
+                "sampled": sampled,
+                "evicted": self._evicted_steps,
+                "size": self.sampler.size,
+                "capacity": self.config.capacity,
+                "samples_per_insert": sampled / inserted if inserted else 0.0,
+                "samples_per_insert_target": float("nan") if spi is None else spi,
+                "blocked_inserts": self._waiting["insert"],
+                "blocked_samples": self._waiting["sample"],
+                "queue_depth": self.sampler.size if isinstance(self.sampler, QueueSampler) else 0,
+                "dropped_segments": len(self.storage.corrupted),
+            }
+        values["bytes_on_disk"] = self.storage.nbytes_on_disk()  # walks files: not locked
+        return values
+
     def checkpoint(self) -> None:
         """Flush every file to disk and rewrite ``meta.json`` atomically."""
         with self._cond:
@@ -750,13 +776,19 @@ class Table:
         if self._closed:
             raise ClosedError(f"table {self.name!r} is closed")
 
-    def _wait(self, deadline: float | None, message: str) -> None:
-        if deadline is None:
-            self._cond.wait()
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or (not self._cond.wait(remaining) and time.monotonic() >= deadline):
-            raise RateLimiterTimeoutError(message)
+    def _wait(self, deadline: float | None, message: str, side: str) -> None:
+        """Wait (under the lock) to be woken, ``side`` (``"insert"`` or ``"sample"``)
+        counted as held back meanwhile."""
+        self._waiting[side] += 1
+        try:
+            if deadline is None:
+                self._cond.wait()
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (not self._cond.wait(remaining) and time.monotonic() >= deadline):
+                raise RateLimiterTimeoutError(message)
+        finally:
+            self._waiting[side] -= 1
 
 
 def _make_sampler(config: TableConfig, directory: Path) -> Sampler:
