@@ -68,6 +68,7 @@ class ActorFleet:
         num_actors: how many actors.
         num_cpus: CPUs each actor reserves.
         resources: extra Ray resources each actor reserves (e.g. ``{"env_node": 1}``).
+        label_selector: Ray node labels an actor's node must have.
         max_restarts: how often Ray restarts a dead actor.
         chunks_per_call: chunks each ``run`` call collects before reporting.
         window: finished episodes averaged in ``mean_return``.
@@ -81,6 +82,7 @@ class ActorFleet:
         *,
         num_cpus: float = 1.0,
         resources: dict[str, float] | None = None,
+        label_selector: dict[str, str] | None = None,
         max_restarts: int = 3,
         chunks_per_call: int = 1,
         window: int = 100,
@@ -99,6 +101,7 @@ class ActorFleet:
             resources=resources or {},
             max_restarts=max_restarts,
             max_task_retries=0,  # a failed run is resubmitted by the fleet, not replayed
+            **({"label_selector": label_selector} if label_selector else {}),
         )
         self.actors = [remote.remote(i, client, config) for i in range(num_actors)]
         self._inflight: dict[Any, int] = {}

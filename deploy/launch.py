@@ -6,17 +6,22 @@ The job, in the order it starts:
 2. The replay service: ``replay.shards`` :class:`~millpond.deploy.replay_actor.ReplayShardActor`
    Ray actors, each serving one shard over gRPC (or, with ``--replay host:port,...``, an
    already running ``millpond serve``), and the job's table on every shard.
-3. The learner (:class:`~millpond.learner.PPOLearner` or :class:`~millpond.learner.DQNLearner`)
-   in this process; it publishes its initial weights before any actor acts.
+3. ``learner.num_learners`` learners (:class:`~millpond.deploy.learner_actor.LearnerActor`
+   Ray actors around :class:`~millpond.learner.PPOLearner` or
+   :class:`~millpond.learner.DQNLearner`; several form one data-parallel
+   ``torch.distributed`` group); rank 0 publishes the initial weights before any actor acts.
 4. ``actors.num_actors`` env actors (:class:`~millpond.actors.ActorFleet`), driven from a
    background thread, pulling new weights every ``actors.weight_sync_every`` steps.
 
-The main thread runs learner steps and, every ``run.status_every_s``, prints one progress
-line and appends a row to ``metrics.csv``. The run stops at ``run.frames`` frames (or
-``run.stop_at_return``, ``run.timeout_s``, Ctrl-C, SIGTERM), then shuts down in order:
-actors stopped and flushed, learner checkpoint written, shards checkpointed and stopped, Ray
-shut down (if this process started it). The run directory then holds ``config.yaml``,
-``metrics.csv``, ``return.png``, ``summary.json`` and ``checkpoint.pt``.
+This process (the driver) trains nothing: it keeps one ``run`` call in flight per learner,
+collects their reports and, every ``run.status_every_s``, prints one progress line and
+appends a row to ``metrics.csv``. The run stops at ``run.frames`` frames (or
+``run.stop_at_return``, ``run.timeout_s``, Ctrl-C, SIGTERM, a learner that fails), then shuts
+down in order: actors stopped and flushed, learners stopped, learner checkpoint written (by
+rank 0, on its node; the driver writes the bytes it returns when it runs elsewhere), shards
+checkpointed and stopped, Ray shut down (if this process started it). The run directory then
+holds ``config.yaml``, ``metrics.csv``, ``return.png``, ``summary.json`` (with the node of
+every shard, actor and learner) and ``checkpoint.pt``.
 """
 
 from __future__ import annotations
@@ -30,11 +35,9 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from millpond.allocator import keep_freed_buffers
@@ -42,7 +45,6 @@ from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.errors import (
     AuthenticationError,
-    DeadlineExceededError,
     InvalidConfigError,
     MillpondError,
     PermissionDeniedError,
@@ -88,6 +90,15 @@ class Launch:
         self._fleet_thread: threading.Thread | None = None
         self._fleet_error: BaseException | None = None
         self._halt = threading.Event()
+        self._learners: list[Any] = []  # LearnerActor handles, by rank
+        self._runs: dict[Any, int] = {}  # each learner's run call in flight -> its rank
+        self._nodes: dict[str, Any] = {}  # where each part of the job ran
+        self._node_refs: dict[str, list[Any]] = {}
+        self.version: int | None = None  # the last published weight version
+        self._learner_reports: list[dict[str, Any]] = []
+        self._learner_lost = False  # a learner died: the others may wait in the group forever
+        self._in_loop = False
+        self._stop_requested = False  # SIGTERM during the loop
         self._timing = {"sample_s": 0.0, "learn_s": 0.0}
         self._lags: deque[float] = deque(maxlen=50)
         self._losses: deque[float] = deque(maxlen=50)
@@ -111,9 +122,10 @@ class Launch:
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(c), sort_keys=False))
         report = RunReport(self.run_dir)
         reason = "error"  # until the loop says otherwise
-        previous = signal.getsignal(signal.SIGTERM)
+        previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _raise_stop)
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)  # Ctrl-C: the same clean stop
         try:
             self._start()
             reason = self._loop(report)
@@ -126,8 +138,17 @@ class Launch:
             finally:
                 report.close()
                 if threading.current_thread() is threading.main_thread():
-                    signal.signal(signal.SIGTERM, previous)
+                    signal.signal(signal.SIGTERM, previous[0])
+                    signal.signal(signal.SIGINT, previous[1])
         return summary
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # In the loop the main thread mostly waits inside Ray's C code, which an exception
+        # raised from a handler would corrupt: there the loop checks the flag instead.
+        if self._in_loop:
+            self._stop_requested = True
+        else:
+            raise _Stop()
 
     def _start(self) -> None:
         import ray
@@ -135,6 +156,7 @@ class Launch:
         from millpond.actors.envs import make_env
         from millpond.actors.fleet import ActorFleet
         from millpond.learner.client import ReplayClient
+        from millpond.learner.networks import network_for
 
         c = self.config
         try:  # before anything starts: a wrong env id is a config error
@@ -152,8 +174,6 @@ class Launch:
                 "replay.tls: applies to a service named with --replay; the shards this job "
                 "starts serve plaintext"
             )
-        torch.manual_seed(c.run.seed)
-        torch.set_num_threads(c.learner.threads)
         if not ray.is_initialized():
             ray.init(
                 # "local" and not None: None joins whatever RAY_ADDRESS or the last `ray start`
@@ -166,8 +186,11 @@ class Launch:
             )
             self._started_ray = True
             if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, _raise_stop)  # ray.init installs its own
+                signal.signal(signal.SIGTERM, self._on_signal)  # ray.init installs its own
         self._ray_info = {"gcs_address": ray.get_runtime_context().gcs_address}
+        from millpond.deploy.learner_actor import where
+
+        self._nodes["driver"] = where()
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         addresses = self.replay or self._start_shards()
         admin_token, writer_token = c.replay.tokens()
@@ -186,21 +209,30 @@ class Launch:
             raise type(e)(f"replay service {addresses}: {e} ({hint})") from None
         self._say(f"replay: {addresses}  table {self.table!r}")
 
-        self.learner = self._make_learner(obs_space, act_space)
-        self.learner.publish()  # actors act with the learner's initial weights
+        try:
+            self.network = network_for(obs_space, c.learner.network)
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"learner.network: {e}") from None
+        self._start_learners(addresses, obs_space, act_space, admin_token)
 
         self._fleet = ActorFleet(
             actor_client,
             self._actor_config(),
             num_actors=c.actors.num_actors,
             num_cpus=c.actors.num_cpus,
+            resources=dict(c.actors.resources),
+            label_selector=dict(c.actors.label_selector) or None,
             max_restarts=c.actors.max_restarts,
         )
+        # Submitted before the fleet's first run call, so answered as soon as each actor is up.
+        self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
         self._fleet_thread = threading.Thread(target=self._drive_fleet, daemon=True)
         self._fleet_thread.start()
         self._say(
             f"started {c.actors.num_actors} env actors x {c.actors.num_envs} {c.env.id} envs, "
-            f"{c.learner.algorithm} learner; run dir {self.run_dir}"
+            f"{c.learner.num_learners} {c.learner.algorithm} learner"
+            f"{'s' if c.learner.num_learners > 1 else ''} on {self._nodes['learners'][0]['device']}; "
+            f"run dir {self.run_dir}"
         )
 
     def _start_shards(self) -> str:
@@ -212,7 +244,9 @@ class Launch:
         c = self.config
         host = "127.0.0.1" if c.ray.address is None else "0.0.0.0"
         token_file = c.replay.token_file
-        remote = ray.remote(ReplayShardActor).options(num_cpus=c.replay.num_cpus)
+        remote = ray.remote(ReplayShardActor).options(
+            num_cpus=c.replay.num_cpus, **_placement(c.replay.resources, c.replay.label_selector)
+        )
         for i in range(c.replay.shards):
             server = ServerConfig(
                 dir=str((self.run_dir / "replay" / f"shard-{i}").resolve()),
@@ -234,41 +268,63 @@ class Launch:
             raise MillpondError(
                 f"replay shards did not start within replay.start_timeout_s="
                 f"{c.replay.start_timeout_s:g} s: they need {needed:g} CPUs free in the Ray "
-                f"cluster (replay.shards x replay.num_cpus); see `ray status`"
+                f"cluster (replay.shards x replay.num_cpus){_placement_hint(c.replay)}; see "
+                "`ray status`"
             ) from None
+        from millpond.deploy.learner_actor import where
+
+        self._node_refs["replay"] = [s.__ray_call__.remote(where) for s in self._shards]
         return ",".join(addresses)
 
-    def _make_learner(self, obs_space: Any, act_space: Any) -> Any:
-        from millpond.learner.dqn import DQNLearner
-        from millpond.learner.networks import (
-            mlp_critic,
-            mlp_policy,
-            mlp_q,
-            nature_cnn_actor_critic,
-            nature_cnn_q,
-            network_for,
-        )
-        from millpond.learner.ppo import PPOLearner
+    def _start_learners(
+        self, addresses: str, obs_space: Any, act_space: Any, token: str | None
+    ) -> None:
+        """Place the learners, form their group, publish the initial weights."""
+        import ray
 
-        c = self.config.learner
-        hidden = tuple(c.hidden_sizes)
+        from millpond.deploy.learner_actor import LearnerActor
+
+        c = self.config
+        n = c.learner.num_learners
+        remote = ray.remote(LearnerActor).options(
+            num_cpus=c.learner.num_cpus,
+            num_gpus=c.learner.num_gpus,
+            max_restarts=0,  # a lost learner ends the job (its group cannot take it back)
+            **_placement(c.learner.resources, c.learner.label_selector),
+        )
+        self._learners = [
+            remote.remote(
+                c, addresses, self.table, obs_space, act_space,
+                rank=rank, world_size=n, token=token, tls=c.replay.tls,
+            )
+            for rank in range(n)
+        ]  # fmt: skip
         try:
-            self.network = network_for(obs_space, c.network)
-        except InvalidConfigError as e:
-            raise InvalidConfigError(f"learner.network: {e}") from None
-        cnn = self.network == "nature_cnn"
-        # Short sample waits keep the loop responsive to the budget and to signals.
-        if c.algorithm == "ppo":
-            cfg = replace(c.ppo, sample_timeout_s=c.ppo.sample_timeout_s or 2.0)
-            if cnn:
-                policy, critic = nature_cnn_actor_critic(obs_space, act_space)
-            else:
-                policy = mlp_policy(obs_space, act_space, hidden)
-                critic = mlp_critic(obs_space, hidden)
-            return PPOLearner(self.client, self.table, cfg, policy, critic)
-        cfg = replace(c.dqn, sample_timeout_s=c.dqn.sample_timeout_s or 2.0)
-        q = nature_cnn_q(obs_space, act_space) if cnn else mlp_q(obs_space, act_space, hidden)
-        return DQNLearner(self.client, self.table, cfg, q)
+            described = ray.get(
+                [learner.describe.remote() for learner in self._learners],
+                timeout=c.learner.start_timeout_s,
+            )
+            master = ray.get(self._learners[0].rendezvous.remote()) if n > 1 else None
+            ray.get(
+                [learner.start.remote(master) for learner in self._learners],
+                timeout=c.learner.start_timeout_s,
+            )
+        except ray.exceptions.GetTimeoutError:
+            raise MillpondError(
+                f"the learners did not start within learner.start_timeout_s="
+                f"{c.learner.start_timeout_s:g} s: they need {n * c.learner.num_cpus:g} CPUs"
+                f" and {n * c.learner.num_gpus:g} GPUs free in the Ray cluster (learner."
+                f"num_learners x num_cpus / num_gpus){_placement_hint(c.learner)}; see "
+                "`ray status`"
+            ) from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, MillpondError):
+                raise type(cause)(str(cause).splitlines()[-1]) from None
+            raise MillpondError(f"a learner failed to start: {e}") from None
+        self._nodes["learners"] = described
+        # Every rank counts the version; rank 0 sends the weights the actors start with.
+        self.version = ray.get([learner.publish.remote() for learner in self._learners])[0]
 
     def _actor_config(self) -> Any:
         from millpond.actors.policies import EpsilonGreedy
@@ -329,13 +385,22 @@ class Launch:
 
     # -- the main loop ---------------------------------------------------------------------
     def _loop(self, report: RunReport) -> str:
-        c = self.config
         started = self._started_at = time.monotonic()
-        next_status = started + c.run.status_every_s
-        next_checkpoint = started + c.learner.checkpoint_every_s
         self._last = {"t": started, "frames": 0, "inserts": 0, "samples": 0}
         self._base = self._counters()
+        self._in_loop = True
+        try:
+            return self._loop_until_done(report, started)
+        finally:
+            self._in_loop = False
+
+    def _loop_until_done(self, report: RunReport, started: float) -> str:
+        c = self.config
+        next_status = started + c.run.status_every_s
+        next_checkpoint = started + c.learner.checkpoint_every_s
         while True:
+            if self._stop_requested:
+                raise _Stop()
             if self._fleet_error is not None:
                 raise MillpondError(f"env actors failed: {self._fleet_error}")
             status = self._fleet.status
@@ -348,7 +413,7 @@ class Launch:
                 and (status.mean_return or -math.inf) >= c.run.stop_at_return
             ):
                 return "return"
-            self._learner_step()
+            self._poll_learners()
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + c.run.status_every_s
@@ -359,22 +424,41 @@ class Launch:
                 next_checkpoint = now + c.learner.checkpoint_every_s
                 self._save_checkpoint()
 
-    def _learner_step(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            metrics = self.learner.step()
-        except DeadlineExceededError:  # not enough new experience yet: wait for the actors
-            self._timing["sample_s"] += time.perf_counter() - t0
+    def _poll_learners(self, timeout_s: float = 0.2, submit: bool = True) -> None:
+        """Collect the learners' finished run calls, and give each its next one."""
+        import ray
+
+        if submit:
+            busy = set(self._runs.values())
+            for rank, learner in enumerate(self._learners):
+                if rank not in busy:
+                    self._runs[learner.run.remote()] = rank
+        if not self._runs:
             return
-        self._timing["sample_s"] += metrics["sample_s"]
-        self._timing["learn_s"] += metrics["update_s"]
-        self.learner_steps += 1
-        self.stale_steps += metrics.get("dropped", 0)
-        if "policy_lag_mean" in metrics:
-            self._lags.append(metrics["policy_lag_mean"])
-        loss = metrics.get("loss", metrics.get("loss_policy"))
-        if loss is not None:
-            self._losses.append(float(loss))
+        ready, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=timeout_s)
+        for ref in ready:
+            rank = self._runs.pop(ref)
+            try:
+                report = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self._learner_lost = True
+                raise MillpondError(
+                    f"learner {rank} died ({_first_line(e)}); learners are not restarted: "
+                    "the job stops, keeping the last checkpoint.pt"
+                ) from None
+            except ray.exceptions.RayTaskError as e:
+                raise MillpondError(f"learner {rank} failed: {e}") from None
+            self.stale_steps += report["dropped"]  # every rank drops its own stale steps
+            if rank != 0:  # the ranks step together: rank 0 speaks for the group
+                continue
+            self._timing["sample_s"] += report["sample_s"]
+            self._timing["learn_s"] += report["update_s"]
+            self.learner_steps += report["steps"]
+            self.version = report["version"]
+            if report["policy_lag"] is not None:
+                self._lags.append(report["policy_lag"])
+            if report["loss"] is not None:
+                self._losses.append(report["loss"])
 
     def _counters(self) -> dict[str, int]:
         try:
@@ -410,7 +494,7 @@ class Launch:
             "policy_lag": sum(self._lags) / len(self._lags) if self._lags else None,
             "stale_steps": self.stale_steps,
             "learner_steps": self.learner_steps,
-            "weights_version": self.learner.version,
+            "weights_version": self.version,
             "loss": sum(self._losses) / len(self._losses) if self._losses else None,
             "actor_restarts": status.restarts,
         }
@@ -436,12 +520,30 @@ class Launch:
             # sampling, and what is not stored by now is not needed.
             with _logged("stopping the env actors"):
                 final = self._fleet.stop(timeout_s=5)
+        with _logged("locating the shards and env actors"):
+            for role, refs in self._node_refs.items():
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+                self._nodes[role] = [ray.get(r) if r in ready else None for r in refs]
         checkpoint = None
-        if hasattr(self, "learner"):
-            if hasattr(self.learner, "close"):
-                self.learner.close()
-            with _logged("writing the learner checkpoint"):
-                checkpoint = self._save_checkpoint()
+        if self._learners and not self._learner_lost:
+            with _logged("stopping the learners"):
+                deadline = time.monotonic() + 30
+                while self._runs and time.monotonic() < deadline:  # their last run calls
+                    with contextlib.suppress(MillpondError):  # reported by the loop already
+                        self._poll_learners(timeout_s=1.0, submit=False)
+            if self.version is not None:  # the learners started
+                with _logged("writing the learner checkpoint"):
+                    checkpoint = self._save_checkpoint()
+                with _logged("reading the learners' totals"):
+                    reports = [lr.report.remote() for lr in self._learners]
+                    self._learner_reports = ray.get(reports, timeout=30)
+            with _logged("closing the learners"):
+                ray.wait([lr.close.remote() for lr in self._learners], timeout=30)
+        for learner in self._learners:
+            with _logged("stopping a learner"):
+                ray.kill(learner, no_restart=True)
+        if self._learner_lost and (self.run_dir / "checkpoint.pt").exists():
+            checkpoint = self.run_dir / "checkpoint.pt"  # the last periodic one
         row = None
         if hasattr(self, "client"):
             with _logged("reading the final counters"):
@@ -466,21 +568,18 @@ class Launch:
         return summary
 
     def _save_checkpoint(self) -> Path:
-        learner = self.learner
-        state = {
-            "algorithm": self.config.learner.algorithm,
-            "version": learner.version,
-            "optimizer": learner.optimizer.state_dict(),
-            "config": to_mapping(self.config),
-        }
-        for name in ("policy", "critic", "q_network", "target_network"):
-            module = getattr(learner, name, None)
-            if isinstance(module, torch.nn.Module):
-                state[name] = module.state_dict()
-        path = self.run_dir / "checkpoint.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
+        """Rank 0 writes ``checkpoint.pt`` into the run directory on its node; when that is
+        another node, the driver writes the bytes it returns here too."""
+        import ray
+
+        path = (self.run_dir / "checkpoint.pt").resolve()
+        learner = self._nodes.get("learners", [{}])[0]
+        elsewhere = learner.get("node_id") != self._nodes.get("driver", {}).get("node_id")
+        data = ray.get(self._learners[0].checkpoint.remote(str(path), elsewhere), timeout=120)
+        if data is not None:
+            tmp = path.with_suffix(".pt.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
         return path
 
     def _summary(
@@ -500,7 +599,8 @@ class Launch:
             "frames_per_s": (final.frames / elapsed) if final and elapsed else None,
             "learner_steps": self.learner_steps,
             "stale_steps": self.stale_steps,
-            "weights_version": getattr(getattr(self, "learner", None), "version", None),
+            "weights_version": self.version,
+            "num_learners": self.config.learner.num_learners,
             "samples_per_insert": row.get("samples_per_insert") if row else None,
             "actor_restarts": final.restarts if final else 0,
             "actors_act_s": round(act_s, 2),
@@ -510,6 +610,8 @@ class Launch:
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint else None,
             "ray": self._ray_info,
+            "learners": self._learner_reports,
+            "nodes": self._nodes,
         }
 
     def _say(self, line: str) -> None:
@@ -524,8 +626,25 @@ def _logged(what: str):
         log.error("shutdown: %s failed: %s", what, e)
 
 
-def _raise_stop(signum: int, frame: Any) -> None:
-    raise _Stop()
+def _placement(resources: dict[str, float], labels: dict[str, str]) -> dict[str, Any]:
+    """Ray ``.options`` for a role's custom resources and node labels (none when unset)."""
+    options: dict[str, Any] = {}
+    if resources:
+        options["resources"] = dict(resources)
+    if labels:
+        options["label_selector"] = dict(labels)
+    return options
+
+
+def _placement_hint(section: Any) -> str:
+    parts = [f"resources {section.resources}" if section.resources else ""]
+    parts.append(f"labels {section.label_selector}" if section.label_selector else "")
+    wanted = " and ".join(p for p in parts if p)
+    return f", on nodes with {wanted}" if wanted else ""
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

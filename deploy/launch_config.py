@@ -94,6 +94,10 @@ class ReplaySection:
         tls: for a ``--replay`` service that serves TLS: ``true`` (the system's root
             certificates) or a PEM root certificate file. Shards the job starts serve
             plaintext.
+        resources: Ray custom resources each shard actor reserves, e.g. ``{replay_node: 1}``
+            to keep the shards on the nodes started with ``--resources '{"replay_node": 4}'``.
+        label_selector: Ray node labels a shard's node must have, e.g.
+            ``{"ray.io/node-group": "replay"}``.
     """
 
     shards: int = 1
@@ -105,8 +109,11 @@ class ReplaySection:
     start_timeout_s: float = 300.0
     token_file: str | None = None
     tls: bool | str | None = None
+    resources: dict[str, float] = field(default_factory=dict)
+    label_selector: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _placement("replay", self.resources, self.label_selector)
         _at_least("replay.shards", self.shards, 1)
         _at_least("replay.num_cpus", self.num_cpus, 0)
         _at_least("replay.start_timeout_s", self.start_timeout_s, 1)
@@ -165,6 +172,8 @@ class ActorsSection:
             and ``kwargs``; a kwargs value ``{path: ..., kwargs: ...}`` is a callable (see
             :class:`~millpond.actors.processor_specs.ProcessorSpec`). Each is built once here to
             check it, and anew in every actor. Empty: every segment is stored as cut.
+        resources: Ray custom resources each actor reserves (e.g. ``{env_node: 1}``).
+        label_selector: Ray node labels an actor's node must have.
     """
 
     num_actors: int = 2
@@ -179,8 +188,11 @@ class ActorsSection:
     max_restarts: int = 3
     max_in_flight: int = 64
     processors: list[ProcessorSpec] = field(default_factory=list)
+    resources: dict[str, float] = field(default_factory=dict)
+    label_selector: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _placement("actors", self.resources, self.label_selector)
         check_processors(self.processors, "actors.processors")  # bad specs fail before Ray
         for name in ("num_actors", "num_envs", "chunk_len", "weight_sync_every", "max_in_flight"):
             _at_least(f"actors.{name}", getattr(self, name), 1)
@@ -194,7 +206,8 @@ class ActorsSection:
 
 @dataclass(frozen=True)
 class LearnerSection:
-    """The learner, run in the launching process.
+    """The learner: ``num_learners`` Ray actors (one process each), data-parallel when more
+    than one (a ``torch.distributed`` group: gloo on CPU, NCCL on GPU).
 
     Attributes:
         algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices).
@@ -206,8 +219,17 @@ class LearnerSection:
             Nature CNN's fully connected layer is 512 wide.
         ppo: :class:`~millpond.learner.PPOConfig` fields.
         dqn: :class:`~millpond.learner.DQNConfig` fields.
-        threads: torch intra-op threads of the learner (small machines: 1).
+        threads: torch intra-op threads of each learner (small machines: 1).
         checkpoint_every_s: seconds between learner checkpoints in the run directory.
+        num_learners: learner processes; each samples its own batches, their gradients
+            are averaged, rank 0 publishes the weights and writes the checkpoint.
+        num_cpus: CPUs Ray reserves for each learner.
+        num_gpus: GPUs Ray reserves for each learner (fractions share one).
+        device: ``"auto"`` (CUDA when the learner got a GPU, else CPU), ``"cpu"`` or
+            ``"cuda"`` (needs ``num_gpus`` > 0).
+        start_timeout_s: how long to wait for the learners to be placed and ready.
+        resources: Ray custom resources each learner reserves (e.g. ``{learner_node: 1}``).
+        label_selector: Ray node labels a learner's node must have.
     """
 
     algorithm: str = "ppo"
@@ -217,8 +239,26 @@ class LearnerSection:
     dqn: DQNConfig = field(default_factory=DQNConfig)
     threads: int = 1
     checkpoint_every_s: float = 60.0
+    num_learners: int = 1
+    num_cpus: float = 0.5
+    num_gpus: float = 0.0
+    device: str = "auto"
+    start_timeout_s: float = 300.0
+    resources: dict[str, float] = field(default_factory=dict)
+    label_selector: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _placement("learner", self.resources, self.label_selector)
+        _at_least("learner.num_learners", self.num_learners, 1)
+        _at_least("learner.num_cpus", self.num_cpus, 0)
+        _at_least("learner.num_gpus", self.num_gpus, 0)
+        _at_least("learner.start_timeout_s", self.start_timeout_s, 1)
+        _choice("learner.device", self.device, ("auto", "cpu", "cuda"))
+        if self.device == "cuda" and self.num_gpus <= 0:
+            raise InvalidConfigError(
+                "learner.device: 'cuda' needs learner.num_gpus > 0 (Ray hides the GPUs from "
+                "a learner that reserves none)"
+            )
         _choice("learner.algorithm", self.algorithm, ("ppo", "dqn"))
         _choice("learner.network", self.network, NETWORKS)
         _at_least("learner.threads", self.threads, 1)
@@ -458,6 +498,23 @@ def _one_line(e: Exception) -> str:
 def _choice(path: str, value: Any, options: tuple[str, ...]) -> None:
     if value not in options:
         raise InvalidConfigError(f"{path}: {value!r} is not one of {', '.join(options)}")
+
+
+def _placement(section: str, resources: Mapping[str, Any], labels: Mapping[str, Any]) -> None:
+    for name, amount in resources.items():
+        if name in ("CPU", "GPU", "memory"):
+            raise InvalidConfigError(
+                f"{section}.resources.{name}: set {section}.num_cpus / num_gpus instead"
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount < 0:
+            raise InvalidConfigError(
+                f"{section}.resources.{name}: expected a number >= 0, got {_kind(amount)}"
+            )
+    for name, value in labels.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise InvalidConfigError(
+                f"{section}.label_selector.{name}: expected a string, got {_kind(value)}"
+            )
 
 
 def _at_least(path: str, value: Any, low: float) -> None:

@@ -197,3 +197,40 @@ def test_tls_is_true_false_or_a_certificate_file(tmp_path):
     assert load_config(write(tmp_path, ""), [f"replay.tls={cert}"]).replay.tls == str(cert)
     with pytest.raises(InvalidConfigError, match="replay.tls: .*is not a file"):
         load_config(write(tmp_path, ""), [f"replay.tls={tmp_path / 'missing.pem'}"])
+
+
+def test_learner_and_placement_options(tmp_path):
+    config = load_config(
+        write(tmp_path, ""),
+        [
+            "learner.num_learners=2",
+            "learner.num_gpus=1",
+            "learner.device=cuda",
+            "learner.resources={learner_node: 1}",
+            "actors.label_selector={ray.io/node-group: cpu}",
+            "replay.resources={replay_node: 0.5}",
+        ],
+    )
+    assert config.learner.num_learners == 2 and config.learner.device == "cuda"
+    assert config.learner.resources == {"learner_node": 1}
+    assert config.actors.label_selector == {"ray.io/node-group": "cpu"}
+    assert config.replay.resources == {"replay_node": 0.5}
+    assert LaunchConfig().learner.num_learners == 1 and LaunchConfig().learner.device == "auto"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("learner.num_learners=0", "learner.num_learners: 0 must be >= 1"),
+        ("learner.device=gpu", "learner.device: 'gpu' is not one of auto, cpu, cuda"),
+        ("learner.device=cuda", "learner.device: 'cuda' needs learner.num_gpus > 0"),
+        ("learner.num_cpus=-1", "learner.num_cpus: -1.0 must be >= 0"),
+        ("learner.resources={GPU: 1}", "learner.resources.GPU: set learner.num_cpus"),
+        ("actors.resources={env_node: many}", "actors.resources.env_node: expected a number"),
+        ("replay.label_selector={zone: 1}", "replay.label_selector.zone: expected a string"),
+    ],
+)
+def test_learner_and_placement_mistakes_name_the_field(tmp_path, override, message):
+    with pytest.raises(InvalidConfigError) as e:
+        load_config(write(tmp_path, ""), [override])
+    assert str(e.value).startswith(message), str(e.value)

@@ -280,3 +280,73 @@ def test_without_address_the_job_starts_its_own_ray_even_beside_another_cluster(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ray"]["gcs_address"], summary
     assert summary["ray"]["gcs_address"] != other_ray_cluster
+
+
+def test_two_data_parallel_learners_step_together_and_one_publishes(tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch(
+        PPO,
+        *("--set", "ray.num_cpus=2", "--set", "run.status_every_s=1"),
+        *("--set", "actors.num_actors=1", "--set", "learner.num_learners=2"),
+        *("--set", "run.frames=12000", "--run-dir", run_dir),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 ppo learners on cpu" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "frames" and summary["num_learners"] == 2
+    first, second = sorted(summary["learners"], key=lambda r: r["rank"])
+    assert first["steps"] > 0 and first["steps"] == second["steps"] == summary["learner_steps"]
+    assert first["parameters_sha256"] == second["parameters_sha256"]  # the ranks agree
+    assert first["version"] == second["version"] == summary["weights_version"]
+    # Rank 0 sent the initial weights and every trained iteration's; rank 1 sent none.
+    assert first["published"] == summary["weights_version"] + 1 and second["published"] == 0
+    assert [r["rank"] for r in summary["nodes"]["learners"]] == [0, 1]
+    assert all(n["node_id"] for n in summary["nodes"]["replay"] + summary["nodes"]["actors"])
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert checkpoint["num_learners"] == 2 and checkpoint["version"] == summary["weights_version"]
+
+
+def _descendants_named(root: int, prefix: str) -> list[int]:
+    """Processes below ``root`` whose command line starts with ``prefix`` (Linux /proc)."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            names[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace")
+    found = []
+    for pid, name in names.items():
+        if not name.startswith(prefix):
+            continue
+        ancestor = parents.get(pid)
+        while ancestor and ancestor != root:
+            ancestor = parents.get(ancestor)
+        if ancestor == root:
+            found.append(pid)
+    return found
+
+
+def test_a_lost_learner_stops_the_job_with_a_clear_message_and_a_complete_run_directory(
+    tmp_path,
+):
+    import os
+
+    run_dir = tmp_path / "run"
+    proc = start_endless_job(run_dir)
+    try:
+        wait_until_experience_flows(proc)
+        (learner,) = _descendants_named(proc.pid, "ray::LearnerActor")
+        os.kill(learner, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, out[-3000:]
+    assert "learner 0 died" in out and "learners are not restarted" in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "error" and summary["frames"] > 0
+    assert (run_dir / "metrics.csv").exists() and (run_dir / "config.yaml").exists()
+    assert list((run_dir / "replay").glob("shard-0/*")), "the shards were still checkpointed"

@@ -1,0 +1,323 @@
+"""LearnerActor: one learner process of ``millpond launch``, placed by Ray.
+
+The launching process (the driver) starts ``learner.num_learners`` of these Ray actors and
+only supervises them: it calls :meth:`LearnerActor.run` over and over (each call trains for
+up to a second and reports), and :meth:`LearnerActor.checkpoint` now and then. With more than
+one learner, rank 0 reports its node's address and a free port, every rank joins one
+``torch.distributed`` group there (:meth:`LearnerActor.start`), and the ranks train data-
+parallel (see :mod:`millpond.learner.distributed`): rank 0 publishes the weights and writes
+the checkpoint. Every decision to stop a :meth:`~LearnerActor.run` call is taken together,
+so the ranks always leave a call after the same number of steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from millpond.deploy.launch_config import LaunchConfig, to_mapping
+from millpond.errors import DeadlineExceededError, InvalidConfigError
+
+__all__ = ["LearnerActor", "make_learner", "where"]
+
+#: Seconds one :meth:`LearnerActor.run` call trains before it reports (the driver's view of
+#: the learners is at most this old).
+RUN_S = 0.5
+
+
+def where(_instance: Any = None) -> dict[str, Any]:
+    """The Ray node this process runs on: ``node_id`` and ``ip`` (for the run summary).
+
+    Takes (and ignores) an actor instance, so that it can run inside any actor through
+    ``handle.__ray_call__.remote(where)``.
+    """
+    import ray
+
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+    }
+
+
+def make_learner(
+    config: LaunchConfig,
+    client: Any,
+    table: str,
+    obs_space: Any,
+    act_space: Any,
+    *,
+    device: torch.device | str = "cpu",
+    data_parallel: bool = False,
+) -> Any:
+    """The job's :class:`~millpond.learner.PPOLearner` or :class:`~millpond.learner.DQNLearner`,
+    its networks built for the env's spaces and moved to ``device``."""
+    from millpond.learner.dqn import DQNLearner
+    from millpond.learner.networks import (
+        mlp_critic,
+        mlp_policy,
+        mlp_q,
+        nature_cnn_actor_critic,
+        nature_cnn_q,
+        network_for,
+    )
+    from millpond.learner.ppo import PPOLearner
+
+    c = config.learner
+    hidden = tuple(c.hidden_sizes)
+    try:
+        network = network_for(obs_space, c.network)
+    except InvalidConfigError as e:
+        raise InvalidConfigError(f"learner.network: {e}") from None
+    cnn = network == "nature_cnn"
+    # Short sample waits keep each run call close to its time and responsive to the driver.
+    if c.algorithm == "ppo":
+        cfg = replace(c.ppo, sample_timeout_s=c.ppo.sample_timeout_s or 2.0)
+        if cnn:
+            policy, critic = nature_cnn_actor_critic(obs_space, act_space)
+        else:
+            policy = mlp_policy(obs_space, act_space, hidden)
+            critic = mlp_critic(obs_space, hidden)
+        policy, critic = policy.to(device), critic.to(device)
+        return PPOLearner(client, table, cfg, policy, critic, data_parallel=data_parallel)
+    cfg = replace(c.dqn, sample_timeout_s=c.dqn.sample_timeout_s or 2.0)
+    q = nature_cnn_q(obs_space, act_space) if cnn else mlp_q(obs_space, act_space, hidden)
+    return DQNLearner(client, table, cfg, q.to(device), data_parallel=data_parallel)
+
+
+class LearnerActor:
+    """The body of one learner Ray actor (``ray.remote(LearnerActor)``).
+
+    Args:
+        config: the job's config.
+        addresses: the replay service's shard addresses.
+        table: the table the learner samples.
+        obs_space: the env's (wrapped) observation space.
+        act_space: the env's action space.
+        rank: this learner's rank, ``0`` to ``world_size - 1``.
+        world_size: learners in the job.
+        token: the replay service's ``admin`` token, if it requires one.
+        tls: the replay service's TLS setting (see ``replay.tls``).
+    """
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        addresses: str,
+        table: str,
+        obs_space: Any,
+        act_space: Any,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        token: str | None = None,
+        tls: bool | str | None = None,
+    ) -> None:
+        from millpond.allocator import keep_freed_buffers
+        from millpond.learner.client import ReplayClient
+
+        keep_freed_buffers()  # its batches are message-sized buffers
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = _device(config.learner.device)
+        torch.manual_seed(config.run.seed)  # the same initial networks on every rank
+        torch.set_num_threads(config.learner.threads)
+        self.client = _Counting(ReplayClient(addresses, token=token, tls=tls))
+        self._build = (table, obs_space, act_space)
+        self.steps = 0
+        self.learner: Any = None
+        self._group = False
+
+    def describe(self) -> dict[str, Any]:
+        """Where this learner runs: node id and IP, rank, device, the GPUs Ray gave it."""
+        import ray
+
+        return {
+            **where(),
+            "rank": self.rank,
+            "device": str(self.device),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def rendezvous(self) -> tuple[str, int]:
+        """An address and a free port of this node for the group to meet at (rank 0)."""
+        ip = where()["ip"]
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def start(self, master: tuple[str, int] | None = None) -> None:
+        """Join the group at ``master`` (all ranks at once; none with one learner), then
+        build the learner, every rank starting from rank 0's parameters."""
+        data_parallel = self.world_size > 1
+        if data_parallel:
+            import torch.distributed as dist
+
+            assert master is not None, "a group of several learners needs rank 0's address"
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{master[0]}:{master[1]}",
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+            self._group = True
+        table, obs_space, act_space = self._build
+        self.learner = make_learner(
+            self.config,
+            self.client,
+            table,
+            obs_space,
+            act_space,
+            device=self.device,
+            data_parallel=data_parallel,
+        )
+        if data_parallel:
+            from millpond.learner.distributed import broadcast_parameters
+
+            broadcast_parameters(self._modules().values())
+
+    def publish(self) -> int:
+        """Publish the initial weights (every rank counts the version; rank 0 sends)."""
+        return self.learner.publish()
+
+    def run(self, seconds: float = RUN_S) -> dict[str, Any]:
+        """Train for about ``seconds``; what happened meanwhile.
+
+        Returns ``rank``, ``steps`` (learner steps that trained), ``dropped`` (stale steps,
+        PPO), ``sample_s`` / ``update_s``, ``policy_lag`` and ``loss`` (means over the steps,
+        or ``None``) and ``version`` (the last published weight version).
+        """
+        from millpond.learner.distributed import any_true
+
+        deadline = time.monotonic() + seconds
+        steps = dropped = 0
+        sample_s = update_s = 0.0
+        lags: list[float] = []
+        losses: list[float] = []
+        while True:
+            stop = time.monotonic() >= deadline
+            if self._group:
+                stop = any_true(stop, self.device)  # every rank leaves at the same step
+            if stop:
+                break
+            t0 = time.perf_counter()
+            try:
+                metrics = self.learner.step()
+            except DeadlineExceededError:  # not enough new experience yet
+                sample_s += time.perf_counter() - t0
+                continue
+            sample_s += metrics["sample_s"]
+            update_s += metrics["update_s"]
+            steps += 1
+            self.steps += 1
+            dropped += metrics.get("dropped", 0)
+            if "policy_lag_mean" in metrics:
+                lags.append(metrics["policy_lag_mean"])
+            loss = metrics.get("loss", metrics.get("loss_policy"))
+            if loss is not None:
+                losses.append(float(loss))
+        return {
+            "rank": self.rank,
+            "steps": steps,
+            "dropped": dropped,
+            "sample_s": sample_s,
+            "update_s": update_s,
+            "policy_lag": sum(lags) / len(lags) if lags else None,
+            "loss": sum(losses) / len(losses) if losses else None,
+            "version": self.learner.version,
+        }
+
+    def checkpoint(self, path: str, return_bytes: bool = False) -> bytes | None:
+        """Write the learner checkpoint to ``path`` (on this node) atomically; with
+        ``return_bytes``, also return its bytes, for a driver on another node to keep."""
+        learner = self.learner
+        state = {
+            "algorithm": self.config.learner.algorithm,
+            "version": learner.version,
+            "optimizer": learner.optimizer.state_dict(),
+            "config": to_mapping(self.config),
+            "num_learners": self.world_size,
+        }
+        for name, module in self._modules().items():
+            state[name] = module.state_dict()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".pt.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(target)
+        return data if return_bytes else None
+
+    def report(self) -> dict[str, Any]:
+        """This rank's totals for the run summary: ``rank``, ``steps``, ``published`` (weight
+        publications it sent), ``version`` and ``parameters_sha256`` (a digest of its
+        parameters: equal on every rank of a healthy group)."""
+        digest = hashlib.sha256()
+        for module in self._modules().values():
+            for p in module.parameters():
+                digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return {
+            "rank": self.rank,
+            "steps": self.steps,
+            "published": self.client.published,
+            "version": self.learner.version if self.learner is not None else None,
+            "parameters_sha256": digest.hexdigest(),
+        }
+
+    def close(self) -> bool:
+        """Cancel prefetched samples, leave the group, close the client."""
+        if self.learner is not None and hasattr(self.learner, "close"):
+            self.learner.close()
+        if self._group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._group = False
+        self.client.close(timeout_s=5)
+        return True
+
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        names = ("policy", "critic", "q_network", "target_network")
+        modules = {n: getattr(self.learner, n, None) for n in names}
+        return {n: m for n, m in modules.items() if isinstance(m, torch.nn.Module)}
+
+
+class _Counting:
+    """The learner's client, counting the weight publications it sends."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.published = 0
+
+    def publish_weights(self, *args: Any, **kwargs: Any) -> int:
+        version = self._client.publish_weights(*args, **kwargs)
+        self.published += 1
+        return version
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _device(setting: str) -> torch.device:
+    """The learner's device: ``auto`` is CUDA when Ray gave this process a GPU."""
+    import ray
+
+    gpus = ray.get_gpu_ids() if ray.is_initialized() else []
+    if setting == "cuda" or (setting == "auto" and gpus):
+        if not torch.cuda.is_available():
+            raise InvalidConfigError(
+                f"learner.device: {setting!r} but CUDA is not available to this learner "
+                f"(Ray gave it GPUs {gpus}; is torch built with CUDA?)"
+            )
+        return torch.device("cuda")
+    return torch.device("cpu")
