@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     import_ = sub.add_parser("import", help="store an export into a table, exactly")
     dataset_cli.build_import_parser(import_)
 
+    from millpond.deploy import status_cli
+
+    status = sub.add_parser("status", help="one screen of every shard and table of a service")
+    status_cli.build_parser(status)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -50,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             return dataset_cli.run_export(args)
         if args.command == "import":
             return dataset_cli.run_import(args)
+        if args.command == "status":
+            return status_cli.run(args)
     except MillpondError as e:
         print(f"millpond: error: {e}", file=sys.stderr)
         return 2

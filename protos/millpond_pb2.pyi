@@ -239,7 +239,7 @@ class InfoRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("config", "size", "mass", "inserts", "samples", "rate_limiter_diff", "rate_limiter_min_diff", "rate_limiter_max_diff", "bytes_on_disk", "next_generation", "dropped_segments", "host_id", "storage_dir", "storage_token")
+    __slots__ = ("config", "size", "mass", "inserts", "samples", "rate_limiter_diff", "rate_limiter_min_diff", "rate_limiter_max_diff", "bytes_on_disk", "next_generation", "dropped_segments", "host_id", "storage_dir", "storage_token", "blocked_inserts", "blocked_samples", "writers")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MASS_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,9 @@ class TableInfo(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     STORAGE_DIR_FIELD_NUMBER: _ClassVar[int]
     STORAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_INSERTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WRITERS_FIELD_NUMBER: _ClassVar[int]
     config: TableConfig
     size: int
     mass: float
@@ -268,7 +271,10 @@ class TableInfo(_message.Message):
     host_id: str
     storage_dir: str
     storage_token: str
-    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., size: _Optional[int] = ..., mass: _Optional[float] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., rate_limiter_diff: _Optional[float] = ..., rate_limiter_min_diff: _Optional[float] = ..., rate_limiter_max_diff: _Optional[float] = ..., bytes_on_disk: _Optional[int] = ..., next_generation: _Optional[int] = ..., dropped_segments: _Optional[int] = ..., host_id: _Optional[str] = ..., storage_dir: _Optional[str] = ..., storage_token: _Optional[str] = ...) -> None: ...
+    blocked_inserts: int
+    blocked_samples: int
+    writers: int
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., size: _Optional[int] = ..., mass: _Optional[float] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., rate_limiter_diff: _Optional[float] = ..., rate_limiter_min_diff: _Optional[float] = ..., rate_limiter_max_diff: _Optional[float] = ..., bytes_on_disk: _Optional[int] = ..., next_generation: _Optional[int] = ..., dropped_segments: _Optional[int] = ..., host_id: _Optional[str] = ..., storage_dir: _Optional[str] = ..., storage_token: _Optional[str] = ..., blocked_inserts: _Optional[int] = ..., blocked_samples: _Optional[int] = ..., writers: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("tables", "weights_version", "refused_tables")

@@ -88,6 +88,8 @@ def info_to_proto(info: dict[str, Any], config: TableConfig) -> pb.TableInfo:
         bytes_on_disk=info["bytes_on_disk"],
         next_generation=info["next_generation"],
         dropped_segments=info["dropped_segments"],
+        blocked_inserts=info["blocked_inserts"],
+        blocked_samples=info["blocked_samples"],
     )
     if limiter["min_diff"] is not None:
         msg.rate_limiter_min_diff = limiter["min_diff"]
@@ -124,4 +126,8 @@ def info_from_proto(msg: pb.TableInfo) -> dict[str, Any]:
         "host_id": msg.host_id,
         "storage_dir": msg.storage_dir,
         "storage_token": msg.storage_token,
+        # Who waits now: calls the table holds back, and the Insert streams open to it.
+        "blocked_inserts": msg.blocked_inserts,
+        "blocked_samples": msg.blocked_samples,
+        "writers": msg.writers,
     }

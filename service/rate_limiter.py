@@ -15,6 +15,8 @@ the error buffer from deadlocking the two sides.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from millpond.errors import InvalidConfigError
@@ -88,6 +90,30 @@ class RateLimiter:
         if size < max(1, self.min_size):
             return False
         return self.diff >= self.min_diff
+
+    def why_sample_waits(self, size: int) -> str | None:
+        """What a sample waits for when the table holds ``size`` steps (``None``: nothing),
+        in the words an operator needs: how many more steps, and why."""
+        need = max(1, self.min_size)
+        if size < need:
+            return f"{need - size:,} more steps needed before sampling (min_size {self.min_size})"
+        if self.diff < self.min_diff:
+            assert self.samples_per_insert is not None
+            more = math.ceil((self.min_diff - self.diff) / self.samples_per_insert)
+            return (
+                f"{more:,} more inserted steps needed at samples_per_insert "
+                f"{self.samples_per_insert:g}"
+            )
+        return None
+
+    def why_insert_waits(self) -> str | None:
+        """What an insert waits for (``None``: nothing): how many more sampled steps."""
+        if self.can_insert():
+            return None
+        more = math.ceil(self.diff - self.max_diff)
+        return (
+            f"{more:,} more sampled steps needed at samples_per_insert {self.samples_per_insert:g}"
+        )
 
     def on_insert(self, n: int) -> None:
         self._counters[_INSERTS] += n

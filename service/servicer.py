@@ -19,6 +19,7 @@ import functools
 import inspect
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -200,6 +201,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         self.max_weights_bytes = max_weights_bytes
         self.slot_samples = slot_samples
         self.metrics = metrics or ServiceMetrics(lambda: shard.tables)
+        self._writers: dict[str, int] = {}  # Insert streams open, by table
+        self._writers_lock = threading.Lock()
         #: Answer Sample (slot layout) with bytes framed by hand, which only a server
         #: registered by :func:`~millpond.service.server.add_replay_servicer` sends as
         #: they are; the generated registration serializes messages.
@@ -222,36 +225,50 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @_edge
     def Insert(self, request_iterator: Iterator[pb.InsertRequest], context):
         writer_id = table_name = None
-        for request in request_iterator:
-            if isinstance(request, bytes):  # the server's raw-bytes Insert (see server.py)
-                self.metrics.received("Insert", len(request))
-                request = wire.parse_insert_request(request)
-            writer_id = request.writer_id or writer_id
-            table_name = request.table or table_name
-            if not table_name:
-                raise InvalidDataError("the first insert message must name the table")
-            table = self._table(table_name)
-            timeout = _timeout(request.timeout_ms)
-            # One budget for the whole message: its declared shapes are what decoding
-            # allocates, so they are held to the message limit before anything is decoded.
-            budget = codec.Budget(self.max_message_bytes, "the message limit")
-            spec = _wire_spec(table.spec)
-            if request.segments:
-                segments = [self._segment(s, budget, spec) for s in request.segments]
-                groups = [pack(segments)]
-            else:
-                groups = []
-            groups += [self._packed(p, budget, spec) for p in request.packed]
-            if groups:
-                packed = concat(groups)
-                self._insert(table, packed, timeout, writer_id, context)
-            sequences = [s.sequence for s in request.segments]
-            for p in request.packed:
-                sequences.extend(p.sequences)
-            yield pb.InsertResponse(
-                sequences=sequences,
-                stored_through=table.writer_sequence(writer_id) if writer_id else 0,
-            )
+        streaming_to = None  # the table this stream counts as a writer of (Info's writers)
+        try:
+            for request in request_iterator:
+                if isinstance(request, bytes):  # the server's raw-bytes Insert (see server.py)
+                    self.metrics.received("Insert", len(request))
+                    request = wire.parse_insert_request(request)
+                writer_id = request.writer_id or writer_id
+                table_name = request.table or table_name
+                if not table_name:
+                    raise InvalidDataError("the first insert message must name the table")
+                table = self._table(table_name)
+                if streaming_to is None:
+                    streaming_to = table_name
+                    self._count_writer(table_name, 1)
+                timeout = _timeout(request.timeout_ms)
+                # One budget for the whole message: its declared shapes are what decoding
+                # allocates, so they are held to the message limit before anything is decoded.
+                budget = codec.Budget(self.max_message_bytes, "the message limit")
+                spec = _wire_spec(table.spec)
+                if request.segments:
+                    segments = [self._segment(s, budget, spec) for s in request.segments]
+                    groups = [pack(segments)]
+                else:
+                    groups = []
+                groups += [self._packed(p, budget, spec) for p in request.packed]
+                if groups:
+                    packed = concat(groups)
+                    self._insert(table, packed, timeout, writer_id, context)
+                sequences = [s.sequence for s in request.segments]
+                for p in request.packed:
+                    sequences.extend(p.sequences)
+                yield pb.InsertResponse(
+                    sequences=sequences,
+                    stored_through=table.writer_sequence(writer_id) if writer_id else 0,
+                )
+        finally:
+            if streaming_to is not None:
+                self._count_writer(streaming_to, -1)
+
+    def _count_writer(self, table: str, change: int) -> None:
+        with self._writers_lock:
+            self._writers[table] = self._writers.get(table, 0) + change
+            if not self._writers[table]:
+                del self._writers[table]
 
     @staticmethod
     def _insert(
@@ -489,6 +506,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         infos = []
         for t in tables:
             info = info_to_proto(t.info(), t.config)
+            with self._writers_lock:
+                info.writers = self._writers.get(t.name, 0)
             info.storage_dir, info.storage_token = self._location(t)
             if info.storage_token:
                 info.host_id = self.host_id

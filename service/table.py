@@ -321,7 +321,10 @@ class Table:
                 reason = None
                 start = self.storage.next_start(n_slots)
                 if not self.rate_limiter.can_insert():
-                    reason = f"the rate limiter holds inserts back ({self.rate_limiter.describe()})"
+                    reason = (
+                        f"the rate limiter holds inserts back: "
+                        f"{self.rate_limiter.why_insert_waits()} ({self.rate_limiter.describe()})"
+                    )
                 elif self._overlaps_inflight(start, n_slots):
                     reason = "the slots are being written by another writer"
                 else:
@@ -465,10 +468,11 @@ class Table:
                     or (self._queue_full_writers and self.sampler.size > 0)
                 ):
                     break
+                why = self.rate_limiter.why_sample_waits(self.sampler.size)
                 self._wait(
                     deadline,
-                    f"sample of {batch_size} timed out: {self.sampler.size} steps stored "
-                    f"(min_size {self.config.min_size}); {self.rate_limiter.describe()}",
+                    f"sample of {batch_size} timed out: {self.sampler.size} steps stored, "
+                    f"{why or 'fewer than the batch needs'}; {self.rate_limiter.describe()}",
                     "sample",
                 )
             selection = self.sampler.sample(batch_size)
@@ -690,6 +694,8 @@ class Table:
                 "sampler_state": self.sampler.state(),
                 "next_generation": self._files.next_generation,
                 "dropped_segments": len(self.storage.corrupted),
+                "blocked_inserts": self._waiting["insert"],
+                "blocked_samples": self._waiting["sample"],
                 "bytes_on_disk": self.storage.nbytes_on_disk(),
                 "spec": self.spec.to_json() if self.spec is not None else None,
             }

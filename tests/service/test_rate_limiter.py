@@ -116,3 +116,14 @@ def test_uncounted_redraws_are_bounded_by_the_steps_dropped(make_table):
     counted = table.info()["samples"]
     table.sample_colocated(4, timeout=0.2, counted=False)  # a real redraw: evicted rows
     assert table.info()["samples"] == counted
+
+
+def test_what_each_side_waits_for_is_said_in_steps():
+    r = RateLimiter(min_size=10, samples_per_insert=8.0, error_buffer=16.0)
+    assert r.why_sample_waits(size=4) == "6 more steps needed before sampling (min_size 10)"
+    r.on_insert(10)  # diff 80 in [64, 96]
+    assert r.why_sample_waits(size=10) is None and r.why_insert_waits() is None
+    r.on_sample(40)  # diff 40: 24 below the lower bound, 3 inserted steps at 8 each
+    assert r.why_sample_waits(size=10) == "3 more inserted steps needed at samples_per_insert 8"
+    r.on_insert(10)  # diff 120: 24 above the upper bound
+    assert r.why_insert_waits() == "24 more sampled steps needed at samples_per_insert 8"
