@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from millpond.checks import as_int64
-from millpond.config import TableConfig
+from millpond.config import LIVE_SETTINGS, TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError
 from millpond.learner._calls import CallSet
 from millpond.learner._channels import bearer_metadata, channel_options
@@ -198,6 +198,38 @@ class ReplayClient:
         self._check_open()
         request = _create_request(config)
         responses = self._set.on_all(lambda s: self._set.call(s, "CreateTable", request))
+        stored = config_from_proto(responses[0].config)
+        self._masses.configs[stored.name] = stored
+        return stored
+
+    def configure_table(self, table: str, **settings: Any) -> TableConfig:
+        """Change live settings of ``table`` on every shard, while it runs: ``min_size``,
+        ``samples_per_insert`` (``None``: no ratio), ``error_buffer``, and a prioritized
+        table's ``alpha`` and ``beta``. Settings not given are kept. Callers held back are
+        woken to check again at once, and the change persists across restarts (creating
+        the table again keeps it). Needs the admin role where tokens are on.
+
+        Typical use: prefill a table with ``samples_per_insert=None``, then switch the
+        ratio on. Returns the config as shard 0 holds it now; a bad value raises
+        :class:`~millpond.errors.InvalidConfigError` and changes nothing.
+        """
+        _check_table(table)
+        unknown = set(settings) - set(LIVE_SETTINGS)
+        if unknown or not settings:
+            raise InvalidConfigError(
+                f"configure_table takes some of {list(LIVE_SETTINGS)}, received {sorted(settings)}"
+            )
+        self._check_open()
+        request = pb.ConfigureTableRequest(table=table)
+        for name, value in settings.items():
+            if name == "samples_per_insert" and value is None:
+                request.no_samples_per_insert = True
+                continue
+            try:
+                setattr(request, name, value)
+            except (TypeError, ValueError):
+                raise InvalidConfigError(f"{name} ({value!r}) must be a number") from None
+        responses = self._set.on_all(lambda s: self._set.call(s, "ConfigureTable", request))
         stored = config_from_proto(responses[0].config)
         self._masses.configs[stored.name] = stored
         return stored

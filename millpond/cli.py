@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
 
     status = sub.add_parser("status", help="one screen of every shard and table of a service")
     status_cli.build_parser(status)
+    from millpond.deploy import table_cli
+
+    table = sub.add_parser("table", help="change a running table's live settings")
+    table_cli.build_parser(table)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             return dataset_cli.run_import(args)
         if args.command == "status":
             return status_cli.run(args)
+        if args.command == "table":
+            return table_cli.run(args)
     except MillpondError as e:
         print(f"millpond: error: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,10 @@ MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
 MAX_STEP = 2**63 - 1
 
 
+#: The settings of a table that may change while it runs (``TableConfig.configured``).
+LIVE_SETTINGS = ("min_size", "samples_per_insert", "error_buffer", "alpha", "beta")
+
+
 @dataclass(frozen=True)
 class TableConfig:
     """How one table stores and serves its data.
@@ -234,6 +238,31 @@ class TableConfig:
 
     def with_spec(self, spec: TableSpec) -> TableConfig:
         return replace(self, spec=spec)
+
+    def configured(self, **settings: Any) -> TableConfig:
+        """This config with live settings changed (:data:`LIVE_SETTINGS`, what
+        ``ReplayClient.configure_table`` changes on a running table), checked as any
+        config is; the settings not given are kept. ``samples_per_insert=None`` drops the
+        ratio, and its error buffer."""
+        unknown = set(settings) - set(LIVE_SETTINGS)
+        if unknown:
+            raise InvalidConfigError(
+                f"{sorted(unknown)} cannot change on a running table; the live settings are "
+                f"{list(LIVE_SETTINGS)}"
+            )
+        if ("alpha" in settings or "beta" in settings) and self.sampler != "prioritized":
+            raise InvalidConfigError(
+                f"alpha and beta are for prioritized tables; {self.name!r} is {self.sampler!r}"
+            )
+        if "samples_per_insert" in settings and settings["samples_per_insert"] is None:
+            settings.setdefault("error_buffer", None)
+        return replace(self, **settings)
+
+    def without_live_settings(self) -> TableConfig:
+        """This config with the live settings at their defaults: what two configs of one
+        table share however its settings were changed while it ran."""
+        defaults = TableConfig(name=self.name, capacity=self.capacity)
+        return replace(self, **{k: getattr(defaults, k) for k in LIVE_SETTINGS})
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

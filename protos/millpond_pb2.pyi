@@ -214,6 +214,30 @@ class SlotObservations(_message.Message):
     next_rows: Tensor
     def __init__(self, observations: _Optional[_Union[TensorMap, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., next_rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class ConfigureTableRequest(_message.Message):
+    __slots__ = ("table", "min_size", "samples_per_insert", "error_buffer", "alpha", "beta", "no_samples_per_insert")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    NO_SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    min_size: int
+    samples_per_insert: float
+    error_buffer: float
+    alpha: float
+    beta: float
+    no_samples_per_insert: bool
+    def __init__(self, table: _Optional[str] = ..., min_size: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., no_samples_per_insert: _Optional[bool] = ...) -> None: ...
+
+class ConfigureTableResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ...) -> None: ...
+
 class UpdatePrioritiesRequest(_message.Message):
     __slots__ = ("table", "slots", "generations", "priorities")
     TABLE_FIELD_NUMBER: _ClassVar[int]

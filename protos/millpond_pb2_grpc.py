@@ -81,6 +81,11 @@ class ReplayStub:
                 request_serializer=millpond__pb2.GetWeightsRequest.SerializeToString,
                 response_deserializer=millpond__pb2.GetWeightsResponse.FromString,
                 _registered_method=True)
+        self.ConfigureTable = channel.unary_unary(
+                '/millpond.v1.Replay/ConfigureTable',
+                request_serializer=millpond__pb2.ConfigureTableRequest.SerializeToString,
+                response_deserializer=millpond__pb2.ConfigureTableResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -142,6 +147,12 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfigureTable(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +200,11 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.GetWeights,
                     request_deserializer=millpond__pb2.GetWeightsRequest.FromString,
                     response_serializer=millpond__pb2.GetWeightsResponse.SerializeToString,
+            ),
+            'ConfigureTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfigureTable,
+                    request_deserializer=millpond__pb2.ConfigureTableRequest.FromString,
+                    response_serializer=millpond__pb2.ConfigureTableResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +452,33 @@ class Replay:
             '/millpond.v1.Replay/GetWeights',
             millpond__pb2.GetWeightsRequest.SerializeToString,
             millpond__pb2.GetWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfigureTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/ConfigureTable',
+            millpond__pb2.ConfigureTableRequest.SerializeToString,
+            millpond__pb2.ConfigureTableResponse.FromString,
             options,
             channel_credentials,
             insecure,

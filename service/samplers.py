@@ -294,6 +294,16 @@ class PrioritizedSampler(Sampler):
         self._tree.set(slots, priorities**self.alpha)
         self._max[0] = max(float(self._max[0]), float(priorities.max()))
 
+    def set_exponents(self, alpha: float, beta: float) -> None:
+        """Change ``alpha`` and ``beta`` of a running table: the stored steps' sampling
+        weights are recomputed from their priorities (kept as given, so any ``alpha``
+        applies exactly)."""
+        if alpha != self.alpha:
+            live = np.flatnonzero(self._tree.get(np.arange(self.capacity)) > 0)
+            if len(live):
+                self._tree.set(live, np.asarray(self.priorities[live]) ** alpha)
+        self.alpha, self.beta = alpha, beta
+
     def state(self) -> dict:
         return {
             "size": self.size,

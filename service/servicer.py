@@ -519,6 +519,26 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         )
 
     @_edge
+    def ConfigureTable(
+        self, request: pb.ConfigureTableRequest, context
+    ) -> pb.ConfigureTableResponse:
+        table = self._table(request.table)
+        settings: dict = {
+            name: getattr(request, name)
+            for name in ("min_size", "samples_per_insert", "error_buffer", "alpha", "beta")
+            if request.HasField(name)
+        }
+        if request.no_samples_per_insert:
+            if "samples_per_insert" in settings:
+                raise InvalidDataError("samples_per_insert and no_samples_per_insert together")
+            settings["samples_per_insert"] = None
+        if not settings:
+            raise InvalidDataError(f"nothing to configure on table {table.name!r}")
+        config = table.configure(**settings)  # a bad value: InvalidConfigError, by name
+        log.info("table %r configured: %s", table.name, settings)
+        return pb.ConfigureTableResponse(config=config_to_proto(config))
+
+    @_edge
     def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointResponse:
         self.shard.checkpoint()
         return pb.CheckpointResponse(path=str(self.shard.path))

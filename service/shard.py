@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from millpond.config import TableConfig
@@ -97,7 +98,9 @@ class Shard:
             log.error("%s", text)
 
     def create_table(self, config: TableConfig, *, exist_ok: bool = True) -> Table:
-        """Create a table, or return the existing one if its config is the same.
+        """Create a table, or return the existing one if its config is the same, live
+        settings aside (:data:`~millpond.config.LIVE_SETTINGS`: they may have been changed
+        while it ran; the existing table keeps them).
 
         A table of that name with a different config raises :class:`TableExistsError`.
         """
@@ -163,5 +166,8 @@ class Shard:
 
 
 def _same_config(a: TableConfig, b: TableConfig) -> bool:
-    # A table that took its spec from data still matches a config that declared none.
-    return a == b and (b.spec is None or a.spec == b.spec)
+    # A table that took its spec from data still matches a config that declared none, and
+    # one whose live settings were changed while it ran (ConfigureTable) the config it was
+    # created with: the changes persist (the table's config is what creating it returns).
+    a, b = a.without_live_settings(), b.without_live_settings()
+    return replace(a, spec=None) == replace(b, spec=None) and (b.spec is None or a.spec == b.spec)

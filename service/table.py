@@ -700,6 +700,39 @@ class Table:
                 "spec": self.spec.to_json() if self.spec is not None else None,
             }
 
+    def configure(self, **settings: Any) -> TableConfig:
+        """Change live settings of the running table (``min_size``, ``samples_per_insert``,
+        ``error_buffer``; ``alpha``, ``beta`` of a prioritized table; see
+        :meth:`TableConfig.configured`); returns the config now.
+
+        The change applies at once — inserts and samples held back are woken to check
+        again under the new bounds; the counts so far are kept — and is written to the
+        table's files, so it persists across restarts. A bad value raises
+        :class:`InvalidConfigError` and changes nothing.
+        """
+        with self._cond:
+            self._check_open()
+            config = self.config.configured(**settings)
+            c = config
+            limiter = RateLimiter(
+                c.min_size,
+                c.samples_per_insert,
+                c.effective_error_buffer,
+                self._files.limiter_counters,  # the same counts, under the new bounds
+            )
+            previous = self.config
+            self.config = config
+            try:
+                self._write_meta()
+            except BaseException:
+                self.config = previous  # not persisted: not applied either
+                raise
+            self.rate_limiter = limiter
+            if isinstance(self.sampler, PrioritizedSampler):
+                self.sampler.set_exponents(c.alpha, c.beta)
+            self._cond.notify_all()
+            return config
+
     def metrics(self) -> dict[str, float]:
         """What a metrics scrape reads (:mod:`millpond.service.metrics`): counts since the
         table was created (inserted, sampled) or opened (evicted), and gauges of now."""
