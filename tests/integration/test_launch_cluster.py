@@ -1,0 +1,91 @@
+"""``millpond launch`` on a multi-node Ray cluster on this machine (``ray.cluster_utils``):
+shards, env actors and the learner each placed on their own node by custom resources."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from millpond.deploy.launch import Launch
+from millpond.deploy.launch_config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+ROLES = {"replay": "replay_node", "actors": "env_node", "learners": "learner_node"}
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A head that runs nothing of the job, and one node per role."""
+    # Cluster records its head as this machine's "current" Ray cluster, which every
+    # address-less ray.init() on the machine would then join: this one is joined by address.
+    monkeypatch.setattr(ray._private.utils, "write_ray_address", lambda *a, **k: None)
+    monkeypatch.setattr(ray._common.utils, "reset_ray_address", lambda *a, **k: None)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for resource in ROLES.values():
+            c.add_node(num_cpus=1, resources={resource: 1})
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level="WARNING")
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def test_each_role_runs_on_the_node_its_resources_name(cluster, tmp_path):
+    overrides = [
+        f"ray.address={cluster.address}",
+        *("run.frames=3000", "run.status_every_s=1", "actors.num_actors=1"),
+        "replay.resources={replay_node: 1}",
+        "actors.resources={env_node: 1}",
+        "learner.resources={learner_node: 1}",
+    ]
+    config = load_config(CONFIGS / "cartpole-ppo.yaml", overrides)
+    summary = Launch(config, run_dir=tmp_path / "run").run()
+    assert summary["stopped_by"] == "frames" and summary["learner_steps"] > 0, summary
+    node_of = {
+        resource: n["NodeID"]
+        for n in ray.nodes()
+        for resource in ROLES.values()
+        if n["Alive"] and resource in n["Resources"]
+    }
+    for role, resource in ROLES.items():
+        assert {p["node_id"] for p in summary["nodes"][role]} == {node_of[resource]}, role
+    assert summary["nodes"]["driver"]["node_id"] not in node_of.values()
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_losing_the_env_actors_node_restarts_them_on_another_and_the_job_goes_on(cluster, tmp_path):
+    import threading
+    import time
+
+    spare = cluster.add_node(num_cpus=1, resources={"env_node": 1})
+    cluster.wait_for_nodes()
+    overrides = [
+        f"ray.address={cluster.address}",
+        *("run.frames=6000", "run.status_every_s=1", "actors.num_actors=1"),
+        *("actors.resources={env_node: 1}", "learner.resources={learner_node: 1}"),
+        "replay.resources={replay_node: 1}",
+    ]
+    config = load_config(CONFIGS / "cartpole-ppo.yaml", overrides)
+    launch = Launch(config, run_dir=tmp_path / "run")
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(launch.run()), daemon=True)
+    job.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+        launch._fleet is None or launch._fleet.status.frames == 0
+    ):
+        time.sleep(0.2)
+    assert launch._fleet is not None and launch._fleet.status.frames > 0, "no experience"
+    (first,) = ray.get(launch._node_refs["actors"])
+    victim = next(n for n in [*cluster.worker_nodes, spare] if n.node_id == first["node_id"])
+    cluster.remove_node(victim)
+    job.join(timeout=200)
+    assert not job.is_alive()
+    assert result["stopped_by"] == "frames" and result["actor_restarts"] >= 1, result
