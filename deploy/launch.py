@@ -97,6 +97,7 @@ class Launch:
         self.version: int | None = None  # the last published weight version
         self._learner_reports: list[dict[str, Any]] = []
         self._learner_lost = False  # a learner died: the others may wait in the group forever
+        self.learner_restarts = 0
         self._in_loop = False
         self._stop_requested = False  # SIGTERM during the loop
         self._timing = {"sample_s": 0.0, "learn_s": 0.0}
@@ -213,7 +214,9 @@ class Launch:
             self.network = network_for(obs_space, c.learner.network)
         except InvalidConfigError as e:
             raise InvalidConfigError(f"learner.network: {e}") from None
-        self._start_learners(addresses, obs_space, act_space, admin_token)
+        self._learner_args = (addresses, obs_space, act_space, admin_token)
+        self._start_learners()
+        self._save_checkpoint()  # a learner lost before the first periodic one restarts here
 
         self._fleet = ActorFleet(
             actor_client,
@@ -276,20 +279,20 @@ class Launch:
         self._node_refs["replay"] = [s.__ray_call__.remote(where) for s in self._shards]
         return ",".join(addresses)
 
-    def _start_learners(
-        self, addresses: str, obs_space: Any, act_space: Any, token: str | None
-    ) -> None:
-        """Place the learners, form their group, publish the initial weights."""
+    def _start_learners(self, restore: bytes | None = None) -> None:
+        """Place the learners, form their group (from the checkpoint ``restore``, if
+        given), publish their weights."""
         import ray
 
         from millpond.deploy.learner_actor import LearnerActor
 
         c = self.config
         n = c.learner.num_learners
+        addresses, obs_space, act_space, token = self._learner_args
         remote = ray.remote(LearnerActor).options(
             num_cpus=c.learner.num_cpus,
             num_gpus=c.learner.num_gpus,
-            max_restarts=0,  # a lost learner ends the job (its group cannot take it back)
+            max_restarts=0,  # the driver restarts the whole group (it cannot take a rank back)
             **_placement(c.learner.resources, c.learner.label_selector),
         )
         self._learners = [
@@ -306,7 +309,7 @@ class Launch:
             )
             master = ray.get(self._learners[0].rendezvous.remote()) if n > 1 else None
             ray.get(
-                [learner.start.remote(master) for learner in self._learners],
+                [learner.start.remote(master, restore) for learner in self._learners],
                 timeout=c.learner.start_timeout_s,
             )
         except ray.exceptions.GetTimeoutError:
@@ -422,7 +425,25 @@ class Launch:
                 self._say(progress_line(row, c.run.frames))
             if now >= next_checkpoint:  # a crash loses at most this much learning
                 next_checkpoint = now + c.learner.checkpoint_every_s
-                self._save_checkpoint()
+                with _logged("writing the learner checkpoint"):  # a lost rank 0: polled next
+                    self._save_checkpoint()
+
+    def _restart_learners(self, rank: int, error: BaseException) -> None:
+        """Replace the whole group by new learners that start from the last checkpoint."""
+        import ray
+
+        self.learner_restarts += 1
+        path = self.run_dir / "checkpoint.pt"
+        self._say(
+            f"learner {rank} died ({_first_line(error)}); restarting the learners from "
+            f"{path.name} (restart {self.learner_restarts} of "
+            f"{self.config.learner.max_restarts})"
+        )
+        for learner in self._learners:  # the survivors would wait for the lost rank forever
+            with contextlib.suppress(Exception):
+                ray.kill(learner, no_restart=True)
+        self._learners, self._runs = [], {}
+        self._start_learners(restore=path.read_bytes())
 
     def _poll_learners(self, timeout_s: float = 0.2, submit: bool = True) -> None:
         """Collect the learners' finished run calls, and give each its next one."""
@@ -441,10 +462,14 @@ class Launch:
             try:
                 report = ray.get(ref)
             except ray.exceptions.RayActorError as e:
+                if self.learner_restarts < self.config.learner.max_restarts:
+                    self._restart_learners(rank, e)
+                    return
                 self._learner_lost = True
                 raise MillpondError(
-                    f"learner {rank} died ({_first_line(e)}); learners are not restarted: "
-                    "the job stops, keeping the last checkpoint.pt"
+                    f"learner {rank} died ({_first_line(e)}) and learner.max_restarts="
+                    f"{self.config.learner.max_restarts} are spent: the job stops, keeping the "
+                    "last checkpoint.pt"
                 ) from None
             except ray.exceptions.RayTaskError as e:
                 raise MillpondError(f"learner {rank} failed: {e}") from None
@@ -603,6 +628,7 @@ class Launch:
             "num_learners": self.config.learner.num_learners,
             "samples_per_insert": row.get("samples_per_insert") if row else None,
             "actor_restarts": final.restarts if final else 0,
+            "learner_restarts": self.learner_restarts,
             "actors_act_s": round(act_s, 2),
             "actors_write_s": round(write_s, 2),
             "learner_sample_s": round(self._timing["sample_s"], 2),

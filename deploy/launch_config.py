@@ -228,6 +228,8 @@ class LearnerSection:
         device: ``"auto"`` (CUDA when the learner got a GPU, else CPU), ``"cpu"`` or
             ``"cuda"`` (needs ``num_gpus`` > 0).
         start_timeout_s: how long to wait for the learners to be placed and ready.
+        max_restarts: how often a lost learner (its process or node) is replaced: the driver
+            starts the whole group anew from the last ``checkpoint.pt``; then the job stops.
         resources: Ray custom resources each learner reserves (e.g. ``{learner_node: 1}``).
         label_selector: Ray node labels a learner's node must have.
     """
@@ -244,11 +246,13 @@ class LearnerSection:
     num_gpus: float = 0.0
     device: str = "auto"
     start_timeout_s: float = 300.0
+    max_restarts: int = 1
     resources: dict[str, float] = field(default_factory=dict)
     label_selector: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _placement("learner", self.resources, self.label_selector)
+        _at_least("learner.max_restarts", self.max_restarts, 0)
         _at_least("learner.num_learners", self.num_learners, 1)
         _at_least("learner.num_cpus", self.num_cpus, 0)
         _at_least("learner.num_gpus", self.num_gpus, 0)

@@ -153,9 +153,11 @@ class LearnerActor:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def start(self, master: tuple[str, int] | None = None) -> None:
+    def start(self, master: tuple[str, int] | None = None, restore: bytes | None = None) -> None:
         """Join the group at ``master`` (all ranks at once; none with one learner), then
-        build the learner, every rank starting from rank 0's parameters."""
+        build the learner, every rank starting from rank 0's parameters, or from the
+        checkpoint ``restore`` (the bytes of a ``checkpoint.pt``: networks and optimizer;
+        the weight version goes on from the one the service holds)."""
         data_parallel = self.world_size > 1
         if data_parallel:
             import torch.distributed as dist
@@ -179,6 +181,11 @@ class LearnerActor:
             device=self.device,
             data_parallel=data_parallel,
         )
+        if restore is not None:
+            state = torch.load(io.BytesIO(restore), map_location=self.device, weights_only=False)
+            for name, module in self._modules().items():
+                module.load_state_dict(state[name])
+            self.learner.optimizer.load_state_dict(state["optimizer"])
         if data_parallel:
             from millpond.learner.distributed import broadcast_parameters
 
