@@ -1,11 +1,14 @@
-"""``millpond export`` and ``millpond import``: a table's rows to and from a TED export.
+"""``millpond export`` and ``millpond import``: a table's rows to and from a TED export or a
+Minari dataset.
 
 ``millpond export DIR --table NAME --format ted|hdf5 OUT`` writes the stored steps of table
 NAME of the shard directory DIR (what ``millpond serve --dir DIR`` serves) as TED rows: a
 memory-mapped TensorDict directory (``TensorDict.load_memmap(OUT)``) or an HDF5 file
 (``--compression gzip|lzf``). ``millpond import IN --format ted|hdf5 DIR --table NAME``
 stores such an export into a table, created if missing, so that exporting it again gives
-the same rows bit for bit (:mod:`millpond.service.export`).
+the same rows bit for bit (:mod:`millpond.service.export`). ``--format minari`` writes the
+table's episodes as a Minari dataset (OUT is its id, under ``--minari-root``) and reads one
+back (:mod:`millpond.service.minari_format`, which states the episode rules).
 
 Both open the table's files directly, so they refuse a table that another process holds
 open for writing (a running ``millpond serve`` on DIR): two writers of the same files would
@@ -23,8 +26,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from tensordict import TensorDict
 
@@ -43,11 +47,13 @@ from millpond.service.export import (
     load_hdf5,
     pack_export,
 )
+from millpond.service.minari_format import export_minari, load_minari, minari_ted
 from millpond.service.shard import Shard
 from millpond.service.table import Table
 from millpond.service.table_files import holds_table
 
-FORMATS = ("ted", "hdf5")
+FORMATS = ("ted", "hdf5", "minari")
+T = TypeVar("T")
 #: The table files a server holds open for writing as long as it serves the table.
 _HELD_FILES = ("counters.bin", "data/slots.bin", "data/segments.bin")
 
@@ -57,14 +63,20 @@ def build_export_parser(parser: argparse.ArgumentParser | None = None) -> argpar
     p = parser or argparse.ArgumentParser(prog="millpond export")
     p.description = (
         "Write a table's stored steps as TED rows: a memory-mapped TensorDict directory "
-        "(--format ted) or an HDF5 file (--format hdf5). DIR is a shard directory, as "
+        "(--format ted) or an HDF5 file (--format hdf5); or its episodes as a Minari dataset "
+        "(--format minari, OUT a dataset id). DIR is a shard directory, as "
         "`millpond serve --dir DIR` writes it (with --shards N, one of DIR/shard-i). The "
         "table must not be open in a running server."
     )
     p.add_argument("dir", metavar="DIR", help="shard directory holding the table")
-    p.add_argument("out", metavar="OUT", help="where to write the export (must not exist)")
+    p.add_argument(
+        "out",
+        metavar="OUT",
+        help="where to write the export (must not exist); for minari, a dataset id such as "
+        "millpond/cartpole-v0",
+    )
     p.add_argument("--table", required=True, metavar="NAME", help="table to export")
-    p.add_argument("--format", required=True, metavar="{ted,hdf5}", help="export format")
+    p.add_argument("--format", required=True, metavar="{ted,hdf5,minari}", help="export format")
     p.add_argument(
         "--compression",
         default="none",
@@ -80,6 +92,13 @@ def build_export_parser(parser: argparse.ArgumentParser | None = None) -> argpar
         metavar="{" + ",".join(EXPORT_ORDERS) + "}",
         help="row order: oldest segment first (default), or each episode's rows together",
     )
+    _add_minari_root(p)
+    p.add_argument(
+        "--env",
+        metavar="ID",
+        help="minari: the gymnasium env id whose observation and action spaces the dataset "
+        "records (default: unbounded Boxes of the stored dtypes and shapes)",
+    )
     _add_busy_flag(p)
     return p
 
@@ -92,15 +111,19 @@ def build_import_parser(parser: argparse.ArgumentParser | None = None) -> argpar
         "Exporting the table afterwards gives the same rows bit for bit. The shard must "
         "not be open in a running server."
     )
-    p.add_argument("input", metavar="IN", help="the export: a TED directory or an HDF5 file")
+    p.add_argument(
+        "input",
+        metavar="IN",
+        help="the export: a TED directory, an HDF5 file, or a Minari dataset id",
+    )
     p.add_argument("dir", metavar="DIR", help="shard directory (created if missing)")
-    p.add_argument("--format", required=True, metavar="{ted,hdf5}", help="format of IN")
+    p.add_argument("--format", required=True, metavar="{ted,hdf5,minari}", help="format of IN")
     p.add_argument("--table", required=True, metavar="NAME", help="table to store into")
     p.add_argument(
         "--source",
         metavar="NAME",
         help="number the episodes anew in this extend source's id range "
-        "(default: keep the exported episode ids)",
+        "(default: keep the exported episode ids; for minari, the source minari:IN)",
     )
     p.add_argument(
         "--sampler",
@@ -115,8 +138,17 @@ def build_import_parser(parser: argparse.ArgumentParser | None = None) -> argpar
         "segment of L steps takes L + 1)",
     )
     p.add_argument("--slice-len", type=int, metavar="N", help="a new slices table's slice_len")
+    _add_minari_root(p)
     _add_busy_flag(p)
     return p
+
+
+def _add_minari_root(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--minari-root",
+        metavar="PATH",
+        help="minari: where datasets live (default $MINARI_DATASETS_PATH, else ~/.minari/datasets)",
+    )
 
 
 def _add_busy_flag(p: argparse.ArgumentParser) -> None:
@@ -131,7 +163,12 @@ def _add_busy_flag(p: argparse.ArgumentParser) -> None:
 # -- commands -------------------------------------------------------------------------------
 def run_export(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
-        raise InvalidConfigError(f"unknown format {args.format!r}; expected ted or hdf5")
+        raise InvalidConfigError(f"unknown format {args.format!r}; expected ted, hdf5 or minari")
+    if args.format == "minari":
+        return _export_minari(args)
+    for flag, value in (("--minari-root", args.minari_root), ("--env", args.env)):
+        if value is not None:
+            raise InvalidConfigError(f"{flag} is for --format minari")
     compression = None if args.compression == "none" else args.compression
     if args.format == "ted" and (compression is not None or args.compression_level is not None):
         raise InvalidConfigError("--compression is for --format hdf5")
@@ -174,9 +211,16 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_import(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
-        raise InvalidConfigError(f"unknown format {args.format!r}; expected ted or hdf5")
-    td = _load(Path(args.input), args.format)
-    packed = pack_export(td, source=args.source)
+        raise InvalidConfigError(f"unknown format {args.format!r}; expected ted, hdf5 or minari")
+    if args.format == "minari":
+        packed = pack_export(
+            minari_ted(_minari(load_minari, args.input, root=args.minari_root)),
+            source=args.source or f"minari:{args.input}",
+        )
+    else:
+        if args.minari_root is not None:
+            raise InvalidConfigError("--minari-root is for --format minari")
+        packed = pack_export(_load(Path(args.input), args.format), source=args.source)
     needed = packed.num_steps + len(packed)
     shard = _shard_dir(args.dir, create=False, allow_missing=True)
     table_dir = shard / "tables" / args.table
@@ -212,6 +256,48 @@ def run_import(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def _export_minari(args: argparse.Namespace) -> int:
+    if args.compression != "none" or args.compression_level is not None:
+        raise InvalidConfigError("--compression is for --format hdf5")
+    if args.order != "publication":
+        raise InvalidConfigError("--order is for ted and hdf5: a Minari dataset holds episodes")
+    shard = _shard_dir(args.dir, create=False)
+    table_dir = _table_dir(shard, args.table)
+    if not args.skip_busy_check:
+        _check_not_open([table_dir], shard)
+    table = Table.open(table_dir)
+    try:
+        s = _minari(export_minari, table, args.out, root=args.minari_root, env=args.env)
+    finally:
+        table.close()
+    print(
+        f"millpond: exported {s.episodes} episodes ({s.steps} steps) of table {args.table!r} "
+        f"to Minari dataset {args.out!r} at {s.path}",
+        flush=True,
+    )
+    notes = []
+    if s.dropped_partial:
+        notes.append(
+            f"{s.dropped_partial} episode(s) ({s.dropped_steps} steps) left out: their "
+            "beginning is no longer stored"
+        )
+    if s.truncated_open:
+        notes.append(f"{s.truncated_open} open episode(s) written as truncated at their last step")
+    if s.left_out_keys:
+        notes.append(f"step keys with no place in a Minari episode: {', '.join(s.left_out_keys)}")
+    for note in notes:
+        print(f"millpond: note: {note}", file=sys.stderr)
+    return 0
+
+
+def _minari(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(...)``, a missing minari said as what to install."""
+    try:
+        return fn(*args, **kwargs)
+    except ImportError as e:
+        raise InvalidConfigError(str(e)) from None
 
 
 # -- helpers --------------------------------------------------------------------------------

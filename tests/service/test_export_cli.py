@@ -298,7 +298,7 @@ def test_a_table_a_running_server_holds_is_refused(shard_dir, tmp_path):
         (["export", "{shard}", "--table", "nope", "--format", "ted", "{tmp}/o"],
          "millpond: error: no table 'nope' in {shard} (tables: one, two)"),
         (["export", "{shard}", "--table", "one", "--format", "csv", "{tmp}/o"],
-         "millpond: error: unknown format 'csv'; expected ted or hdf5"),
+         "millpond: error: unknown format 'csv'; expected ted, hdf5 or minari"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_code_2(shard_dir, tmp_path, args, message):
