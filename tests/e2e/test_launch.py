@@ -329,56 +329,36 @@ def _descendants_named(root: int, prefix: str) -> list[int]:
     return found
 
 
-def test_a_lost_learner_stops_the_job_with_a_clear_message_and_a_complete_run_directory(
-    tmp_path,
-):
-    import os
-
-    run_dir = tmp_path / "run"
-    proc = start_endless_job(run_dir, "--set", "learner.max_restarts=0")
-    try:
-        wait_until_experience_flows(proc)
-        (learner,) = _descendants_named(proc.pid, "ray::LearnerActor")
-        os.kill(learner, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 2, out[-3000:]
-    assert "learner 0 died" in out and "learner.max_restarts=0 are spent" in out, out[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped_by"] == "error" and summary["frames"] > 0
-    assert (run_dir / "metrics.csv").exists() and (run_dir / "config.yaml").exists()
-    assert list((run_dir / "replay").glob("shard-0/*")), "the shards were still checkpointed"
-
-
-def test_a_lost_learner_restarts_from_the_checkpoint_and_the_job_goes_on(tmp_path):
+def test_a_lost_learner_restarts_once_from_the_checkpoint_then_the_job_stops_cleanly(tmp_path):
     import os
 
     run_dir = tmp_path / "run"
     proc = start_endless_job(run_dir)  # learner.max_restarts: 1 by default
+    lines: list[str] = []
     try:
         wait_until_experience_flows(proc)
         (learner,) = _descendants_named(proc.pid, "ray::LearnerActor")
         os.kill(learner, signal.SIGKILL)
-        lines = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
             lines.append(proc.stdout.readline())
             if "restarting the learners from checkpoint.pt" in lines[-1]:
                 break
-        for _ in range(5):  # a few progress lines of the new learners
+        for _ in range(4):  # a few progress lines of the new learner
             lines.append(proc.stdout.readline())
-        proc.send_signal(signal.SIGTERM)
+        (learner,) = _descendants_named(proc.pid, "ray::LearnerActor")
+        os.kill(learner, signal.SIGKILL)  # restarts spent: the job stops
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, "".join(lines) + out[-3000:]
+    out = "".join(lines) + out
+    assert proc.returncode == 2, out[-3000:]
+    assert "restart 1 of 1" in out, out[-3000:]
+    assert "learner 0 died" in out and "learner.max_restarts=1 are spent" in out, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["learner_restarts"] == 1 and summary["stopped_by"] == "interrupted"
-    assert summary["learners"][0]["steps"] > 0  # the new learner trained
-    assert (
-        torch.load(run_dir / "checkpoint.pt", weights_only=False)["version"]
-        == (summary["weights_version"])
-    )
+    assert summary["learner_restarts"] == 1 and summary["stopped_by"] == "error"
+    assert summary["frames"] > 0 and summary["learner_steps"] > 0
+    assert summary["checkpoint"] and (run_dir / "checkpoint.pt").exists()
+    assert (run_dir / "metrics.csv").exists() and (run_dir / "config.yaml").exists()
+    assert list((run_dir / "replay").glob("shard-0/*")), "the shards were still checkpointed"

@@ -222,7 +222,7 @@ def test_a_queue_gives_each_step_to_one_of_several_learners(client, server, tabl
         try:
             while True:
                 try:
-                    batch = own.sample(table_name, 16, timeout_s=1.0)
+                    batch = own.sample(table_name, 16, timeout_s=0.3)
                 except DeadlineExceededError:  # fewer steps left than a batch
                     return
                 exp.check(batch, stops="segment")  # each row is a written step, exactly

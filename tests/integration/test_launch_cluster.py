@@ -37,35 +37,20 @@ def cluster(monkeypatch):
         c.shutdown()
 
 
-def test_each_role_runs_on_the_node_its_resources_name(cluster, tmp_path):
-    overrides = [
-        f"ray.address={cluster.address}",
-        *("run.frames=3000", "run.status_every_s=1", "actors.num_actors=1"),
-        "replay.resources={replay_node: 1}",
-        "actors.resources={env_node: 1}",
-        "learner.resources={learner_node: 1}",
-    ]
-    config = load_config(CONFIGS / "cartpole-ppo.yaml", overrides)
-    summary = Launch(config, run_dir=tmp_path / "run").run()
-    assert summary["stopped_by"] == "frames" and summary["learner_steps"] > 0, summary
-    node_of = {
-        resource: n["NodeID"]
-        for n in ray.nodes()
-        for resource in ROLES.values()
-        if n["Alive"] and resource in n["Resources"]
-    }
-    for role, resource in ROLES.items():
-        assert {p["node_id"] for p in summary["nodes"][role]} == {node_of[resource]}, role
-    assert summary["nodes"]["driver"]["node_id"] not in node_of.values()
-    assert (tmp_path / "run" / "checkpoint.pt").exists()
-
-
-def test_losing_the_env_actors_node_restarts_them_on_another_and_the_job_goes_on(cluster, tmp_path):
+def test_roles_run_where_their_resources_say_and_the_job_survives_losing_the_actors_node(
+    cluster, tmp_path
+):
     import threading
     import time
 
     spare = cluster.add_node(num_cpus=1, resources={"env_node": 1})
     cluster.wait_for_nodes()
+    node_of = {
+        resource: n["NodeID"]
+        for n in ray.nodes()
+        for resource in ROLES.values()
+        if n["Alive"] and resource in n["Resources"] and n["NodeID"] != spare.node_id
+    }
     overrides = [
         f"ray.address={cluster.address}",
         *("run.frames=6000", "run.status_every_s=1", "actors.num_actors=1"),
@@ -85,7 +70,14 @@ def test_losing_the_env_actors_node_restarts_them_on_another_and_the_job_goes_on
     assert launch._fleet is not None and launch._fleet.status.frames > 0, "no experience"
     (first,) = ray.get(launch._node_refs["actors"])
     victim = next(n for n in [*cluster.worker_nodes, spare] if n.node_id == first["node_id"])
-    cluster.remove_node(victim)
+    cluster.remove_node(victim)  # the actor restarts on the other env node
     job.join(timeout=200)
     assert not job.is_alive()
     assert result["stopped_by"] == "frames" and result["actor_restarts"] >= 1, result
+    assert result["learner_steps"] > 0
+    for role in ("replay", "learners"):
+        resource = ROLES[role]
+        assert {p["node_id"] for p in result["nodes"][role]} == {node_of[resource]}, role
+    assert first["node_id"] in (node_of["env_node"], spare.node_id)
+    assert result["nodes"]["driver"]["node_id"] not in [*node_of.values(), spare.node_id]
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
