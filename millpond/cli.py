@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from millpond.deploy import dataset_cli
 
-    export = sub.add_parser("export", help="write a table's rows as TED (memmap) or HDF5")
+    export = sub.add_parser("export", help="a table to TED (memmap), HDF5 or a Minari dataset")
     dataset_cli.build_export_parser(export)
-    import_ = sub.add_parser("import", help="store an export into a table, exactly")
+    import_ = sub.add_parser("import", help="store an export or Minari dataset into a table")
     dataset_cli.build_import_parser(import_)
 
     from millpond.deploy import status_cli
