@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -44,7 +45,14 @@ from millpond.ted import observation_keys, rows_differ
 if TYPE_CHECKING:
     from millpond.service.table import Table
 
-__all__ = ["MinariExportSummary", "export_minari", "import_minari", "load_minari", "minari_root"]
+__all__ = [
+    "MinariExportSummary",
+    "export_minari",
+    "import_minari",
+    "load_minari",
+    "minari_root",
+    "minari_ted",
+]
 
 _ACTION: Key = ("action",)
 _REWARD: Key = ("next", "reward")
@@ -132,8 +140,11 @@ def export_minari(
                 f"{dropped} episode(s) had lost their beginning"
             )
         obs_space, act_space = _spaces(td, obs_keys)
+        if env is not None:
+            _check_env(env, obs_space, act_space)
+        _np(td[_REWARD][:1])  # refused before anything is written, as the spaces' dtypes
         buffers = _episode_buffers(minari, td, obs_keys, spans)
-        with _datasets_path(base), warnings.catch_warnings():
+        with _datasets_path(base), warnings.catch_warnings(), _removed_on_error(path):
             warnings.simplefilter("ignore", UserWarning)  # unset author, code link, ...
             minari.create_dataset_from_buffers(
                 dataset_id,
@@ -296,10 +307,51 @@ def _spaces(td: TensorDictBase, obs_keys: list[Key]) -> tuple[Any, Any]:
     return as_space(boxes), box(td[_ACTION])
 
 
+def _check_env(env: str, obs_space: Any, act_space: Any) -> None:
+    """Refuse an env whose spaces do not describe the table's data (shapes, Dict keys)."""
+    import gymnasium as gym
+
+    try:
+        made = gym.make(env)
+    except Exception as e:  # gymnasium raises its own errors for unknown or broken ids
+        raise InvalidConfigError(f"cannot make gymnasium env {env!r}: {e}") from None
+    try:
+        spaces = made.observation_space, made.action_space
+    finally:
+        made.close()
+
+    def fits(space: Any, stored: Any) -> bool:
+        if isinstance(stored, gym.spaces.Dict):
+            return (
+                isinstance(space, gym.spaces.Dict)
+                and set(space.spaces) == set(stored.spaces)
+                and all(fits(space[k], stored[k]) for k in stored.spaces)
+            )
+        return space.shape == stored.shape
+
+    for what, space, stored in zip(
+        ("observation", "action"), spaces, (obs_space, act_space), strict=True
+    ):
+        if not fits(space, stored):
+            raise InvalidConfigError(
+                f"--env {env}: its {what} space {space} does not fit the table's {what}s ({stored})"
+            )
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         raise InvalidDataError("Minari (numpy) has no bfloat16: export the table as TED instead")
     return t.contiguous().numpy()
+
+
+@contextlib.contextmanager
+def _removed_on_error(path: Path) -> Iterator[None]:
+    """A dataset that failed half way is removed: Minari would refuse its id from then on."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 @contextlib.contextmanager

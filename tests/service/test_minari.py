@@ -277,6 +277,13 @@ def test_refusals_are_one_line(shard, tmp_path, monkeypatch, capsys):
     assert run(*export, "--table", "cart", "x-v0") == 0
     capsys.readouterr()
     assert error(*export, "--table", "cart", "x-v0").startswith("Minari dataset 'x-v0' exists at ")
+    assert error(*export, "--table", "cart", "--env", "MountainCar-v0", "m-v0").startswith(
+        "--env MountainCar-v0: its observation space Box("
+    )
+    assert error(*export, "--table", "cart", "--env", "NoSuchEnv-v9", "m-v0").startswith(
+        "cannot make gymnasium env 'NoSuchEnv-v9': "
+    )
+    assert not (root / "m-v0").exists()
     assert error("export", shard, "--table", "cart", "--format", "ted", "--minari-root", root,
                  tmp_path / "o") == "--minari-root is for --format minari"  # fmt: skip
     assert error("import", "absent-v0", "--format", "minari", "--minari-root", root,
