@@ -280,8 +280,8 @@ def _export_minari(args: argparse.Namespace) -> int:
     notes = []
     if s.dropped_partial:
         notes.append(
-            f"{s.dropped_partial} episode(s) ({s.dropped_steps} steps) left out: their "
-            "beginning is no longer stored"
+            f"{s.dropped_partial} episode(s) ({s.dropped_steps} steps) left out: not "
+            "stored whole from step 0 (beginning evicted)"
         )
     if s.truncated_open:
         notes.append(f"{s.truncated_open} open episode(s) written as truncated at their last step")

@@ -38,7 +38,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.segments import flatten
-from millpond.service.export import export_ted, import_ted, pack_export
+from millpond.service.export import EXPORT_CHUNK_ROWS, export_ted, import_ted, pack_export
 from millpond.spec import Key, format_key
 from millpond.ted import observation_keys, rows_differ
 
@@ -223,8 +223,10 @@ def _episodes(
     ended = td["next", "terminated"].reshape(n).numpy() | td["next", "truncated"].reshape(n).numpy()
     chained = np.ones(n, dtype=bool)  # row r: its next observation is row r + 1's observation
     chained[-1] = False
-    for k in obs_keys:
-        chained[:-1] &= ~rows_differ(td[("next", *k)][:-1], td[k][1:]).numpy()
+    for i in range(0, n - 1, EXPORT_CHUNK_ROWS):  # a chunk at a time: tables of images
+        j = min(i + EXPORT_CHUNK_ROWS, n - 1)
+        for k in obs_keys:
+            chained[i:j] &= ~rows_differ(td[("next", *k)][i:j], td[k][i + 1 : j + 1]).numpy()
     starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
     stops = np.r_[starts[1:], n]
     spans, dropped, dropped_steps, open_ = [], 0, 0, 0

@@ -188,7 +188,8 @@ def test_episodes_whose_beginning_was_evicted_are_left_out(tmp_path, monkeypatch
                "--minari-root", root, "ring-v0") == 0  # fmt: skip
     err = capsys.readouterr().err
     dropped = sum(1 for e, _ in stored if e in partial)
-    assert f"1 episode(s) ({dropped} steps) left out: their beginning is no longer stored" in err
+    note = f"1 episode(s) ({dropped} steps) left out: not stored whole from step 0"
+    assert f"{note} (beginning evicted)" in err
     _, episodes = episodes_of("ring-v0", root, monkeypatch)
     complete = [t for t in dict.fromkeys(tids) if t in firsts]
     assert len(episodes) == len(complete)
