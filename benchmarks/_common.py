@@ -51,6 +51,46 @@ def calibrate(fn: Callable[[], object], rep_seconds: float, at_least: int = 3) -
     return max(at_least, int(rep_seconds / per_call))
 
 
+def time_in_turns(
+    systems: dict[str, Callable[[], object]], reps: int, calls: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """``calls`` back-to-back calls of each system in turn, ``reps`` times over (so that a
+    shared machine's slow phases fall on all alike): each call's latency and each system's
+    total wall time, in seconds."""
+    lat: dict[str, list[float]] = {name: [] for name in systems}
+    wall: dict[str, float] = {name: 0.0 for name in systems}
+    for _ in range(reps):
+        for name, fn in systems.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                lat[name].append(time.perf_counter() - t0)
+            wall[name] += time.perf_counter() - start
+    return lat, wall
+
+
+def start_ray(num_cpus: int = 2) -> None:
+    """``ray.init`` for a side-by-side run, tried twice: on a busy machine a node can time
+    out while it starts."""
+    import ray
+
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+            return
+        except Exception as e:
+            ray.shutdown()
+            if attempt == 2:
+                raise
+            log(f"ray: {e}; trying once more")
+
+
 def code_version(paths: Sequence[str]) -> str:
     """The git commit of the millpond code measured, and which of ``paths`` have local edits."""
     import millpond

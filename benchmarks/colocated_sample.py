@@ -25,10 +25,10 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from _common import time_in_turns
 from wire_sample import OBS_SHAPE, _fill, _pct
 
 MiB = 1 << 20
@@ -166,16 +166,7 @@ def _measure(args, port: int) -> list[list[str]]:
         for fn in list(systems.values())[:4]:
             fn()
     assert colocated._sampler._colocation._readers, "the colocated client must read the files"
-    lat: dict[str, list[float]] = {name: [] for name in systems}
-    wall: dict[str, float] = {name: 0.0 for name in systems}
-    for _ in range(args.reps):
-        for name, fn in systems.items():
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                t0 = time.perf_counter()
-                fn()
-                lat[name].append(time.perf_counter() - t0)
-            wall[name] += time.perf_counter() - start
+    lat, wall = time_in_turns(systems, args.reps, args.calls)
     for stream in streams.values():
         stream.close()
     channel.close()

@@ -415,9 +415,8 @@ ORDER = [
 def run(args, batches: list[int], root: Path) -> dict[tuple[str, int], list[dict[str, float]]]:
     import contextlib
     import functools
-    import logging
 
-    from _common import log, millpond_serve, quiet_torchrl
+    from _common import log, millpond_serve, quiet_torchrl, start_ray
 
     from millpond import ReplayClient
 
@@ -456,20 +455,7 @@ def run(args, batches: list[int], root: Path) -> dict[tuple[str, int], list[dict
             from torchrl.data import LazyMemmapStorage, RandomSampler, RayReplayBuffer
 
             t0 = time.perf_counter()
-            for attempt in (1, 2):
-                try:
-                    ray.init(
-                        num_cpus=2,
-                        include_dashboard=False,
-                        log_to_driver=False,
-                        logging_level=logging.WARNING,
-                    )
-                    break
-                except Exception as e:  # a node that timed out starting on a busy machine
-                    ray.shutdown()
-                    if attempt == 2:
-                        raise
-                    log(f"ray: {e}; trying once more")
+            start_ray()
             stack.callback(ray.shutdown)
             scratch = root / "torchrl"
             scratch.mkdir()

@@ -25,10 +25,10 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from _common import time_in_turns
 
 MiB = 1 << 20
 OBS_SHAPE = (4, 84, 84)
@@ -238,16 +238,7 @@ def _measure(args, tables, slots_port, rows_port, raw_port, ReplayClient, grpc, 
             sizes[label] = size
         for fn in systems.values():  # warm-up
             fn()
-        lat: dict[str, list[float]] = {name: [] for name in systems}
-        wall: dict[str, float] = {name: 0.0 for name in systems}
-        for _ in range(args.reps):
-            for name, fn in systems.items():
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    fn()
-                    lat[name].append(time.perf_counter() - t0)
-                wall[name] += time.perf_counter() - start
+        lat, wall = time_in_turns(systems, args.reps, args.calls)
         for name in systems:
             calls = args.reps * args.calls
             out.append(

@@ -9,13 +9,13 @@ streams open, the last weights version. ``--watch`` refreshes the screen until C
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
+from millpond.deploy.service_args import add_service_args, connect
 from millpond.learner.client import ReplayClient
 from millpond.service.rate_limiter import RateLimiter
 
@@ -35,18 +35,12 @@ _COLUMNS = (
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="millpond status", description=__doc__)
-    p.add_argument("addresses", help="the service's shards: host:port[,host:port...]")
+    add_service_args(p, "bearer token for a service with tokens")
     p.add_argument("--table", help="only this table")
     p.add_argument(
         "--interval", type=float, default=1.0, help="seconds between the two snapshots (rates)"
     )
     p.add_argument("--watch", action="store_true", help="refresh every --interval until Ctrl-C")
-    p.add_argument(
-        "--token",
-        default=os.environ.get("MILLPOND_TOKEN"),
-        help="bearer token for a service with tokens (default: $MILLPOND_TOKEN)",
-    )
-    p.add_argument("--tls-ca", help="PEM root certificate of a TLS service")
     return p
 
 
@@ -56,9 +50,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     if args.interval <= 0:
         print("millpond: error: --interval must be positive", file=sys.stderr)
         return 2
-    with ReplayClient(
-        args.addresses, token=args.token, tls=args.tls_ca, colocated=False, timeout_s=10
-    ) as client:
+    with connect(args, timeout_s=10) as client:
         before, t0 = _snapshot(client, args.table), time.monotonic()
         try:
             while True:

@@ -9,17 +9,16 @@ dataset with no ratio, then switch it on.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from millpond.learner.client import ReplayClient
+from millpond.deploy.service_args import add_service_args, connect
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="millpond table", description=__doc__)
     sub = p.add_subparsers(dest="table_command", required=True)
     c = sub.add_parser("configure", help="change a running table's live settings")
-    c.add_argument("addresses", help="the service's shards: host:port[,host:port...]")
+    add_service_args(c, "an admin token, for a service with tokens")
     c.add_argument("table")
     c.add_argument("--min-size", type=int)
     ratio = c.add_mutually_exclusive_group()
@@ -30,12 +29,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     c.add_argument("--error-buffer", type=float)
     c.add_argument("--alpha", type=float, help="prioritized tables")
     c.add_argument("--beta", type=float, help="prioritized tables")
-    c.add_argument(
-        "--token",
-        default=os.environ.get("MILLPOND_TOKEN"),
-        help="an admin token, for a service with tokens (default: $MILLPOND_TOKEN)",
-    )
-    c.add_argument("--tls-ca", help="PEM root certificate of a TLS service")
     return p
 
 
@@ -50,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if not settings:
         print("millpond: error: nothing to configure (see --help)", file=sys.stderr)
         return 2
-    with ReplayClient(args.addresses, token=args.token, tls=args.tls_ca, timeout_s=30) as client:
+    with connect(args, timeout_s=30) as client:
         config = client.configure_table(args.table, **settings)
     ratio = config.samples_per_insert
     print(
