@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from millpond.protos import millpond_pb2 as pb
+from millpond.protos.codec import to_tensor_map
 from millpond.protos.framing import (
     FIXED64,
     LEN,
@@ -42,20 +43,43 @@ from millpond.sample_format import SlotSample
 from millpond.segments import PackedSegments
 from millpond.spec import Key
 
+#: Messages smaller than this go through protobuf: its copies cost less than framing by
+#: hand in Python (CartPole-sized segments).
+SMALL_BYTES = 64 * 1024
+
+
+def _data_bytes(packed: PackedSegments) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for part in (packed.steps, packed.tails, packed.frames)
+        for t in part.values()
+    )
+
 
 # -- insert --------------------------------------------------------------------------------
 def encode_packed(
-    packed: PackedSegments, compress_keys: frozenset[Key] | set[Key] = frozenset()
+    packed: PackedSegments,
+    compress_keys: frozenset[Key] | set[Key] = frozenset(),
+    *,
+    framed: bool | None = None,
 ) -> bytes:
     """``packed`` as the bytes of a ``pb.PackedSegments`` without its sequences (which
     :func:`insert_request` adds when the segments are sent): one copy of the tensors' data.
-    ``compress_keys``: keys sent zstd-compressed."""
-    meta = pb.PackedSegments(
+    ``compress_keys``: keys sent zstd-compressed. ``framed``: by hand (``True``), by
+    protobuf (``False``), or by hand from :data:`SMALL_BYTES` of tensor data on (``None``)."""
+    msg = pb.PackedSegments(
         episode_ids=packed.episode_ids.tolist(),
         first_steps=packed.first_steps.tolist(),
         lengths=packed.lengths.tolist(),
-    ).SerializeToString()
-    pieces: list[Piece] = [meta]
+    )
+    if framed is False or (framed is None and _data_bytes(packed) < SMALL_BYTES):
+        # protobuf's C encoder beats framing in Python on small messages
+        to_tensor_map(packed.steps, [packed.num_steps], compress_keys, out=msg.steps)
+        to_tensor_map(packed.tails, [len(packed)], compress_keys, out=msg.tails)
+        if packed.frames:
+            to_tensor_map(packed.frames, [], compress_keys, out=msg.frames)
+        return msg.SerializeToString()
+    pieces: list[Piece] = [msg.SerializeToString()]
     pieces += tensor_map(5, packed.steps, [packed.num_steps], compress_keys)
     pieces += tensor_map(6, packed.tails, [len(packed)], compress_keys)
     if packed.frames:  # frame-stacked keys; their rows differ with their k: no batch
@@ -127,8 +151,17 @@ class InsertView:
         return self.fields.segments
 
 
-def parse_insert_request(buf: bytes) -> InsertView:
-    """Parse the bytes of an ``InsertRequest``, its tensors as views of ``buf``."""
+def parse_insert_request(buf: bytes) -> InsertView | pb.InsertRequest:
+    """Parse the bytes of an ``InsertRequest``: :func:`parse_framed_insert`, or below
+    :data:`SMALL_BYTES` protobuf itself (its C parser costs less than walking the framing
+    in Python, and the copies of a small message do not matter)."""
+    if len(buf) < SMALL_BYTES:
+        return parse_rest(pb.InsertRequest, [buf], "InsertRequest")
+    return parse_framed_insert(buf)
+
+
+def parse_framed_insert(buf: bytes) -> InsertView:
+    """Parse the bytes of an ``InsertRequest`` by hand, its tensors as views of ``buf``."""
     rest: list[bytes] = []
     packed: list[PackedView] = []
     view = memoryview(buf)

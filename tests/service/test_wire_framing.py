@@ -53,7 +53,7 @@ def _protobuf_message(packed: PackedSegments, compress: set[Key], first: int) ->
 @pytest.mark.parametrize("compress", [set(), {("pixels",)}])
 def test_hand_framed_bytes_are_the_protobuf_message(compress):
     packed = _packed()
-    body = wire.encode_packed(packed, compress)
+    body = wire.encode_packed(packed, compress, framed=True)
     raw = wire.insert_request("writer-é", "table", [(7, len(packed), body)], timeout_ms=250)
     request = pb.InsertRequest.FromString(raw)
     assert request.writer_id == "writer-é" and request.table == "table"
@@ -68,7 +68,7 @@ def test_parsed_views_equal_protobufs_own_parse():
         table="t",
         packed=[_protobuf_message(packed, {("pixels",)}, 1), _protobuf_message(packed, set(), 4)],
     )
-    view = wire.parse_insert_request(reference.SerializeToString())  # any client's bytes
+    view = wire.parse_framed_insert(reference.SerializeToString())  # any client's bytes
     assert (view.writer_id, view.table) == ("w", "t")
     assert [list(p.sequences) for p in view.packed] == [[1, 2, 3], [4, 5, 6]]
     for got, want in zip(view.packed, reference.packed):
@@ -84,8 +84,8 @@ def test_parsed_views_equal_protobufs_own_parse():
 
 def test_views_share_the_request_bytes():
     packed = _packed()
-    raw = wire.insert_request("w", "t", [(1, len(packed), wire.encode_packed(packed))])
-    view = wire.parse_insert_request(raw)
+    raw = wire.insert_request("w", "t", [(1, len(packed), wire.encode_packed(packed, framed=True))])
+    view = wire.parse_framed_insert(raw)
     steps, _ = codec.from_tensor_map_flat(view.packed[0].steps, copy=False)
     pixels = steps[("pixels",)]
     start = np.frombuffer(raw, dtype=np.uint8).ctypes.data
@@ -102,7 +102,7 @@ def test_a_field_given_twice_merges_as_in_protobuf():
     body = msg.SerializeToString() + extra
     raw += b"\x2a" + framing.varint(len(body)) + body
     want = pb.InsertRequest.FromString(raw).packed[0]
-    got = wire.parse_insert_request(raw).packed[0]
+    got = wire.parse_framed_insert(raw).packed[0]
     assert len(got.tails.tensors) == len(want.tails.tensors) == 2
     assert list(got.tails.batch_size) == list(want.tails.batch_size) == [3, 3]
 
@@ -123,7 +123,7 @@ def test_a_field_given_twice_merges_as_in_protobuf():
 )
 def test_malformed_bytes_are_refused_by_name(raw, named):
     with pytest.raises(InvalidDataError, match="malformed") as e:
-        wire.parse_insert_request(raw)
+        wire.parse_framed_insert(raw)
     assert named in str(e.value)
 
 
