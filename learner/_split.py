@@ -91,6 +91,8 @@ class SplitSampler:
 
         A shard found down meanwhile is skipped (its share asked from the others); waits up
         to ``timeout`` seconds in all. Raises :class:`Cancelled` if ``parent`` is cancelled.
+        A queue table whose shards answered in part before one timed out gives the steps
+        received (fewer than ``batch_size``): they left their shards' queues for good.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         calls = CallSet(parent)
@@ -112,7 +114,8 @@ class SplitSampler:
                 error: BaseException | None = None
                 for shard, n, future in futures:
                     try:
-                        parts.setdefault(shard.index, []).append(future.result())
+                        part = future.result()
+                        parts.setdefault(shard.index, []).append(part)
                     except _ShardDown:
                         remaining += n  # asked again from the shards still up
                     except BaseException as e:
@@ -120,6 +123,10 @@ class SplitSampler:
                             error = e
                         calls.cancel()
                 if error is not None:
+                    if parts and isinstance(error, RateLimiterTimeoutError) and self._queue(table):
+                        # The steps the other shards delivered are gone from their queues:
+                        # a short batch (queue batches hold at most B) rather than lose them.
+                        break
                     raise error
         finally:
             calls.release()
@@ -194,6 +201,10 @@ class SplitSampler:
                 backoff = BUSY_BACKOFF_INITIAL_S
         finally:
             calls.cancel()
+
+    def _queue(self, table: str) -> bool:
+        config = self._masses.configs.get(table)
+        return config is not None and config.sampler == "queue"
 
     @staticmethod
     def _inline(fn: Callable[..., TensorDict], *args: Any) -> Future[TensorDict]:

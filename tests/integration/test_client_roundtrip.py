@@ -247,8 +247,6 @@ def test_a_queue_gives_each_step_to_one_of_several_learners(client, server, tabl
         rest = client.sample(table_name, left, timeout_s=10)
         both += list(zip(rest["index", "shard"].tolist(), rest["index", "slot"].tolist()))
     assert len(both) == len(set(both))  # no step reached two learners
-    if server.shards == 1:
-        assert len(both) == exp.num_steps  # and none was lost
-    # With several shards, a sample that times out on one shard after others answered loses
-    # those answers (the client gives nothing back), so only the first property holds there.
-    assert len(both) <= exp.num_steps
+    # and none was lost: with several shards, a sample that times out on one shard after
+    # others answered returns what they delivered (a short batch), not nothing
+    assert len(both) == exp.num_steps
