@@ -121,7 +121,7 @@ class Launch:
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(c), sort_keys=False))
-        report = RunReport(self.run_dir)
+        report = RunReport(self.run_dir, tensorboard=self.config.run.tensorboard)
         reason = "error"  # until the loop says otherwise
         previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
         if threading.current_thread() is threading.main_thread():

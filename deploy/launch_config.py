@@ -283,6 +283,9 @@ class RunSection:
         stop_at_return: stop early once the mean return reaches it; ``None``: never.
         seed: base seed of the actors and the learner.
         timeout_s: wall-clock limit of the run; ``None``: none.
+        tensorboard: TensorBoard event files of the metrics rows in ``RUN_DIR/tensorboard``:
+            ``"auto"`` (when the ``tensorboard`` package is installed), ``"on"`` (or an
+            error naming the extra) or ``"off"``. ``metrics.csv`` is written either way.
     """
 
     frames: int = 200_000
@@ -292,8 +295,10 @@ class RunSection:
     stop_at_return: float | None = None
     seed: int = 0
     timeout_s: float | None = None
+    tensorboard: str = "auto"
 
     def __post_init__(self) -> None:
+        _choice("run.tensorboard", self.tensorboard, ("auto", "on", "off"))
         _at_least("run.frames", self.frames, 1)
         _at_least("run.return_window", self.return_window, 1)
         if self.status_every_s <= 0:

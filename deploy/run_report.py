@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from millpond.errors import InvalidConfigError
+
 __all__ = ["COLUMNS", "RunReport", "format_summary", "progress_line"]
 
 COLUMNS: tuple[str, ...] = (
@@ -38,11 +40,17 @@ COLUMNS: tuple[str, ...] = (
 
 
 class RunReport:
-    """The files of one run directory (see the module docstring)."""
+    """The files of one run directory (see the module docstring).
 
-    def __init__(self, run_dir: str | Path) -> None:
+    ``tensorboard``: also write each row's numbers as TensorBoard scalars
+    (``RUN_DIR/tensorboard``, step = frames): ``"auto"`` when the ``tensorboard`` package is
+    installed, ``"on"`` (an error naming the extra without it) or ``"off"``.
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: str = "off") -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._events = _event_writer(self.dir / "tensorboard", tensorboard)
         self.metrics_path = self.dir / "metrics.csv"
         self.plot_path = self.dir / "return.png"
         self.summary_path = self.dir / "summary.json"
@@ -58,10 +66,20 @@ class RunReport:
         self.rows.append(dict(row))
         self._csv.writerow(clean)
         self._file.flush()
+        if self._events is not None:
+            frames = int(row.get("frames") or 0)
+            for key in COLUMNS[2:]:  # time and frames are the axes
+                value = row.get(key)
+                if isinstance(value, int | float) and math.isfinite(value):
+                    self._events.add_scalar(f"millpond/{key}", value, global_step=frames)
+            self._events.flush()
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
     def plot(self, title: str = "") -> Path | None:
         """Draw ``return.png``; ``None`` when there is nothing to draw yet."""
@@ -103,6 +121,22 @@ class RunReport:
         """Write ``summary.json`` (atomically enough: the whole file at once)."""
         self.summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         return self.summary_path
+
+
+def _event_writer(directory: Path, mode: str) -> Any:
+    """A TensorBoard ``SummaryWriter`` in ``directory``, or ``None`` (see :class:`RunReport`)."""
+    if mode == "off":
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if mode == "on":
+            raise InvalidConfigError(
+                "run.tensorboard: on needs the tensorboard package: "
+                "pip install 'millpond[tensorboard]'"
+            ) from None
+        return None
+    return SummaryWriter(log_dir=str(directory))
 
 
 def format_summary(summary: Mapping[str, Any], keys: Sequence[str] | None = None) -> str:

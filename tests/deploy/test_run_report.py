@@ -50,3 +50,29 @@ def test_progress_line_and_summary_table():
     assert "ins/s -" in line  # missing numbers show as '-'
     table = format_summary({"frames": 5000, "nested": {"a": 1}, "mean_return": 30.25})
     assert "frames" in table and "30.25" in table and "nested" not in table
+
+
+def test_rows_reach_tensorboard_as_scalars_by_frames(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    report = RunReport(tmp_path / "run", tensorboard="on")
+    report.record(row(1.0, 1000, None))
+    report.record({**row(2.0, 2000, 25.5), "loss": 0.75})
+    report.close()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"millpond/mean_return", "millpond/frames_per_s", "millpond/loss"} <= tags
+    returns = events.Scalars("millpond/mean_return")
+    assert [(e.step, e.value) for e in returns] == [(2000, 25.5)]  # a missing value: no point
+    assert [e.step for e in events.Scalars("millpond/frames_per_s")] == [1000, 2000]
+    assert "millpond/time_s" not in tags and "millpond/frames" not in tags
+    # the CSV is written as ever
+    assert len(list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))) == 2
+
+
+def test_tensorboard_off_writes_no_events(tmp_path):
+    report = RunReport(tmp_path / "run", tensorboard="off")
+    report.record(row(1.0, 1000, 10.0))
+    report.close()
+    assert not (tmp_path / "run" / "tensorboard").exists()

@@ -104,6 +104,8 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
     frames = [int(r.split(",")[header.index("frames")]) for r in rows[1:]]
     assert frames == sorted(frames) and frames[-1] == summary["frames"]
     assert (run_dir / "return.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same rows as TensorBoard scalars (run.tensorboard: auto; tensorboard is installed)
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["algorithm"] == "ppo" and checkpoint["version"] == summary["weights_version"]
