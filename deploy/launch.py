@@ -40,7 +40,6 @@ from typing import Any
 
 import yaml
 
-from millpond.allocator import keep_freed_buffers
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.errors import (
@@ -691,7 +690,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    keep_freed_buffers()  # the learner runs here: its batches are message-sized buffers
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"ray.address={args.address}")
