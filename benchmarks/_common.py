@@ -51,6 +51,33 @@ def calibrate(fn: Callable[[], object], rep_seconds: float, at_least: int = 3) -
     return max(at_least, int(rep_seconds / per_call))
 
 
+#: The standard Atari preprocessing of the shipped configs: 84x84 grayscale, frame skip 4,
+#: stacks of 4.
+ATARI_WRAPPERS = [
+    {
+        "path": "gymnasium.wrappers:AtariPreprocessing",
+        "kwargs": {"frame_skip": 4, "noop_max": 30, "terminal_on_life_loss": False},
+    },
+    {"path": "gymnasium.wrappers:FrameStackObservation", "kwargs": {"stack_size": 4}},
+]
+
+
+def collect_atari(game: str, lanes: int, chunk_len: int, chunks: int, seed: int) -> list:
+    """``chunks`` TED batches ``[P, T]`` of real frames of ``game`` (random policy)."""
+    from millpond.actors import Collector
+
+    with Collector(
+        game,
+        None,
+        num_envs=lanes,
+        chunk_len=chunk_len,
+        env_kwargs={"frameskip": 1},
+        env_wrappers=ATARI_WRAPPERS,
+        seed=seed,
+    ) as collector:
+        return [collector.collect() for _ in range(chunks)]
+
+
 def time_in_turns(
     systems: dict[str, Callable[[], object]], reps: int, calls: int
 ) -> tuple[dict[str, list[float]], dict[str, float]]:

@@ -28,15 +28,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from _common import collect_atari
 
 GAMES = ("ALE/Pong-v5", "ALE/Breakout-v5")
-WRAPPERS = [
-    {
-        "path": "gymnasium.wrappers:AtariPreprocessing",
-        "kwargs": {"frame_skip": 4, "noop_max": 30, "terminal_on_life_loss": False},
-    },
-    {"path": "gymnasium.wrappers:FrameStackObservation", "kwargs": {"stack_size": 4}},
-]
 
 
 def codecs() -> dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]]:
@@ -50,22 +44,6 @@ def codecs() -> dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], byte
         out[f"zstd-{level}"] = (c.compress, d.decompress)
     out["lz4"] = (lz4.frame.compress, lz4.frame.decompress)
     return out
-
-
-def collect(game: str, lanes: int, chunk_len: int, chunks: int, seed: int):
-    """``[P, chunks * T]`` TED of real frames (random policy), one chunk at a time."""
-    from millpond.actors import Collector
-
-    with Collector(
-        game,
-        None,
-        num_envs=lanes,
-        chunk_len=chunk_len,
-        env_kwargs={"frameskip": 1},
-        env_wrappers=WRAPPERS,
-        seed=seed,
-    ) as collector:
-        return [collector.collect() for _ in range(chunks)]
 
 
 def wire_tensors(batches) -> dict[str, list[bytes]]:
@@ -163,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     stats: list[str] = []
     for game in args.games.split(","):
         print(f"collecting {game} ...", file=sys.stderr)
-        batches = collect(game, args.lanes, args.chunk_len, args.chunks, args.seed)
+        batches = collect_atari(game, args.lanes, args.chunk_len, args.chunks, args.seed)
         groups = {("wire", k): v for k, v in wire_tensors(batches).items()}
         groups["disk", "observation (per slot)"] = slot_frames(batches)
         groups["disk", "newest frame only (per slot)"] = slot_frames(batches, newest_only=True)

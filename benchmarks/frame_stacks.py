@@ -30,14 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import collect_atari
 
-WRAPPERS = [
-    {
-        "path": "gymnasium.wrappers:AtariPreprocessing",
-        "kwargs": {"frame_skip": 4, "noop_max": 30, "terminal_on_life_loss": False},
-    },
-    {"path": "gymnasium.wrappers:FrameStackObservation", "kwargs": {"stack_size": 4}},
-]
 TED_KEYS = [
     ("observation",),
     ("next", "observation"),
@@ -47,22 +41,6 @@ TED_KEYS = [
     ("next", "terminated"),
     ("next", "truncated"),
 ]
-
-
-def collect(game: str, lanes: int, chunk_len: int, chunks: int, seed: int):
-    """``chunks`` TED batches ``[P, T]`` of real frames (random policy)."""
-    from millpond.actors import Collector
-
-    with Collector(
-        game,
-        None,
-        num_envs=lanes,
-        chunk_len=chunk_len,
-        env_kwargs={"frameskip": 1},
-        env_wrappers=WRAPPERS,
-        seed=seed,
-    ) as collector:
-        return [collector.collect() for _ in range(chunks)]
 
 
 def ted_bytes_per_step(batch) -> int:
@@ -96,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from millpond.service.table_files import disk_usage
 
     torch.set_num_threads(1)
-    batches = collect(args.game, args.lanes, args.chunk_len, args.chunks, args.seed)
+    batches = collect_atari(args.game, args.lanes, args.chunk_len, args.chunks, args.seed)
     steps = sum(b.numel() for b in batches)
     ted = ted_bytes_per_step(batches[0])
     # Segments end at episode ends and lane-chunk ends.
