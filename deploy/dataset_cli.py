@@ -175,11 +175,7 @@ def run_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists():
         raise InvalidConfigError(f"{out} exists: remove it or choose another path")
-    shard = _shard_dir(args.dir, create=False)
-    table_dir = _table_dir(shard, args.table)
-    if not args.skip_busy_check:
-        _check_not_open([table_dir], shard)
-    table = Table.open(table_dir)
+    table = _open_to_export(args)
     try:
         summary = export_table(
             table,
@@ -263,11 +259,7 @@ def _export_minari(args: argparse.Namespace) -> int:
         raise InvalidConfigError("--compression is for --format hdf5")
     if args.order != "publication":
         raise InvalidConfigError("--order is for ted and hdf5: a Minari dataset holds episodes")
-    shard = _shard_dir(args.dir, create=False)
-    table_dir = _table_dir(shard, args.table)
-    if not args.skip_busy_check:
-        _check_not_open([table_dir], shard)
-    table = Table.open(table_dir)
+    table = _open_to_export(args)
     try:
         s = _minari(export_minari, table, args.out, root=args.minari_root, env=args.env)
     finally:
@@ -301,6 +293,16 @@ def _minari(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 # -- helpers --------------------------------------------------------------------------------
+def _open_to_export(args: argparse.Namespace) -> Table:
+    """The table ``args`` name, opened from its shard directory once no other process holds
+    its files open for writing (unless ``--skip-busy-check``)."""
+    shard = _shard_dir(args.dir, create=False)
+    table_dir = _table_dir(shard, args.table)
+    if not args.skip_busy_check:
+        _check_not_open([table_dir], shard)
+    return Table.open(table_dir)
+
+
 def _shard_dir(path: str, *, create: bool, allow_missing: bool = False) -> Path:
     """The shard directory ``path`` (created if ``create`` and missing or empty); otherwise
     an error that says what to pass instead."""
