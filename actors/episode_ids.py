@@ -9,7 +9,9 @@ The loop numbers episodes ``episode_id_base + counter``, the counter running fro
  0            hindsight     actor index     incarnation    episode counter
 ```
 
-- the actor index (< :data:`MAX_ACTORS` = 2**17) tells actors apart;
+- the actor index (< :data:`MAX_ACTORS` = 2**17) tells actors apart: a resumed
+  ``millpond launch`` job numbers its new actors after those of the runs before it, so
+  their ids never repeat one already stored;
 - the incarnation (< :data:`INCARNATIONS_PER_ACTOR` = 4096; e.g. the Ray restart count) gives
   a restarted actor fresh ids, so it never continues or overwrites an episode of its
   previous life;

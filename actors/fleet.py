@@ -36,8 +36,8 @@ class FleetStatus:
     """What the fleet has collected so far (all incarnations of all actors).
 
     Attributes:
-        frames: real env steps collected.
-        episodes: episodes finished.
+        frames: real env steps collected (counting on from the fleet's ``frames``).
+        episodes: episodes finished (counting on from the fleet's ``episodes``).
         mean_return: mean return of the last ``window`` finished episodes, or ``None``.
         frames_per_s: frames per wall-clock second since the fleet started.
         restarts: actor restarts seen.
@@ -72,6 +72,12 @@ class ActorFleet:
         max_restarts: how often Ray restarts a dead actor.
         chunks_per_call: chunks each ``run`` call collects before reporting.
         window: finished episodes averaged in ``mean_return``.
+        first_index: the actor index of the first actor (the others follow): an actor's
+            index is part of its episode ids, writer id and seed, so a fleet that continues
+            a job's earlier fleet (``millpond launch --resume``) numbers its actors after
+            that fleet's, and no episode id of theirs can repeat one already stored.
+        frames: frames the job collected before this fleet (its status counts on from them).
+        episodes: episodes the job finished before this fleet.
     """
 
     def __init__(
@@ -86,11 +92,21 @@ class ActorFleet:
         max_restarts: int = 3,
         chunks_per_call: int = 1,
         window: int = 100,
+        first_index: int = 0,
+        frames: int = 0,
+        episodes: int = 0,
     ) -> None:
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise InvalidConfigError(f"num_actors ({num_actors!r}) must be a positive integer")
         if chunks_per_call < 1:
             raise InvalidConfigError(f"chunks_per_call ({chunks_per_call}) must be >= 1")
+        for name, value in (
+            ("first_index", first_index),
+            ("frames", frames),
+            ("episodes", episodes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidConfigError(f"{name} ({value!r}) must be an integer >= 0")
         if not ray.is_initialized():
             raise MillpondError("ray.init() first (or use millpond launch, which does)")
         self.client = client
@@ -103,14 +119,16 @@ class ActorFleet:
             max_task_retries=0,  # a failed run is resubmitted by the fleet, not replayed
             **({"label_selector": label_selector} if label_selector else {}),
         )
-        self.actors = [remote.remote(i, client, config) for i in range(num_actors)]
+        self.first_index = first_index
+        self.actors = [remote.remote(first_index + i, client, config) for i in range(num_actors)]
         self._inflight: dict[Any, int] = {}
         self._incarnations: dict[int, int] = {}
         # Actors whose death was seen as a failed call and counted, until a report shows the
         # new incarnation; and when each may be given a call again.
         self._died: set[int] = set()
         self._retry_at: dict[int, float] = {}
-        self._status = FleetStatus()
+        self._status = FleetStatus(frames=frames, episodes=episodes)
+        self._frames_before = frames
         self._recent: deque[float] = deque(maxlen=window)
         self._started = time.monotonic()
         self._stopped = False
@@ -147,7 +165,7 @@ class ActorFleet:
             except ray.exceptions.RayTaskError as e:
                 raise MillpondError(f"env actor {index} failed: {e}") from e
             self._account(index, report)
-        self._status.frames_per_s = self._status.frames / max(
+        self._status.frames_per_s = (self._status.frames - self._frames_before) / max(
             1e-9, time.monotonic() - self._started
         )
         return self._status

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import json
 import logging
 import math
 import signal
@@ -35,12 +37,13 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
+from millpond.deploy.launch_config import LaunchConfig, load_config, resume_config, to_mapping
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.errors import (
     AuthenticationError,
@@ -58,6 +61,63 @@ class _Stop(Exception):
     """SIGTERM, turned into an exception in the main thread so that shutdown runs."""
 
 
+@dataclass(frozen=True)
+class _Resumed:
+    """Where a resumed job starts: the counters of the run's ``summary.json`` and its
+    learner checkpoint."""
+
+    frames: int
+    episodes: int
+    learner_steps: int
+    stale_steps: int
+    wall_s: float
+    next_actor_index: int
+    checkpoint: bytes
+    checkpoint_version: int
+    resumes: list[dict[str, Any]]
+
+
+def _read_resume_state(run_dir: Path, config: LaunchConfig) -> _Resumed:
+    """The state a job left in ``run_dir``, or an error naming what is missing."""
+    import torch
+
+    summary_path, checkpoint_path = run_dir / "summary.json", run_dir / "checkpoint.pt"
+    for path, what in ((summary_path, "its counters"), (checkpoint_path, "its learner")):
+        if not path.is_file():
+            raise InvalidConfigError(
+                f"--resume {run_dir}: no {path.name} there, so {what} cannot be restored (the "
+                "job did not stop cleanly, or this is not a millpond launch run directory)"
+            )
+    try:
+        summary = json.loads(summary_path.read_text())
+        data = checkpoint_path.read_bytes()
+        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        version = int(checkpoint["version"])
+        algorithm = checkpoint["algorithm"]
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise InvalidConfigError(
+            f"--resume {run_dir}: summary.json or checkpoint.pt cannot be read ({e})"
+        ) from None
+    if algorithm != config.learner.algorithm:
+        raise InvalidConfigError(
+            f"--resume {run_dir}: checkpoint.pt holds a {algorithm} learner, the config "
+            f"trains {config.learner.algorithm}"
+        )
+    recorded = load_config(run_dir / "config.yaml")
+    return _Resumed(
+        frames=int(summary.get("frames") or 0),
+        episodes=int(summary.get("episodes") or 0),
+        learner_steps=int(summary.get("learner_steps") or 0),
+        stale_steps=int(summary.get("stale_steps") or 0),
+        wall_s=float(summary.get("wall_s") or 0.0),
+        # Runs written before the field existed numbered their actors from 0.
+        next_actor_index=int(summary.get("next_actor_index", recorded.actors.num_actors)),
+        checkpoint=data,
+        checkpoint_version=version,
+        resumes=list(summary.get("resumes") or []),
+    )
+
+
 class Launch:
     """One ``millpond launch`` job (see the module docstring).
 
@@ -66,6 +126,11 @@ class Launch:
         replay: addresses of running shards to use instead of starting them.
         run_dir: where the run writes; ``None``: ``run.dir/NAME-YYYYmmdd-HHMMSS``.
         out: where progress lines go.
+        resume: continue the job that stopped in ``run_dir`` (``millpond launch --resume``):
+            its learner from ``checkpoint.pt``, its shards from their directories, its
+            frames, episodes, learner steps and wall time from ``summary.json``, its
+            ``metrics.csv`` appended to; the env actors numbered after the previous runs'
+            (fresh episode ids); the weight version going on from the checkpoint's.
     """
 
     def __init__(
@@ -75,11 +140,16 @@ class Launch:
         replay: str | None = None,
         run_dir: str | Path | None = None,
         out: Any = None,
+        resume: bool = False,
     ) -> None:
         self.config = config
         self.replay = replay
         stamp = time.strftime("%Y%m%d-%H%M%S")
+        if resume and run_dir is None:
+            raise InvalidConfigError("resume: name the run directory to continue (run_dir)")
         self.run_dir = Path(run_dir or Path(config.run.dir) / f"{config.name}-{stamp}")
+        # Read before anything starts or writes: a job that cannot resume changes nothing.
+        self._resumed = _read_resume_state(self.run_dir, config) if resume else None
         self.out = out or sys.stdout
         self._started_ray = False
         self._ray_info: dict[str, Any] = {}  # the cluster the job ran on
@@ -102,8 +172,13 @@ class Launch:
         self._timing = {"sample_s": 0.0, "learn_s": 0.0}
         self._lags: deque[float] = deque(maxlen=50)
         self._losses: deque[float] = deque(maxlen=50)
-        self.learner_steps = 0
-        self.stale_steps = 0  # sampled, then dropped as acted by too old a policy (PPO)
+        r = self._resumed
+        self.learner_steps = r.learner_steps if r else 0
+        self.stale_steps = r.stale_steps if r else 0  # dropped as acted by too old a policy
+        self._time_offset = r.wall_s if r else 0.0  # a resumed run's time goes on
+        self._next_actor_index = r.next_actor_index if r else 0
+        if r is not None:
+            self.version = r.checkpoint_version
         self._started_at = time.monotonic()
         self._last: dict[str, float] = {
             "t": self._started_at,
@@ -120,7 +195,11 @@ class Launch:
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(c), sort_keys=False))
-        report = RunReport(self.run_dir, tensorboard=self.config.run.tensorboard)
+        report = RunReport(
+            self.run_dir,
+            tensorboard=self.config.run.tensorboard,
+            append=self._resumed is not None,
+        )
         reason = "error"  # until the loop says otherwise
         previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
         if threading.current_thread() is threading.main_thread():
@@ -214,9 +293,15 @@ class Launch:
         except InvalidConfigError as e:
             raise InvalidConfigError(f"learner.network: {e}") from None
         self._learner_args = (addresses, obs_space, act_space, admin_token)
-        self._start_learners()
+        if self._resumed is None:
+            self._start_learners()
+        else:
+            self._start_learners(self._resumed.checkpoint, self._resumed_version())
         self._save_checkpoint()  # a learner lost before the first periodic one restarts here
 
+        first_index = self._next_actor_index
+        self._next_actor_index = first_index + c.actors.num_actors
+        r = self._resumed
         self._fleet = ActorFleet(
             actor_client,
             self._actor_config(),
@@ -225,11 +310,20 @@ class Launch:
             resources=dict(c.actors.resources),
             label_selector=dict(c.actors.label_selector) or None,
             max_restarts=c.actors.max_restarts,
+            first_index=first_index,
+            frames=r.frames if r else 0,
+            episodes=r.episodes if r else 0,
         )
         # Submitted before the fleet's first run call, so answered as soon as each actor is up.
         self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
         self._fleet_thread = threading.Thread(target=self._drive_fleet, daemon=True)
         self._fleet_thread.start()
+        if r is not None:
+            self._say(
+                f"resumed {self.run_dir} at {r.frames} frames, {r.episodes} episodes, weights "
+                f"version {r.checkpoint_version}; env actors {first_index}.."
+                f"{self._next_actor_index - 1}"
+            )
         self._say(
             f"started {c.actors.num_actors} env actors x {c.actors.num_envs} {c.env.id} envs, "
             f"{c.learner.num_learners} {c.learner.algorithm} learner"
@@ -278,9 +372,36 @@ class Launch:
         self._node_refs["replay"] = [s.__ray_call__.remote(where) for s in self._shards]
         return ",".join(addresses)
 
-    def _start_learners(self, restore: bytes | None = None) -> None:
+    def _resumed_version(self) -> int:
+        """The weight version a resumed learner goes on from: its checkpoint's.
+
+        A job stopped cleanly wrote its checkpoint after its last publication, so the
+        service holds the same version. If the service holds a newer one (the learner was
+        lost after the last periodic checkpoint), the steps acted by those newer policies
+        may be stored: a queue table (on-policy) is emptied, since its steps would be newer
+        than the restored policy, and the numbering goes on after the service's version,
+        which a publication must pass."""
+        r = self._resumed
+        assert r is not None
+        held = self.client.info(self.table).get("weights_version")
+        held = -1 if held is None else int(held)
+        if held <= r.checkpoint_version:
+            return r.checkpoint_version
+        if self.config.replay.table_config().sampler == "queue":
+            self.client.reset(self.table)
+            dropped = "; its queue table is emptied (on-policy steps newer than the checkpoint)"
+        else:
+            dropped = "; its off-policy table is kept"
+        self._say(
+            f"resume: the service holds weights version {held}, newer than checkpoint.pt's "
+            f"{r.checkpoint_version}{dropped}; versions go on from {held}"
+        )
+        return held
+
+    def _start_learners(self, restore: bytes | None = None, version: int | None = None) -> None:
         """Place the learners, form their group (from the checkpoint ``restore``, if
-        given), publish their weights."""
+        given, the weight version going on from ``version``, else from the service's),
+        publish their weights."""
         import ray
 
         from millpond.deploy.learner_actor import LearnerActor
@@ -308,7 +429,7 @@ class Launch:
             )
             master = ray.get(self._learners[0].rendezvous.remote()) if n > 1 else None
             ray.get(
-                [learner.start.remote(master, restore) for learner in self._learners],
+                [learner.start.remote(master, restore, version) for learner in self._learners],
                 timeout=c.learner.start_timeout_s,
             )
         except ray.exceptions.GetTimeoutError:
@@ -505,7 +626,7 @@ class Launch:
         samples = counters.get("samples", 0) - self._base.get("samples", 0)
         capacity = self.config.replay.table_config().capacity * counters.get("shards", 1)
         row = {
-            "time_s": round(elapsed, 2),
+            "time_s": round(self._time_offset + elapsed, 2),
             "frames": status.frames,
             "frames_per_s": (status.frames - self._last["frames"]) / dt,
             "episodes": status.episodes,
@@ -609,18 +730,33 @@ class Launch:
     def _summary(
         self, reason: str, final: Any, row: dict[str, Any] | None, checkpoint: Path | None
     ) -> dict[str, Any]:
-        elapsed = row["time_s"] if row else None
+        r = self._resumed
+        frames = final.frames if final else (r.frames if r else 0)
+        episodes = final.episodes if final else (r.episodes if r else 0)
+        elapsed = row["time_s"] if row else (self._time_offset or None)
+        this_run_s = elapsed - self._time_offset if elapsed is not None else None
+        this_run_frames = frames - (r.frames if r else 0)
+        resumes = list(r.resumes) if r else []
+        if r is not None:
+            resumes.append(
+                {
+                    "frames": r.frames,
+                    "episodes": r.episodes,
+                    "weights_version": r.checkpoint_version,
+                    "learner_steps": r.learner_steps,
+                }
+            )
         actors = final.actors.values() if final is not None else []
         act_s = sum(a.get("act_s", 0.0) for a in actors)
         write_s = sum(a.get("write_s", 0.0) for a in actors)
         return {
             "name": self.config.name,
             "stopped_by": reason,
-            "frames": final.frames if final else 0,
-            "episodes": final.episodes if final else 0,
+            "frames": frames,
+            "episodes": episodes,
             "mean_return": final.mean_return if final else None,
             "wall_s": elapsed,
-            "frames_per_s": (final.frames / elapsed) if final and elapsed else None,
+            "frames_per_s": this_run_frames / this_run_s if this_run_s else None,
             "learner_steps": self.learner_steps,
             "stale_steps": self.stale_steps,
             "weights_version": self.version,
@@ -628,6 +764,8 @@ class Launch:
             "samples_per_insert": row.get("samples_per_insert") if row else None,
             "actor_restarts": final.restarts if final else 0,
             "learner_restarts": self.learner_restarts,
+            "next_actor_index": self._next_actor_index,
+            "resumes": resumes,
             "actors_act_s": round(act_s, 2),
             "actors_write_s": round(write_s, 2),
             "learner_sample_s": round(self._timing["sample_s"], 2),
@@ -674,7 +812,12 @@ def _first_line(e: BaseException) -> str:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="millpond launch", description=__doc__)
-    p.add_argument("config", help="YAML job config, e.g. deploy/configs/cartpole-ppo.yaml")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="YAML job config, e.g. deploy/configs/cartpole-ppo.yaml (with --resume: "
+        "optional, the run's own config.yaml by default)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -686,6 +829,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--address", help="join a Ray cluster: 'auto' or 'ray://host:port'")
     p.add_argument("--replay", help="use running shards 'host:port,...' instead of starting them")
     p.add_argument("--run-dir", help="write the run here instead of run.dir/NAME-TIMESTAMP")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the stopped job of RUN_DIR: its config (--set changes it, e.g. "
+        "run.frames), learner checkpoint, shards and counters",
+    )
     return p
 
 
@@ -693,6 +842,20 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"ray.address={args.address}")
-    config = load_config(args.config, overrides)
-    summary = Launch(config, replay=args.replay, run_dir=args.run_dir).run()
+    if args.resume is None:
+        if args.config is None:
+            raise InvalidConfigError("launch: give a CONFIG file, or --resume RUN_DIR")
+        config = load_config(args.config, overrides)
+        launch = Launch(config, replay=args.replay, run_dir=args.run_dir)
+    else:
+        if args.run_dir is not None and Path(args.run_dir).resolve() != Path(args.resume).resolve():
+            raise InvalidConfigError(
+                f"--run-dir {args.run_dir} and --resume {args.resume}: a resumed job writes "
+                "into the run directory it continues"
+            )
+        config, changes = resume_config(args.resume, args.config, overrides)
+        for change in changes:
+            print(f"resume: {change}", flush=True)
+        launch = Launch(config, replay=args.replay, run_dir=args.resume, resume=True)
+    summary = launch.run()
     return {"frames": 0, "return": 0, "interrupted": 130}.get(summary["stopped_by"], 1)

@@ -37,6 +37,7 @@ from millpond.learner.ppo import PPOConfig
 from millpond.service.auth import load_tokens
 
 __all__ = [
+    "FIXED_ON_RESUME",
     "ActorsSection",
     "EnvSection",
     "LaunchConfig",
@@ -45,6 +46,7 @@ __all__ = [
     "ReplaySection",
     "RunSection",
     "load_config",
+    "resume_config",
 ]
 
 
@@ -382,6 +384,64 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> LaunchConfig
     for item in overrides:
         apply_override(doc, item)
     return from_mapping(LaunchConfig, doc)
+
+
+#: What a resumed job (``millpond launch --resume RUN_DIR``) must keep of the run's recorded
+#: config: the env (the networks' spaces), the shards and their table (their directories
+#: hold that table), and the learner's networks (the checkpoint holds their parameters).
+FIXED_ON_RESUME: tuple[str, ...] = (
+    "env",
+    "replay.shards",
+    "replay.table",
+    "learner.algorithm",
+    "learner.network",
+    "learner.hidden_sizes",
+)
+
+
+def resume_config(
+    run_dir: str | Path, path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> tuple[LaunchConfig, list[str]]:
+    """The config of a resumed job, and what it changes of the run's recorded config.
+
+    The run directory's ``config.yaml`` with ``overrides`` applied, or (``path``) another
+    config file with them, which must then agree with the recorded one on
+    :data:`FIXED_ON_RESUME`. Returns the config and one ``"key: old -> new"`` line per
+    changed value. Raises :class:`InvalidConfigError` naming the run directory and what
+    differs.
+    """
+    recorded_path = Path(run_dir) / "config.yaml"
+    if not recorded_path.is_file():
+        raise InvalidConfigError(
+            f"--resume {run_dir}: no config.yaml there (not the run directory of a "
+            "millpond launch job)"
+        )
+    recorded = load_config(recorded_path)
+    config = load_config(path if path is not None else recorded_path, overrides)
+    changes = _differences(to_mapping(recorded), to_mapping(config))
+    fixed = [
+        (key, old, new)
+        for key, old, new in changes
+        if any(key == f or key.startswith(f"{f}.") for f in FIXED_ON_RESUME)
+    ]
+    if fixed:
+        listed = "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, old, new in fixed)
+        raise InvalidConfigError(
+            f"--resume {run_dir}: the config differs from the run's config.yaml where a "
+            f"resumed job must keep it ({listed}); keep {', '.join(FIXED_ON_RESUME)}"
+        )
+    return config, [f"{key}: {old!r} -> {new!r}" for key, old, new in changes]
+
+
+def _differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, old, new)`` of every value that differs between two mappings."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        out: list[tuple[str, Any, Any]] = []
+        for key in list(old) + [k for k in new if k not in old]:
+            where = f"{path}.{key}" if path else str(key)
+            out += _differences(old.get(key), new.get(key), where)
+        return out
+    return [] if old == new else [(path, old, new)]
 
 
 def apply_override(doc: dict[str, Any], item: str) -> None:

@@ -55,9 +55,11 @@ def make_learner(
     *,
     device: torch.device | str = "cpu",
     data_parallel: bool = False,
+    version: int | None = None,
 ) -> Any:
     """The job's :class:`~millpond.learner.PPOLearner` or :class:`~millpond.learner.DQNLearner`,
-    its networks built for the env's spaces and moved to ``device``."""
+    its networks built for the env's spaces and moved to ``device``; ``version``: the last
+    published weight version (``None``: the one the service holds)."""
     from millpond.learner.dqn import DQNLearner
     from millpond.learner.networks import (
         mlp_critic,
@@ -85,10 +87,14 @@ def make_learner(
             policy = mlp_policy(obs_space, act_space, hidden)
             critic = mlp_critic(obs_space, hidden)
         policy, critic = policy.to(device), critic.to(device)
-        return PPOLearner(client, table, cfg, policy, critic, data_parallel=data_parallel)
+        return PPOLearner(
+            client, table, cfg, policy, critic, data_parallel=data_parallel, version=version
+        )
     cfg = replace(c.dqn, sample_timeout_s=c.dqn.sample_timeout_s or 2.0)
     q = nature_cnn_q(obs_space, act_space) if cnn else mlp_q(obs_space, act_space, hidden)
-    return DQNLearner(client, table, cfg, q.to(device), data_parallel=data_parallel)
+    return DQNLearner(
+        client, table, cfg, q.to(device), data_parallel=data_parallel, version=version
+    )
 
 
 class LearnerActor:
@@ -153,11 +159,17 @@ class LearnerActor:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def start(self, master: tuple[str, int] | None = None, restore: bytes | None = None) -> None:
+    def start(
+        self,
+        master: tuple[str, int] | None = None,
+        restore: bytes | None = None,
+        version: int | None = None,
+    ) -> None:
         """Join the group at ``master`` (all ranks at once; none with one learner), then
         build the learner, every rank starting from rank 0's parameters, or from the
-        checkpoint ``restore`` (the bytes of a ``checkpoint.pt``: networks and optimizer;
-        the weight version goes on from the one the service holds)."""
+        checkpoint ``restore`` (the bytes of a ``checkpoint.pt``: networks and optimizer).
+        The weight version goes on from ``version``, or (``None``) from the one the service
+        holds."""
         data_parallel = self.world_size > 1
         if data_parallel:
             import torch.distributed as dist
@@ -180,6 +192,7 @@ class LearnerActor:
             act_space,
             device=self.device,
             data_parallel=data_parallel,
+            version=version,
         )
         if restore is not None:
             state = torch.load(io.BytesIO(restore), map_location=self.device, weights_only=False)

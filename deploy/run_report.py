@@ -44,10 +44,11 @@ class RunReport:
 
     ``tensorboard``: also write each row's numbers as TensorBoard scalars
     (``RUN_DIR/tensorboard``, step = frames): ``"auto"`` when the ``tensorboard`` package is
-    installed, ``"on"`` (an error naming the extra without it) or ``"off"``.
+    installed, ``"on"`` (an error naming the extra without it) or ``"off"``. ``append``:
+    keep the rows of an existing ``metrics.csv`` and add to them (a resumed run).
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: str = "off") -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: str = "off", append: bool = False) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._events = _event_writer(self.dir / "tensorboard", tensorboard)
@@ -55,14 +56,24 @@ class RunReport:
         self.plot_path = self.dir / "return.png"
         self.summary_path = self.dir / "summary.json"
         self.rows: list[dict[str, Any]] = []
+        if append and self.metrics_path.exists():
+            self._open_to_append()
+            return
         self._file: TextIO = self.metrics_path.open("w", newline="")
         self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS, extrasaction="ignore")
         self._csv.writeheader()
         self._file.flush()
 
+    def _open_to_append(self) -> None:
+        """Keep ``metrics.csv``'s rows (a resumed run): read them for the plot, and append
+        new rows under the file's own header."""
+        header, self.rows = _read_rows(self.metrics_path)
+        self._file = self.metrics_path.open("a", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=header, extrasaction="ignore")
+
     def record(self, row: Mapping[str, Any]) -> None:
         """Append one row (keys of :data:`COLUMNS`; missing ones stay empty)."""
-        clean = {k: _cell(row.get(k)) for k in COLUMNS}
+        clean = {k: _cell(row.get(k)) for k in self._csv.fieldnames}
         self.rows.append(dict(row))
         self._csv.writerow(clean)
         self._file.flush()
@@ -121,6 +132,27 @@ class RunReport:
         """Write ``summary.json`` (atomically enough: the whole file at once)."""
         self.summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         return self.summary_path
+
+
+def _read_rows(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """The header and the rows of an existing ``metrics.csv``, numbers parsed (empty
+    cells: ``None``)."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or COLUMNS)
+        rows = [{k: _number(v) for k, v in row.items() if k is not None} for row in reader]
+    return header, rows
+
+
+def _number(cell: str | None) -> Any:
+    if cell is None or cell == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(cell)
+        except ValueError:
+            pass
+    return cell
 
 
 def _event_writer(directory: Path, mode: str) -> Any:
