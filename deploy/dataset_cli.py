@@ -10,10 +10,15 @@ the same rows bit for bit (:mod:`millpond.service.export`). ``--format minari`` 
 table's episodes as a Minari dataset (OUT is its id, under ``--minari-root``) and reads one
 back (:mod:`millpond.service.minari_format`, which states the episode rules).
 
-Both open the table's files directly, so they refuse a table that another process holds
-open for writing (a running ``millpond serve`` on DIR): two writers of the same files would
-corrupt them. The check asks the kernel for a read lease on the table's files (Linux), which
-it grants only if no process has them open for writing.
+In place of DIR, export takes the addresses of a running service
+(``host:port[,host:port...]``): a consistent snapshot of the table on every shard, read while
+inserts go on (``ReplayClient.read_table``), is stored into a temporary table next to OUT
+(:func:`~millpond.service.export.spooled_table`), which the same exporters then write out.
+
+From a directory, both open the table's files directly, so they refuse a table that another
+process holds open for writing (a running ``millpond serve`` on DIR): two writers of the
+same files would corrupt them. The check asks the kernel for a read lease on the table's
+files (Linux), which it grants only if no process has them open for writing.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import signal
 import sys
 import threading
@@ -40,14 +46,16 @@ from millpond.errors import (
     TableExistsError,
     TableNotFoundError,
 )
+from millpond.learner.client import ReplayClient
 from millpond.service.export import (
     EXPORT_ORDERS,
     export_table,
     import_ted,
     load_hdf5,
     pack_export,
+    spooled_table,
 )
-from millpond.service.minari_format import export_minari, load_minari, minari_ted
+from millpond.service.minari_format import export_minari, load_minari, minari_root, minari_ted
 from millpond.service.shard import Shard
 from millpond.service.table import Table
 from millpond.service.table_files import holds_table
@@ -56,6 +64,8 @@ FORMATS = ("ted", "hdf5", "minari")
 T = TypeVar("T")
 #: The table files a server holds open for writing as long as it serves the table.
 _HELD_FILES = ("counters.bin", "data/slots.bin", "data/segments.bin")
+#: ``host:port[,host:port...]``: the shards of a running service, not a directory.
+_ADDRESSES = re.compile(r"[^\s,/]+:\d+(,[^\s,/]+:\d+)*")
 
 
 # -- parsers --------------------------------------------------------------------------------
@@ -65,10 +75,17 @@ def build_export_parser(parser: argparse.ArgumentParser | None = None) -> argpar
         "Write a table's stored steps as TED rows: a memory-mapped TensorDict directory "
         "(--format ted) or an HDF5 file (--format hdf5); or its episodes as a Minari dataset "
         "(--format minari, OUT a dataset id). DIR is a shard directory, as "
-        "`millpond serve --dir DIR` writes it (with --shards N, one of DIR/shard-i). The "
-        "table must not be open in a running server."
+        "`millpond serve --dir DIR` writes it (with --shards N, one of DIR/shard-i), whose "
+        "table must not be open in a running server; or the addresses of a running service, "
+        "host:port[,host:port...], whose table is exported as a consistent snapshot of every "
+        "shard, read while inserts go on (copied into a temporary table next to OUT first; "
+        "needs the admin role where tokens are on)."
     )
-    p.add_argument("dir", metavar="DIR", help="shard directory holding the table")
+    p.add_argument(
+        "dir",
+        metavar="DIR_OR_ADDRESS",
+        help="shard directory holding the table, or a running service's host:port[,host:port...]",
+    )
     p.add_argument(
         "out",
         metavar="OUT",
@@ -100,6 +117,12 @@ def build_export_parser(parser: argparse.ArgumentParser | None = None) -> argpar
         "records (default: unbounded Boxes of the stored dtypes and shapes)",
     )
     _add_busy_flag(p)
+    p.add_argument(
+        "--token",
+        default=os.environ.get("MILLPOND_TOKEN"),
+        help="a running service's admin token, where it has tokens (default: $MILLPOND_TOKEN)",
+    )
+    p.add_argument("--tls-ca", metavar="PEM", help="a running service's TLS root certificate")
     return p
 
 
@@ -175,20 +198,18 @@ def run_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists():
         raise InvalidConfigError(f"{out} exists: remove it or choose another path")
-    table = _open_to_export(args)
     try:
-        summary = export_table(
-            table,
-            out,
-            format=args.format,
-            order=args.order,
-            compression=compression,
-            compression_opts=args.compression_level,
-        )
+        with _table_to_export(args, out.absolute().parent) as table:
+            summary = export_table(
+                table,
+                out,
+                format=args.format,
+                order=args.order,
+                compression=compression,
+                compression_opts=args.compression_level,
+            )
     except ImportError as e:  # HDF5 without h5py: the message says what to install
         raise InvalidConfigError(str(e)) from None
-    finally:
-        table.close()
     how = args.format if compression is None else f"{args.format}, {compression}"
     print(
         f"millpond: exported {summary.rows} rows of table {args.table!r} to {out} "
@@ -259,11 +280,8 @@ def _export_minari(args: argparse.Namespace) -> int:
         raise InvalidConfigError("--compression is for --format hdf5")
     if args.order != "publication":
         raise InvalidConfigError("--order is for ted and hdf5: a Minari dataset holds episodes")
-    table = _open_to_export(args)
-    try:
+    with _table_to_export(args, minari_root(args.minari_root)) as table:
         s = _minari(export_minari, table, args.out, root=args.minari_root, env=args.env)
-    finally:
-        table.close()
     print(
         f"millpond: exported {s.episodes} episodes ({s.steps} steps) of table {args.table!r} "
         f"to Minari dataset {args.out!r} at {s.path}",
@@ -293,14 +311,59 @@ def _minari(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _open_to_export(args: argparse.Namespace) -> Table:
-    """The table ``args`` name, opened from its shard directory once no other process holds
-    its files open for writing (unless ``--skip-busy-check``)."""
+@contextlib.contextmanager
+def _table_to_export(args: argparse.Namespace, spool: Path) -> Iterator[Table]:
+    """The table ``args`` name: opened from its shard directory once no other process holds
+    its files open for writing (unless ``--skip-busy-check``), or, for a running service's
+    addresses, its snapshot stored into a temporary table under ``spool``."""
+    if _is_service(args.dir):
+        with _live_table(args, spool) as table:
+            yield table
+        return
+    if args.tls_ca is not None:
+        raise InvalidConfigError("--tls-ca is for a running service's addresses")
     shard = _shard_dir(args.dir, create=False)
     table_dir = _table_dir(shard, args.table)
     if not args.skip_busy_check:
         _check_not_open([table_dir], shard)
-    return Table.open(table_dir)
+    table = Table.open(table_dir)
+    try:
+        yield table
+    finally:
+        table.close()
+
+
+def _is_service(arg: str) -> bool:
+    """Whether ``arg`` names a running service's shards (an existing path never does)."""
+    return not Path(arg).exists() and _ADDRESSES.fullmatch(arg) is not None
+
+
+@contextlib.contextmanager
+def _live_table(args: argparse.Namespace, spool: Path) -> Iterator[Table]:
+    """A consistent snapshot of the table on the shards ``args.dir`` names, in a temporary
+    table under ``spool`` (deleted afterwards)."""
+    if args.skip_busy_check:
+        raise InvalidConfigError("--skip-busy-check is for a shard directory")
+    spool.mkdir(parents=True, exist_ok=True)
+    client = ReplayClient(args.dir, token=args.token, tls=args.tls_ca, colocated=False)
+    with client, client.read_table(args.table) as reader:
+        slots = reader.steps + reader.segments
+        with spooled_table(args.table, reader, slots, spool) as table:
+            if reader.overwritten_segments:
+                print(
+                    f"millpond: note: {reader.overwritten_segments} segment(s) "
+                    f"({reader.overwritten_steps} steps) of the snapshot were overwritten by "
+                    "inserts before they were read: left out",
+                    file=sys.stderr,
+                )
+            if reader.cut_segments:
+                print(
+                    f"millpond: note: {reader.cut_segments} segment(s) ({reader.cut_steps} "
+                    "steps) left out after a gap so overwritten in their episode: each "
+                    "episode's exported steps are one unbroken run",
+                    file=sys.stderr,
+                )
+            yield table
 
 
 def _shard_dir(path: str, *, create: bool, allow_missing: bool = False) -> Path:

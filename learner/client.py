@@ -41,6 +41,7 @@ from millpond.learner._info import combine_info
 from millpond.learner._masses import ShardMasses
 from millpond.learner._shards import ShardSet
 from millpond.learner._split import SplitSampler
+from millpond.learner.table_reader import TableReader
 from millpond.learner.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
 from millpond.learner.writer import Writer
 from millpond.protos import millpond_pb2 as pb
@@ -280,6 +281,21 @@ class ReplayClient:
         if state is not None:
             with state.lock:
                 state.episodes.clear()
+
+    def read_table(self, table: str) -> TableReader:
+        """A consistent snapshot of ``table`` on every shard, read while inserts go on.
+
+        Iterate the :class:`~millpond.learner.table_reader.TableReader` for the segments each
+        shard had published when the call pinned them (all shards at once), whole, oldest
+        first, shard after shard; its ``config``, ``segments`` and ``steps`` say what was
+        pinned. Segments overwritten before they are read are left out and counted. Needs
+        the admin role where tokens are on.
+        """
+        _check_table(table)
+        self._check_open()
+        return TableReader(
+            self._set.shards, table, self._set.metadata, self.max_message_mb * 1024 * 1024
+        )
 
     # -- insert --------------------------------------------------------------------------
     def writer(

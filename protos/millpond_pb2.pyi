@@ -337,6 +337,50 @@ class ResetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReadTableRequest(_message.Message):
+    __slots__ = ("table", "max_message_bytes")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    max_message_bytes: int
+    def __init__(self, table: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class TableSnapshot(_message.Message):
+    __slots__ = ("config", "segments", "steps")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    segments: int
+    steps: int
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., segments: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class SnapshotEnd(_message.Message):
+    __slots__ = ("segments", "steps", "overwritten_segments", "overwritten_steps", "cut_segments", "cut_steps")
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITTEN_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITTEN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CUT_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    CUT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    segments: int
+    steps: int
+    overwritten_segments: int
+    overwritten_steps: int
+    cut_segments: int
+    cut_steps: int
+    def __init__(self, segments: _Optional[int] = ..., steps: _Optional[int] = ..., overwritten_segments: _Optional[int] = ..., overwritten_steps: _Optional[int] = ..., cut_segments: _Optional[int] = ..., cut_steps: _Optional[int] = ...) -> None: ...
+
+class ReadTableResponse(_message.Message):
+    __slots__ = ("snapshot", "segments", "end")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    snapshot: TableSnapshot
+    segments: PackedSegments
+    end: SnapshotEnd
+    def __init__(self, snapshot: _Optional[_Union[TableSnapshot, _Mapping]] = ..., segments: _Optional[_Union[PackedSegments, _Mapping]] = ..., end: _Optional[_Union[SnapshotEnd, _Mapping]] = ...) -> None: ...
+
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("version", "total_size", "chunk")
     VERSION_FIELD_NUMBER: _ClassVar[int]

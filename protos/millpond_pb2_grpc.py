@@ -86,6 +86,11 @@ class ReplayStub:
                 request_serializer=millpond__pb2.ConfigureTableRequest.SerializeToString,
                 response_deserializer=millpond__pb2.ConfigureTableResponse.FromString,
                 _registered_method=True)
+        self.ReadTable = channel.unary_stream(
+                '/millpond.v1.Replay/ReadTable',
+                request_serializer=millpond__pb2.ReadTableRequest.SerializeToString,
+                response_deserializer=millpond__pb2.ReadTableResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -153,6 +158,12 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadTable(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -205,6 +216,11 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.ConfigureTable,
                     request_deserializer=millpond__pb2.ConfigureTableRequest.FromString,
                     response_serializer=millpond__pb2.ConfigureTableResponse.SerializeToString,
+            ),
+            'ReadTable': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadTable,
+                    request_deserializer=millpond__pb2.ReadTableRequest.FromString,
+                    response_serializer=millpond__pb2.ReadTableResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -479,6 +495,33 @@ class Replay:
             '/millpond.v1.Replay/ConfigureTable',
             millpond__pb2.ConfigureTableRequest.SerializeToString,
             millpond__pb2.ConfigureTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/millpond.v1.Replay/ReadTable',
+            millpond__pb2.ReadTableRequest.SerializeToString,
+            millpond__pb2.ReadTableResponse.FromString,
             options,
             channel_credentials,
             insecure,

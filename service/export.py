@@ -9,9 +9,12 @@ episode ids and steps included, so that exporting again gives the same rows bit 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.sample_format import assemble_ted
 from millpond.segments import PackedSegments, flatten
@@ -41,6 +45,7 @@ __all__ = [
     "import_ted",
     "load_hdf5",
     "pack_export",
+    "spooled_table",
 ]
 
 #: Rows gathered (and held in memory) at a time by the exporters.
@@ -281,6 +286,42 @@ class _FlatBreaks:
             self.breaks += 1
         self.breaks += int((differs[:-1] & ~done[:-1]).sum())
         self._last = ({k: chunk[("next", *k)][-1:].clone() for k in keys}, bool(done[-1]))
+
+
+@contextlib.contextmanager
+def spooled_table(
+    name: str,
+    segments: Iterable[PackedSegments],
+    slots: int,
+    directory: str | os.PathLike,
+) -> Iterator[Table]:
+    """A temporary table ``name`` under ``directory`` holding ``segments`` (stored in the
+    order given, episode ids and first steps kept), for the exporters to read as they read
+    any table; deleted afterwards.
+
+    ``slots``: what the segments take at most (steps + segments), its capacity. A
+    snapshot read from a running service (``ReplayClient.read_table``) becomes a table this
+    way, so that its exports are those of a shard directory holding the same segments.
+    """
+    from millpond.service.table import Table  # the table imports nothing of the exporters
+
+    work = Path(tempfile.mkdtemp(prefix=".millpond-snapshot-", dir=directory))
+    try:
+        table = Table.create(work / name, TableConfig(name=name, capacity=max(2, int(slots))))
+        try:
+            stored = 0
+            for packed in segments:
+                stored += packed.num_steps + len(packed)
+                if stored > table.config.capacity:
+                    raise InvalidDataError(
+                        f"the segments take more than the {slots} slots announced for them"
+                    )
+                table.insert_packed(packed, timeout=0)
+            yield table
+        finally:
+            table.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # -- import ---------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from millpond.sample_format import ColocatedSample, SlotSample
 from millpond.segments import PackedSegments, Segment, concat, pack, pack_columns
 from millpond.service.metrics import ServiceMetrics
 from millpond.service.shard import Shard
+from millpond.service.snapshot import pin
 from millpond.service.weights import WeightStore
 from millpond.spec import DONE, TERMINATED, TRUNCATED, FieldSpec, Key, TableSpec
 from millpond.storage_format import ensure_token, storage_identity
@@ -61,6 +62,9 @@ _MAX_DETAILS = 2000
 # Bytes every sampled row carries besides the spec's keys, at the least: its slot,
 # generation, episode id and step (int64 each) and the done/terminated/truncated flags.
 _SAMPLED_ROW_BYTES = 36
+#: ReadTable streams one shard serves at once: each holds its snapshot's segment list (40
+#: bytes a segment) and one group of rows.
+MAX_TABLE_READS = 4
 # Episode-end flags are normalised on insert (any integer dtype, [L] or [L, 1]): the
 # spec's bool [] is not what a writer must send.
 _FLAG_KEYS = frozenset({DONE, TERMINATED, TRUNCATED})
@@ -210,6 +214,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         #: What Info reports as this shard's host (colocated readers compare it with theirs).
         self.host_id = host_id()
         self._locations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._snapshot_readers = threading.BoundedSemaphore(MAX_TABLE_READS)
 
     def _table(self, name: str):
         return self.shard.table(_check_name(name))
@@ -537,6 +542,56 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         config = table.configure(**settings)  # a bad value: InvalidConfigError, by name
         log.info("table %r configured: %s", table.name, settings)
         return pb.ConfigureTableResponse(config=config_to_proto(config))
+
+    @_edge
+    def ReadTable(self, request: pb.ReadTableRequest, context):
+        """A consistent snapshot of a table, streamed whole segments at a time while inserts
+        go on (:mod:`millpond.service.snapshot`)."""
+        table = self._table(request.table)
+        if request.max_message_bytes < 0:
+            raise InvalidDataError(
+                f"max_message_bytes ({request.max_message_bytes}) must be >= 0 (0: the shard's)"
+            )
+        limit = min(request.max_message_bytes or self.max_message_bytes, self.max_message_bytes)
+        if not self._snapshot_readers.acquire(blocking=False):
+            raise ResourceExhaustedError(
+                f"this shard serves {MAX_TABLE_READS} ReadTable streams at once, all open: "
+                "retry when one has ended"
+            )
+        try:
+            snapshot = pin(table)
+            groups = snapshot.groups(limit)  # a segment too large is refused before the header
+            config = config_to_proto(snapshot.config)
+            header = pb.TableSnapshot(
+                config=config, segments=snapshot.num_segments, steps=snapshot.num_steps
+            )
+            yield pb.ReadTableResponse(snapshot=header)
+            for i, j in groups:
+                if not context.is_active():
+                    return
+                packed = snapshot.read(table, i, j)
+                if packed is None:
+                    continue
+                response = pb.ReadTableResponse()
+                part = response.segments
+                part.episode_ids.extend(packed.episode_ids.tolist())
+                part.first_steps.extend(packed.first_steps.tolist())
+                part.lengths.extend(packed.lengths.tolist())
+                codec.to_tensor_map(packed.steps, [packed.num_steps], out=part.steps)
+                codec.to_tensor_map(packed.tails, [len(packed)], out=part.tails)
+                yield response
+            yield pb.ReadTableResponse(
+                end=pb.SnapshotEnd(
+                    segments=snapshot.sent_segments,
+                    steps=snapshot.sent_steps,
+                    overwritten_segments=snapshot.overwritten_segments,
+                    overwritten_steps=snapshot.overwritten_steps,
+                    cut_segments=snapshot.cut_segments,
+                    cut_steps=snapshot.cut_steps,
+                )
+            )
+        finally:
+            self._snapshot_readers.release()
 
     @_edge
     def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointResponse:
