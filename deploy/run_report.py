@@ -4,20 +4,32 @@
 time, so a killed run keeps its rows), and at the end draws ``return.png`` (mean return
 against frames, with frames/s and achieved samples-per-insert beneath) and writes
 ``summary.json`` plus the human-readable table it prints.
+
+The same rows can go to TensorBoard (``tensorboard``) and to Weights & Biases: when the
+``wandb`` package is installed and the environment configures it (``WANDB_PROJECT`` or
+``WANDB_MODE`` set, and ``WANDB_MODE`` not ``disabled``), each row is logged to a wandb run
+named after the run directory, against ``frames``; its id is kept in ``RUN_DIR/wandb-run-id``
+so that a resumed run goes on logging to the same wandb run.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from millpond.errors import InvalidConfigError
 
-__all__ = ["COLUMNS", "RunReport", "format_summary", "progress_line"]
+__all__ = ["COLUMNS", "RunReport", "format_summary", "progress_line", "wandb_configured"]
+
+log = logging.getLogger("millpond.launch")
+#: Where a run directory keeps the id of its wandb run (so that a resumed run continues it).
+WANDB_ID_FILE = "wandb-run-id"
 
 COLUMNS: tuple[str, ...] = (
     "time_s",
@@ -52,6 +64,7 @@ class RunReport:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._events = _event_writer(self.dir / "tensorboard", tensorboard)
+        self._wandb = _wandb_run(self.dir, append) if wandb_configured() else None
         self.metrics_path = self.dir / "metrics.csv"
         self.plot_path = self.dir / "return.png"
         self.summary_path = self.dir / "summary.json"
@@ -84,6 +97,30 @@ class RunReport:
                 if isinstance(value, int | float) and math.isfinite(value):
                     self._events.add_scalar(f"millpond/{key}", value, global_step=frames)
             self._events.flush()
+        if self._wandb is not None:
+            self._log_wandb(row)
+
+    def _log_wandb(self, row: Mapping[str, Any]) -> None:
+        """Log ``row``'s finite numbers to the wandb run (``millpond/KEY``, against frames);
+        a failing wandb is logged and left, the run goes on."""
+        values: dict[str, Any] = {"frames": int(row.get("frames") or 0)}
+        for key in (COLUMNS[0], *COLUMNS[2:]):
+            value = row.get(key)
+            if isinstance(value, int | float) and math.isfinite(value):
+                values[f"millpond/{key}"] = value
+        try:
+            self._wandb.log(values)
+        except Exception as e:  # wandb's own errors: a dashboard must not stop the run
+            log.warning("wandb: cannot log a row (%s); the run goes on without wandb", e)
+            self._finish_wandb()
+
+    def _finish_wandb(self) -> None:
+        run, self._wandb = self._wandb, None
+        if run is not None:
+            try:
+                run.finish()
+            except Exception as e:  # as above
+                log.warning("wandb: cannot finish the run: %s", e)
 
     def close(self) -> None:
         if not self._file.closed:
@@ -91,6 +128,7 @@ class RunReport:
         if self._events is not None:
             self._events.close()
             self._events = None
+        self._finish_wandb()
 
     def plot(self, title: str = "") -> Path | None:
         """Draw ``return.png``; ``None`` when there is nothing to draw yet."""
@@ -169,6 +207,45 @@ def _event_writer(directory: Path, mode: str) -> Any:
             ) from None
         return None
     return SummaryWriter(log_dir=str(directory))
+
+
+def wandb_configured() -> bool:
+    """Whether runs log to Weights & Biases: the ``wandb`` package is installed and the
+    environment configures it (``WANDB_PROJECT`` or ``WANDB_MODE`` set; ``WANDB_MODE=disabled``
+    turns it off)."""
+    mode = os.environ.get("WANDB_MODE", "")
+    if mode == "disabled" or not (mode or os.environ.get("WANDB_PROJECT")):
+        return False
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _wandb_run(run_dir: Path, append: bool) -> Any:
+    """A wandb run for ``run_dir`` (the one it logged to before when ``append``), or
+    ``None`` when wandb refuses to start one (logged: the launch goes on without it)."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if append and id_file.exists() else None
+    try:
+        run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "millpond",
+            name=run_dir.name,
+            id=run_id,
+            resume="allow" if run_id else None,
+            dir=os.environ.get("WANDB_DIR") or str(run_dir),
+            reinit="create_new",
+        )
+        run.define_metric("frames")
+        run.define_metric("millpond/*", step_metric="frames")
+    except Exception as e:  # wandb's own errors (no API key, no network, ...)
+        log.warning("wandb: cannot start a run (%s); the run goes on without wandb", e)
+        return None
+    id_file.write_text(run.id + "\n")
+    return run
 
 
 def format_summary(summary: Mapping[str, Any], keys: Sequence[str] | None = None) -> str:
