@@ -21,6 +21,7 @@ from tensordict import TensorDict
 from millpond import ReplayClient, TableConfig
 from millpond.cli import main
 from millpond.errors import (
+    PermissionDeniedError,
     ResourceExhaustedError,
     ShardUnavailableError,
     TableNotFoundError,
@@ -439,3 +440,51 @@ def test_the_running_service_section_of_the_datasets_doc_runs_as_written(
     assert re.search(r"pinned \d+ segments \(\d+ steps\)", out)
     assert "left out: 0 overwritten, 0 cut" in out
     check_ted_rows(TensorDict.load_memmap(tmp_path / "live.ted"))
+
+
+# -- frame stacks and tokens ------------------------------------------------------------------
+def test_a_frame_stacked_table_exports_live_as_from_its_directory(service, tmp_path, monkeypatch):
+    """Stacks come whole (each frame stored once on the shard): the live export's rows equal
+    the directory export's, bit for bit."""
+    (address,) = service()
+    monkeypatch.chdir(tmp_path)
+    k = 4
+    frames = torch.arange(-(k - 1), 11, dtype=torch.float32)[:, None].expand(-1, 3).contiguous()
+    stacks = torch.stack([frames[t : t + k] for t in range(11)])  # observation of step t
+    steps = TensorDict(
+        {
+            "observation": stacks[:10],
+            "action": torch.arange(10.0)[:, None],
+            ("next", "reward"): torch.ones(10, 1),
+            ("next", "terminated"): torch.arange(10)[:, None] == 9,
+            ("next", "truncated"): torch.zeros(10, 1, dtype=torch.bool),
+        },
+        [10],
+    )
+    config = TableConfig(name="stacked", capacity=100, frame_stacks={("observation",): k})
+    with ReplayClient(address, colocated=False) as client:
+        client.create_table(config)
+        with client.writer("stacked", "w") as w:
+            for first in (0, 5):
+                tail = TensorDict({"observation": stacks[first + 5]}, [])
+                w.write_segment(steps[first : first + 5], tail, episode_id=1, first_step=first)
+        assert main(["export", address, "--table", "stacked", "--format", "ted", "live"]) == 0
+    live = TensorDict.load_memmap(Path("live"))
+    assert torch.equal(live["observation"], stacks[:10])
+    assert torch.equal(live["next", "observation"], stacks[1:])
+    assert live["step"].tolist() == list(range(10))
+
+
+def test_reading_a_table_is_for_admins_where_tokens_are_on(service, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("learner learner-secret-1\nadmin admin-secret-12\n")
+    (address,) = service(token_file=str(tokens))
+    with ReplayClient(address, token="admin-secret-12", colocated=False) as admin:
+        admin.create_table(TableConfig.uniform("replay", 100))
+        with admin.writer("replay", "w") as w:
+            w.write_segments(episode_segments(1))
+        with admin.read_table("replay") as reader:
+            assert [len(p) for p in reader] == [3]
+    learner = ReplayClient(address, token="learner-secret-1", colocated=False)
+    with learner, pytest.raises(PermissionDeniedError, match="may not call ReadTable"):
+        learner.read_table("replay")
