@@ -566,6 +566,12 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 config=config, segments=snapshot.num_segments, steps=snapshot.num_steps
             )
             yield pb.ReadTableResponse(snapshot=header)
+            spec = snapshot.spec
+            compressed = (
+                frozenset(spec.observation_keys)
+                if spec is not None and snapshot.config.compression == "zstd"
+                else frozenset()
+            )
             for i, j in groups:
                 if not context.is_active():
                     return
@@ -577,8 +583,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 part.episode_ids.extend(packed.episode_ids.tolist())
                 part.first_steps.extend(packed.first_steps.tolist())
                 part.lengths.extend(packed.lengths.tolist())
-                codec.to_tensor_map(packed.steps, [packed.num_steps], out=part.steps)
-                codec.to_tensor_map(packed.tails, [len(packed)], out=part.tails)
+                codec.to_tensor_map(packed.steps, [packed.num_steps], compressed, out=part.steps)
+                codec.to_tensor_map(packed.tails, [len(packed)], compressed, out=part.tails)
                 yield response
             yield pb.ReadTableResponse(
                 end=pb.SnapshotEnd(

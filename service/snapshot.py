@@ -110,7 +110,9 @@ class TableSnapshot:
         if n == 0 or self.spec is None:
             return []
         spec = self.spec
-        per_segment = self.lengths * spec.slot_bytes + spec.observation_bytes + _SEGMENT_OVERHEAD
+        data = self.lengths * spec.slot_bytes + spec.observation_bytes
+        # zstd's worst case on incompressible data (a table's compression): +1/256
+        per_segment = data + data // 256 + 1 + _SEGMENT_OVERHEAD
         fixed = _TENSOR_OVERHEAD * (2 * len(spec.fields) + 4)
         k = int(np.argmax(per_segment))
         if int(per_segment[k]) + fixed > max_bytes:

@@ -425,8 +425,8 @@ def test_the_running_service_section_of_the_datasets_doc_runs_as_written(
     code = re.findall(r"```py\n(.*?)```", section, re.S)
     assert len(commands) == 2 and len(code) == 1
     with ReplayClient(address, colocated=False) as client:
-        client.create_table(TableConfig.uniform("replay", 10_000))
-        writer = Writer(client, "replay", "w0")
+        client.create_table(TableConfig.uniform("replay", 100_000))
+        writer = Writer(client, "replay", "w0", limit=6000)  # never turns the ring over
         writer.start()
         try:
             writer.wait_for(30)
@@ -488,3 +488,15 @@ def test_reading_a_table_is_for_admins_where_tokens_are_on(service, tmp_path):
     learner = ReplayClient(address, token="learner-secret-1", colocated=False)
     with learner, pytest.raises(PermissionDeniedError, match="may not call ReadTable"):
         learner.read_table("replay")
+
+
+def test_a_compressed_table_sends_its_observations_compressed_and_exact(service):
+    (address,) = service()
+    with ReplayClient(address, colocated=False) as client:
+        client.create_table(TableConfig.uniform("zstd", 1000, compression="zstd"))
+        with client.writer("zstd", "w") as w:
+            for episode in range(5):
+                w.write_segments(episode_segments(episode))
+        with client.read_table("zstd") as reader:
+            keys = read_all(reader)
+    assert keys == [(e, f) for e in range(5) for f in (0, 5, 10)]
