@@ -70,7 +70,7 @@ from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
 from millpond.checks import check_int
-from millpond.errors import InvalidConfigError, MillpondError
+from millpond.errors import InvalidConfigError, MillpondError, ShardUnavailableError
 from millpond.segmenting import cut_batch, pack_batch
 from millpond.segments import Segment
 from millpond.spec import Key
@@ -276,17 +276,33 @@ class Collector:
         return self.steps_written - before
 
     def sync_weights(self, timeout_s: float = 0) -> bool:
-        """Load a newer version from the weight source if it has one; whether it did."""
+        """Load a newer version from the weight source if it has one; whether it did (a
+        source that cannot be reached now has none)."""
         if self.weight_source is None:
             return False
-        state_dict, version = self.weight_source.get_weights(
-            self.policy.version + 1, timeout_s=timeout_s
-        )
+        try:
+            state_dict, version = self.weight_source.get_weights(
+                self.policy.version + 1, timeout_s=timeout_s
+            )
+        except ShardUnavailableError:  # the rendezvous is restarting: act on, ask again later
+            return False
         if state_dict is None or version <= self.policy.version:
             return False
         self.policy.load_state_dict(state_dict)
         self.policy.version = int(version)
         return True
+
+    def start_new_episodes(self) -> None:
+        """Give every lane a new episode id, its steps counted from 0 again.
+
+        For a sink that lost the beginnings of the episodes under way (an env actor whose
+        shard was lost for good writes on to another one): the steps that follow are
+        stored as new episodes, never as the continuation of an episode whose first steps
+        are not there."""
+        if not self._started:
+            return
+        self._episode_ids[:] = self._new_episode_ids(self.num_envs)
+        self._step_counts[:] = 0
 
     def flush(self, timeout_s: float | None = None) -> int:
         """Write what the processors hold back, then flush the sink; returns steps written.

@@ -6,11 +6,18 @@ policy weights from the same client. Started with ``max_restarts``, a killed act
 back with a new *incarnation*: fresh episode ids, and a writer that continues its shard's
 sequence numbering (the writer handshake), so nothing it sent is stored twice or torn —
 what the dead process had not yet sent is lost with it, as with any crash.
+
+When the actor's shard is lost for good (its writer fails with
+:class:`~millpond.learner._shards.ShardGoneError`), the actor writes on to another shard
+that is still there: the chunk being written is dropped (with what the lost shard had not
+acknowledged), and every lane starts a new episode id, so that no episode is split across
+shards: the new shard holds whole episodes from their first stored step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 import warnings
@@ -29,7 +36,10 @@ from millpond.actors.processor_specs import ProcessorSpec, build_processors, che
 from millpond.actors.processors import ExperienceProcessor, PassThrough
 from millpond.allocator import keep_freed_buffers
 from millpond.errors import DeadlineExceededError, InvalidConfigError
+from millpond.learner._shards import ShardGoneError
 from millpond.learner.client import ReplayClient
+
+log = logging.getLogger("millpond.actors")
 
 
 @dataclass(frozen=True)
@@ -131,18 +141,11 @@ class EnvActor:
         self.actor_index = actor_index
         self.incarnation = incarnation
         self.client = client
+        self._config = config
+        self.lost_shards: list[int] = []  # shards this actor found lost for good
         # Actor i writes to shard i % S, so a few actors spread over the shards evenly (and a
         # restarted actor finds its numbering on the same shard).
-        self.writer = client.writer(
-            config.table,
-            writer_id=f"actor-{actor_index}",
-            max_in_flight=config.max_in_flight,
-            shard=actor_index % client.num_shards,
-            # The table's rate limiter paces an actor for as long as the learner needs, and a
-            # write given up halfway through a chunk would tear its episodes: the fleet
-            # bounds the actor's close instead.
-            timeout_s=None,
-        )
+        self.writer = self._writer(actor_index % client.num_shards)
         seed = None if config.seed is None else config.seed + 1000 * actor_index
         self.collector = Collector(
             config.env,
@@ -168,6 +171,42 @@ class EnvActor:
         self._act_s = 0.0  # stepping the env and the policy
         self._write_s = 0.0  # cutting, processing and handing segments to the writer
 
+    def _writer(self, shard: int) -> Any:
+        return self.client.writer(
+            self._config.table,
+            writer_id=f"actor-{self.actor_index}",
+            max_in_flight=self._config.max_in_flight,
+            shard=shard,
+            # The table's rate limiter paces an actor for as long as the learner needs, and a
+            # write given up halfway through a chunk would tear its episodes: the fleet
+            # bounds the actor's close instead.
+            timeout_s=None,
+        )
+
+    def _write_elsewhere(self, error: ShardGoneError) -> None:
+        """The writer's shard is lost for good: write on to a shard still there, every lane
+        starting a new episode (see the module docstring)."""
+        lost = self.writer.shard_index
+        self.lost_shards.append(lost)
+        gone = set(self.client.lost_shards) | set(self.lost_shards)
+        live = [i for i in range(self.client.num_shards) if i not in gone]
+        if not live:
+            raise error
+        target = live[self.actor_index % len(live)]
+        with contextlib.suppress(Exception):  # it failed already: close only ends its thread
+            self.writer.close(timeout_s=0)
+        log.warning(
+            "env actor %d: shard %d is lost for good (%s); writing to shard %d, new episodes "
+            "on every lane",
+            self.actor_index,
+            lost,
+            error,
+            target,
+        )
+        self.writer = self._writer(target)
+        self.collector.sink = self.writer
+        self.collector.start_new_episodes()
+
     def run(self, num_chunks: int = 1) -> dict[str, Any]:
         """Collect and write ``num_chunks`` chunks; returns what happened (see :meth:`status`)."""
         frames_before = self._chunk_frames()
@@ -176,7 +215,10 @@ class EnvActor:
             t0 = time.perf_counter()
             batch = self.collector.collect()
             t1 = time.perf_counter()
-            self.collector.write(batch)  # blocks while the writer's window or the table is full
+            try:
+                self.collector.write(batch)  # blocks while the window or the table is full
+            except ShardGoneError as e:
+                self._write_elsewhere(e)
             self._act_s += t1 - t0
             self._write_s += time.perf_counter() - t1
             self.returns.update(batch)
@@ -208,6 +250,8 @@ class EnvActor:
             "write_s": self._write_s,
             "segments_acked": self.writer.acked,
             "segments_pending": self.writer.pending,
+            "shard": getattr(self.writer, "shard_index", None),
+            "lost_shards": list(self.lost_shards),
         }
 
     def close(self, timeout_s: float | None = None) -> dict[str, Any]:
@@ -218,10 +262,10 @@ class EnvActor:
         """
         try:
             self.collector.close(timeout_s=timeout_s)
-        except DeadlineExceededError:
+        except (DeadlineExceededError, ShardGoneError):
             pass  # the writer drops what is left just below
         finally:
-            with contextlib.suppress(DeadlineExceededError):
+            with contextlib.suppress(DeadlineExceededError, ShardGoneError):
                 self.writer.close(timeout_s=None if timeout_s is None else 0.0)
         return self.status()
 

@@ -5,7 +5,11 @@ The job, in the order it starts:
 1. Ray: a local instance by default; ``--address auto`` / ``ray://host:port`` joins a cluster.
 2. The replay service: ``replay.shards`` :class:`~millpond.deploy.replay_actor.ReplayShardActor`
    Ray actors, each serving one shard over gRPC (or, with ``--replay host:port,...``, an
-   already running ``millpond serve``), and the job's table on every shard.
+   already running ``millpond serve``), and the job's table on every shard. Each shard
+   actor is pinned to its node and restarted there by Ray (``replay.max_restarts``); the
+   clients find a restarted shard at its new port through
+   :class:`~millpond.deploy.replay_actor.ShardAddresses`, and a shard lost for good is
+   routed around (the progress line and ``summary.json``'s ``shards`` say so).
 3. ``learner.num_learners`` learners (:class:`~millpond.deploy.learner_actor.LearnerActor`
    Ray actors around :class:`~millpond.learner.PPOLearner` or
    :class:`~millpond.learner.DQNLearner`; several form one data-parallel
@@ -36,6 +40,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +160,8 @@ class Launch:
         self._ray_info: dict[str, Any] = {}  # the cluster the job ran on
         self.network: str | None = None  # the learner's network family, once chosen
         self._shards: list[Any] = []
+        self._shard_names: list[str] = []
+        self._shard_watch: _ShardWatch | None = None
         self._fleet: Any = None
         self._fleet_thread: threading.Thread | None = None
         self._fleet_error: BaseException | None = None
@@ -234,6 +241,7 @@ class Launch:
 
         from millpond.actors.envs import make_env
         from millpond.actors.fleet import ActorFleet
+        from millpond.deploy.replay_actor import ShardAddresses
         from millpond.learner.client import ReplayClient
         from millpond.learner.networks import network_for
 
@@ -273,10 +281,20 @@ class Launch:
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         addresses = self.replay or self._start_shards()
         admin_token, writer_token = c.replay.tokens()
-        self.client = ReplayClient(addresses, token=admin_token, tls=c.replay.tls)
+        # Clients find a restarted shard at its new port, and a lost one gone, by asking its
+        # actor (shards of a --replay service stay where they are).
+        resolver = None
+        if self._shards:
+            namespace = ray.get_runtime_context().namespace
+            resolver = ShardAddresses(self._shard_names, namespace)
+        self.client = ReplayClient(
+            addresses, token=admin_token, tls=c.replay.tls, resolver=resolver
+        )
         actor_client = self.client
         if writer_token != admin_token:  # the actors get the least privilege the file offers
-            actor_client = ReplayClient(addresses, token=writer_token, tls=c.replay.tls)
+            actor_client = ReplayClient(
+                addresses, token=writer_token, tls=c.replay.tls, resolver=resolver
+            )
         try:
             self.table = self.client.create_table(c.replay.table_config()).name
         except (AuthenticationError, PermissionDeniedError) as e:
@@ -292,7 +310,7 @@ class Launch:
             self.network = network_for(obs_space, c.learner.network)
         except InvalidConfigError as e:
             raise InvalidConfigError(f"learner.network: {e}") from None
-        self._learner_args = (addresses, obs_space, act_space, admin_token)
+        self._learner_args = (addresses, obs_space, act_space, admin_token, resolver)
         if self._resumed is None:
             self._start_learners()
         else:
@@ -333,6 +351,7 @@ class Launch:
 
     def _start_shards(self) -> str:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from millpond.deploy.replay_actor import ReplayShardActor
         from millpond.service.server import ServerConfig
@@ -340,37 +359,90 @@ class Launch:
         c = self.config
         host = "127.0.0.1" if c.ray.address is None else "0.0.0.0"
         token_file = c.replay.token_file
-        remote = ray.remote(ReplayShardActor).options(
-            num_cpus=c.replay.num_cpus, **_placement(c.replay.resources, c.replay.label_selector)
-        )
-        for i in range(c.replay.shards):
+        nodes = self._shard_nodes()
+        prefix = f"millpond-shard-{uuid.uuid4().hex[:8]}"
+        self._shard_names = [f"{prefix}-{i}" for i in range(len(nodes))]
+        for i, node in enumerate(nodes):
             server = ServerConfig(
                 dir=str((self.run_dir / "replay" / f"shard-{i}").resolve()),
                 host=host,
                 port=0,
                 max_message_mb=c.replay.max_message_mb,
                 token_file=None if token_file is None else str(Path(token_file).resolve()),
+                metrics_port=(
+                    None
+                    if c.replay.metrics_port is None
+                    else c.replay.metrics_port and c.replay.metrics_port + i
+                ),
+            )
+            # Pinned to its node: restarted there, on its directory, or not at all.
+            remote = ray.remote(ReplayShardActor).options(
+                name=self._shard_names[i],  # clients look it up by name (ShardAddresses)
+                num_cpus=c.replay.num_cpus,
+                max_restarts=c.replay.max_restarts,
+                max_task_retries=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                **_placement(c.replay.resources, {}),
             )
             self._shards.append(remote.remote(server))
         try:
             addresses = ray.get(
                 [s.address.remote() for s in self._shards], timeout=c.replay.start_timeout_s
             )
-        except ray.exceptions.GetTimeoutError:
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnschedulableError):
             for shard in self._shards:  # unplaced actors would make shutdown wait for them
                 ray.kill(shard)
             self._shards.clear()
-            needed = c.replay.shards * c.replay.num_cpus
-            raise MillpondError(
-                f"replay shards did not start within replay.start_timeout_s="
-                f"{c.replay.start_timeout_s:g} s: they need {needed:g} CPUs free in the Ray "
-                f"cluster (replay.shards x replay.num_cpus){_placement_hint(c.replay)}; see "
-                "`ray status`"
-            ) from None
+            raise self._shards_unplaced() from None
         from millpond.deploy.learner_actor import where
 
         self._node_refs["replay"] = [s.__ray_call__.remote(where) for s in self._shards]
+        self._shard_watch = _ShardWatch(self._shards, addresses, c.replay.max_restarts)
+        self._shard_watch.poll(wait_s=5.0)  # where each serves (and its metrics endpoint)
         return ",".join(addresses)
+
+    def _shard_nodes(self) -> list[str]:
+        """The node of each shard: where Ray reserves the shards' resources (CPUs, custom
+        resources, labels) all at once, as one placement group that is then released."""
+        import ray
+        from ray.util.placement_group import (
+            placement_group,
+            placement_group_table,
+            remove_placement_group,
+        )
+
+        c = self.config
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if len(alive) == 1 and not c.replay.resources and not c.replay.label_selector:
+            return [alive[0]["NodeID"]] * c.replay.shards  # one node: nothing to choose
+        bundle = {"CPU": c.replay.num_cpus, **c.replay.resources}
+        bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+        labels = dict(c.replay.label_selector)
+        group = placement_group(
+            [dict(bundle) for _ in range(c.replay.shards)],
+            strategy="PACK",
+            bundle_label_selector=[dict(labels) for _ in range(c.replay.shards)]
+            if labels
+            else None,
+        )
+        try:
+            ray.get(group.ready(), timeout=c.replay.start_timeout_s)
+            placed = placement_group_table(group)["bundles_to_node_id"]
+            return [placed[i] for i in range(c.replay.shards)]
+        except ray.exceptions.GetTimeoutError:
+            raise self._shards_unplaced() from None
+        finally:
+            remove_placement_group(group)
+
+    def _shards_unplaced(self) -> MillpondError:
+        c = self.config
+        needed = c.replay.shards * c.replay.num_cpus
+        return MillpondError(
+            f"replay shards did not start within replay.start_timeout_s="
+            f"{c.replay.start_timeout_s:g} s: they need {needed:g} CPUs free in the Ray "
+            f"cluster (replay.shards x replay.num_cpus){_placement_hint(c.replay)}; see "
+            "`ray status`"
+        )
 
     def _resumed_version(self) -> int:
         """The weight version a resumed learner goes on from: its checkpoint's.
@@ -408,7 +480,7 @@ class Launch:
 
         c = self.config
         n = c.learner.num_learners
-        addresses, obs_space, act_space, token = self._learner_args
+        addresses, obs_space, act_space, token, resolver = self._learner_args
         remote = ray.remote(LearnerActor).options(
             num_cpus=c.learner.num_cpus,
             num_gpus=c.learner.num_gpus,
@@ -418,7 +490,7 @@ class Launch:
         self._learners = [
             remote.remote(
                 c, addresses, self.table, obs_space, act_space,
-                rank=rank, world_size=n, token=token, tls=c.replay.tls,
+                rank=rank, world_size=n, token=token, tls=c.replay.tls, resolver=resolver,
             )
             for rank in range(n)
         ]  # fmt: skip
@@ -537,16 +609,28 @@ class Launch:
             ):
                 return "return"
             self._poll_learners()
+            if self._shard_watch is not None:
+                for event in self._shard_watch.poll():
+                    self._say(event)
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + c.run.status_every_s
                 row = self._status_row(now - started)
                 report.record(row)
-                self._say(progress_line(row, c.run.frames))
+                self._say(progress_line(row, c.run.frames) + self._shards_note())
             if now >= next_checkpoint:  # a crash loses at most this much learning
                 next_checkpoint = now + c.learner.checkpoint_every_s
                 with _logged("writing the learner checkpoint"):  # a lost rank 0: polled next
                     self._save_checkpoint()
+
+    def _shards_note(self) -> str:
+        """What the progress line adds while shards are lost: ``shards LIVE/COUNT``."""
+        watch = self._shard_watch
+        if watch is None or not watch.lost:
+            return ""
+        return (
+            f"  shards {watch.live}/{len(watch.shards)} (lost: {', '.join(map(str, watch.lost))})"
+        )
 
     def _restart_learners(self, rank: int, error: BaseException) -> None:
         """Replace the whole group by new learners that start from the last checkpoint."""
@@ -668,7 +752,12 @@ class Launch:
         with _logged("locating the shards and env actors"):
             for role, refs in self._node_refs.items():
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
-                self._nodes[role] = [ray.get(r) if r in ready else None for r in refs]
+                self._nodes[role] = [_value(r) if r in ready else None for r in refs]
+        if self._shard_watch is not None:
+            with _logged("reading the shards' state"):
+                for _ in range(3):
+                    for event in self._shard_watch.poll(wait_s=2.0):
+                        self._say(event)
         checkpoint = None
         if self._learners and not self._learner_lost:
             with _logged("stopping the learners"):
@@ -694,10 +783,15 @@ class Launch:
             with _logged("reading the final counters"):
                 row = self._status_row(time.monotonic() - self._started_at)
             with _logged("checkpointing the replay service"):
-                self.client.checkpoint()
+                if self._shard_watch is not None and self._shard_watch.lost:
+                    self._checkpoint_live_shards()
+                else:
+                    self.client.checkpoint()
         if self._shards:
             with _logged("stopping the replay shards"):
-                ray.get([s.stop.remote() for s in self._shards], timeout=60)
+                lost = self._shard_watch.lost if self._shard_watch is not None else {}
+                live = [s for i, s in enumerate(self._shards) if i not in lost]
+                ray.get([s.stop.remote() for s in live], timeout=60)
         if hasattr(self, "client"):
             with _logged("closing the client"):
                 self.client.close(timeout_s=10)
@@ -711,6 +805,21 @@ class Launch:
         report.write_summary(summary)
         self._say("summary:\n" + format_summary(summary))
         return summary
+
+    def _checkpoint_live_shards(self) -> None:
+        """Checkpoint the shards that are still there (the lost ones cannot be)."""
+        from millpond.learner.client import ReplayClient
+
+        c = self.config
+        lost = self._shard_watch.lost if self._shard_watch is not None else {}
+        for i, address in enumerate(self.client.addresses):
+            if i in lost:
+                continue
+            one = ReplayClient(address, token=c.replay.tokens()[0], tls=c.replay.tls)
+            try:
+                one.checkpoint()
+            finally:
+                one.close(timeout_s=5)
 
     def _save_checkpoint(self) -> Path:
         """Rank 0 writes ``checkpoint.pt`` into the run directory on its node; when that is
@@ -764,6 +873,8 @@ class Launch:
             "samples_per_insert": row.get("samples_per_insert") if row else None,
             "actor_restarts": final.restarts if final else 0,
             "learner_restarts": self.learner_restarts,
+            "shard_restarts": sum(self._shard_watch.restarts) if self._shard_watch else 0,
+            "shards": self._shard_watch.summary() if self._shard_watch else None,
             "next_actor_index": self._next_actor_index,
             "resumes": resumes,
             "actors_act_s": round(act_s, 2),
@@ -779,6 +890,16 @@ class Launch:
 
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
+
+
+def _value(ref: Any) -> Any:
+    """A finished Ray call's value, ``None`` if it failed (its actor died)."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError:
+        return None
 
 
 @contextlib.contextmanager
@@ -804,6 +925,110 @@ def _placement_hint(section: Any) -> str:
     parts.append(f"labels {section.label_selector}" if section.label_selector else "")
     wanted = " and ".join(p for p in parts if p)
     return f", on nodes with {wanted}" if wanted else ""
+
+
+#: Seconds the driver waits for a shard's answer to ``status`` before asking again.
+_STATUS_PATIENCE_S = 3.0
+
+
+class _ShardWatch:
+    """The driver's view of the shard actors it started: which restarted (a new process:
+    a new pid, perhaps a new port) and which are lost for good, from one ``status`` call
+    kept in flight per shard."""
+
+    def __init__(self, shards: list[Any], addresses: list[str], max_restarts: int) -> None:
+        self.shards = shards
+        self.addresses = list(addresses)
+        self.max_restarts = max_restarts
+        self.status: list[dict[str, Any] | None] = [None] * len(shards)
+        self.restarts = [0] * len(shards)
+        self.lost: dict[int, str] = {}
+        self._strikes = [0] * len(shards)
+        self._inflight: dict[Any, int] = {}
+        self._asked_at: dict[Any, float] = {}
+
+    @property
+    def live(self) -> int:
+        return len(self.shards) - len(self.lost)
+
+    def poll(self, wait_s: float = 0.0) -> list[str]:
+        """Collect the answers that came; returns a line for each restart or loss seen."""
+        import ray
+
+        now = time.monotonic()
+        for ref, asked in list(self._asked_at.items()):
+            if now - asked > _STATUS_PATIENCE_S:  # a call Ray holds across a restart: ask anew
+                self._inflight.pop(ref, None)
+                self._asked_at.pop(ref)
+        busy = set(self._inflight.values())
+        for i, shard in enumerate(self.shards):
+            if i not in self.lost and i not in busy:
+                ref = shard.status.remote()
+                self._inflight[ref] = i
+                self._asked_at[ref] = now
+        if not self._inflight:
+            return []
+        ready, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=wait_s)
+        events = []
+        for ref in ready:
+            i = self._inflight.pop(ref)
+            self._asked_at.pop(ref, None)
+            try:
+                status = ray.get(ref)
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnschedulableError) as e:
+                # A call under way when the process died fails so even if Ray restarts it:
+                # the next call, made after, says whether the actor is gone.
+                self._strikes[i] += 1
+                if self._strikes[i] >= 2:
+                    self.lost[i] = _first_line(e)
+                    events.append(
+                        f"replay shard {i} ({self.addresses[i]}) is lost for good "
+                        f"({self.lost[i]}); going on with {self.live} of {len(self.shards)} "
+                        "shards: its stored steps are gone with it, and the env actors write "
+                        "new episodes to the others"
+                    )
+                continue
+            except ray.exceptions.RayActorError:  # being restarted: ask again
+                continue
+            self._strikes[i] = 0
+            before = self.status[i]
+            self.status[i] = status
+            if before is not None and status["pid"] != before["pid"]:
+                self.restarts[i] += 1
+                moved = (
+                    f"now at {status['address']}"
+                    if status["address"] != self.addresses[i]
+                    else f"at {status['address']}"
+                )
+                events.append(
+                    f"replay shard {i} restarted on its node, on its directory "
+                    f"(restart {self.restarts[i]} of replay.max_restarts="
+                    f"{self.max_restarts}), {moved}"
+                )
+            self.addresses[i] = status["address"]
+        return events
+
+    def summary(self) -> dict[str, Any]:
+        """For ``summary.json``: the shard count, how many are live, the lost ones and why,
+        the restarts, and each shard's address, metrics endpoint and node."""
+        return {
+            "count": len(self.shards),
+            "live": self.live,
+            "lost": {str(i): why for i, why in sorted(self.lost.items())},
+            "restarts": sum(self.restarts),
+            "shards": [
+                {
+                    "shard": i,
+                    "address": self.addresses[i],
+                    "metrics": (s or {}).get("metrics"),
+                    "node_id": (s or {}).get("node_id"),
+                    "ip": (s or {}).get("ip"),
+                    "restarts": self.restarts[i],
+                    "lost": i in self.lost,
+                }
+                for i, s in enumerate(self.status)
+            ],
+        }
 
 
 def _first_line(e: BaseException) -> str:

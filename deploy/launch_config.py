@@ -100,6 +100,13 @@ class ReplaySection:
             to keep the shards on the nodes started with ``--resources '{"replay_node": 4}'``.
         label_selector: Ray node labels a shard's node must have, e.g.
             ``{"ray.io/node-group": "replay"}``.
+        max_restarts: how often Ray restarts a shard whose process died, on its own node
+            and directory (it reopens its tables there). A shard whose restarts are spent,
+            or whose node is gone, is lost: the job goes on with the other shards.
+        metrics_port: each shard serves Prometheus metrics over HTTP (see
+            ``millpond serve --metrics-port``): ``0`` on a free port, ``P`` on port
+            ``P + i`` for shard ``i``; ``None`` (default): not at all. ``summary.json``'s
+            ``shards`` records each shard's metrics address.
     """
 
     shards: int = 1
@@ -113,10 +120,20 @@ class ReplaySection:
     tls: bool | str | None = None
     resources: dict[str, float] = field(default_factory=dict)
     label_selector: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 3
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _placement("replay", self.resources, self.label_selector)
         _at_least("replay.shards", self.shards, 1)
+        _at_least("replay.max_restarts", self.max_restarts, 0)
+        if self.metrics_port is not None and not (
+            self.metrics_port >= 0 and self.metrics_port + self.shards <= 65536
+        ):
+            raise InvalidConfigError(
+                f"replay.metrics_port: {self.metrics_port!r} must be 0 (free ports) or a base "
+                f"port P with P + replay.shards <= 65536"
+            )
         _at_least("replay.num_cpus", self.num_cpus, 0)
         _at_least("replay.start_timeout_s", self.start_timeout_s, 1)
         if self.tls is False:

@@ -23,7 +23,12 @@ from typing import Any
 import torch
 
 from millpond.deploy.launch_config import LaunchConfig, to_mapping
-from millpond.errors import DeadlineExceededError, InvalidConfigError
+from millpond.errors import (
+    DeadlineExceededError,
+    InvalidConfigError,
+    InvalidDataError,
+    ShardUnavailableError,
+)
 
 __all__ = ["LearnerActor", "make_learner", "where"]
 
@@ -110,6 +115,8 @@ class LearnerActor:
         world_size: learners in the job.
         token: the replay service's ``admin`` token, if it requires one.
         tls: the replay service's TLS setting (see ``replay.tls``).
+        resolver: where each shard is now (a shard restarted on another port, or lost;
+            see :class:`~millpond.deploy.replay_actor.ShardAddresses`).
     """
 
     def __init__(
@@ -124,6 +131,7 @@ class LearnerActor:
         world_size: int = 1,
         token: str | None = None,
         tls: bool | str | None = None,
+        resolver: Any = None,
     ) -> None:
         from millpond.allocator import keep_freed_buffers
         from millpond.learner.client import ReplayClient
@@ -135,7 +143,7 @@ class LearnerActor:
         self.device = _device(config.learner.device)
         torch.manual_seed(config.run.seed)  # the same initial networks on every rank
         torch.set_num_threads(config.learner.threads)
-        self.client = _Counting(ReplayClient(addresses, token=token, tls=tls))
+        self.client = _Counting(ReplayClient(addresses, token=token, tls=tls, resolver=resolver))
         self._build = (table, obs_space, act_space)
         self.steps = 0
         self.learner: Any = None
@@ -234,6 +242,10 @@ class LearnerActor:
             except DeadlineExceededError:  # not enough new experience yet
                 sample_s += time.perf_counter() - t0
                 continue
+            except ShardUnavailableError:  # every shard down (one restarting): wait for it
+                time.sleep(0.2)
+                sample_s += time.perf_counter() - t0
+                continue
             sample_s += metrics["sample_s"]
             update_s += metrics["update_s"]
             steps += 1
@@ -312,15 +324,45 @@ class LearnerActor:
         return {n: m for n, m in modules.items() if isinstance(m, torch.nn.Module)}
 
 
+#: How long a publication waits for shard 0 (the weights rendezvous) while Ray restarts it.
+PUBLISH_WAIT_S = 60.0
+
+
 class _Counting:
-    """The learner's client, counting the weight publications it sends."""
+    """The learner's client, counting the weight publications it sends, and riding out a
+    shard that Ray restarts: a sample that finds every shard down is a sample that timed
+    out (in a data-parallel group every rank learns it together), and a publication waits
+    for shard 0 to come back (up to :data:`PUBLISH_WAIT_S`)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
         self.published = 0
 
-    def publish_weights(self, *args: Any, **kwargs: Any) -> int:
-        version = self._client.publish_weights(*args, **kwargs)
+    def sample(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._client.sample(*args, **kwargs)
+        except ShardUnavailableError as e:
+            time.sleep(0.2)  # not a busy loop while the shards come back
+            raise DeadlineExceededError(f"no shard reachable now: {e}") from e
+
+    def publish_weights(self, state_dict: Any, version: int) -> int:
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        retried = False
+        while True:
+            try:
+                version = self._client.publish_weights(state_dict, version)
+                break
+            except ShardUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                retried = True
+                time.sleep(0.5)
+            except InvalidDataError:
+                # The shard stored the publication and died before it answered: the
+                # restarted shard serves this version already (its weights are on disk).
+                if not retried or self._client.info().get("weights_version") != version:
+                    raise
+                break
         self.published += 1
         return version
 

@@ -5,6 +5,15 @@ answered lately (a shard found unreachable is tried again every :data:`RETRY_DOW
 :class:`ShardSet` holds one client's handles and makes its calls: one call with its error
 mapped and the shard's state noted (:meth:`ShardSet.call`), or the same function on several
 shards in parallel on its thread pool (:meth:`ShardSet.each`, :meth:`ShardSet.on_all`).
+
+Shards that move. A client may be given a *resolver*: ``resolver(index)`` returns shard
+``index``'s current address, ``None`` when it cannot say yet, or raises
+:class:`ShardGoneError` when the shard is lost for good. A shard that a supervisor restarts
+may come back on another port: when a call finds a shard unreachable, its handle asks the
+resolver (at most every :data:`RESOLVE_EVERY_S`), and a new address replaces the old one,
+the next call dialling it; a shard the resolver calls gone is never tried again (samples
+skip it, writers pinned to it fail with :class:`ShardGoneError`, so that their owner can
+write to another shard).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from millpond.errors import MillpondError
+from millpond.errors import MillpondError, ShardUnavailableError
 from millpond.learner._channels import TLS, open_channel
 from millpond.learner._errors import from_rpc_error, is_connect_failure
 from millpond.protos import millpond_pb2 as pb
@@ -30,6 +39,17 @@ T = TypeVar("T")
 
 #: Seconds between attempts to reach a shard that was found down.
 RETRY_DOWN_S = 3.0
+#: Seconds between two questions to the resolver about one shard.
+RESOLVE_EVERY_S = 0.5
+
+
+class ShardGoneError(ShardUnavailableError):
+    """The shard is lost for good (its supervisor cannot bring it back)."""
+
+
+#: ``resolver(index)``: shard ``index``'s address now, ``None`` if unknown yet; raises
+#: :class:`ShardGoneError` for a shard lost for good.
+Resolver = Callable[[int], "str | None"]
 _POOL_WORKERS = 32
 #: "The client's default timeout" for :meth:`ShardSet.call`.
 DEFAULT = object()
@@ -46,10 +66,19 @@ class ShardHandle:
     """
 
     def __init__(
-        self, index: int, address: str, options: Sequence[tuple[str, Any]], tls: TLS
+        self,
+        index: int,
+        address: str,
+        options: Sequence[tuple[str, Any]],
+        tls: TLS,
+        resolver: Resolver | None = None,
     ) -> None:
         self.index = index
         self.address = address
+        self._resolver = resolver
+        self._resolved_at = 0.0
+        self._old_channels: list[grpc.Channel] = []
+        self.gone = False
         self._options = list(options)
         self._tls = tls
         self._lock = threading.Lock()
@@ -113,12 +142,53 @@ class ShardHandle:
             return was_down
 
     def due_for_retry(self, now: float) -> bool:
-        return self.down and now >= self.retry_at
+        return self.down and not self.gone and now >= self.retry_at
+
+    def resolve(self) -> str:
+        """Ask the resolver where the shard is now (after a call found it unreachable).
+
+        Returns ``"moved"`` (a new address: the next call dials it, and the shard counts
+        as up), ``"gone"`` (lost for good: down for ever), or ``"same"`` (no resolver, no
+        answer yet, or asked less than :data:`RESOLVE_EVERY_S` ago)."""
+        if self.gone:
+            return "gone"
+        now = time.monotonic()
+        with self._lock:
+            if self._resolver is None or now - self._resolved_at < RESOLVE_EVERY_S:
+                return "same"
+            self._resolved_at = now
+        try:
+            address = self._resolver(self.index)
+        except ShardGoneError as e:
+            with self._lock:
+                first = not self.gone
+                self.gone = self.down = True
+                self.retry_at = float("inf")
+            if first:
+                logger.warning("shard %d (%s) is lost for good: %s", self.index, self.address, e)
+            return "gone"
+        except Exception as e:  # the resolver could not say: ask again later
+            logger.debug("shard %d: the resolver failed: %s", self.index, e)
+            return "same"
+        if not address or address == self.address:
+            return "same"
+        with self._lock:
+            old, self.address = self.address, address
+            if self._channel is not None:  # calls in flight on it end by themselves
+                self._old_channels.append(self._channel)
+            self._channel = None
+            self._stub = None
+            self.down = False
+        logger.warning("shard %d moved from %s to %s", self.index, old, address)
+        return "moved"
 
     def close(self) -> None:
         with self._lock:
             if self._channel is not None:
                 self._channel.close()
+            for channel in self._old_channels:
+                channel.close()
+            self._old_channels.clear()
             self._channel = None
             self._stub = None
 
@@ -135,6 +205,8 @@ class ShardSet:
         tls: see :func:`millpond.learner._channels.channel_credentials`.
         metadata: sent with every call.
         timeout_s: the default deadline of calls (``None``: none).
+        resolver: where a shard is now (see the module docstring); ``None``: shards stay
+            at their addresses.
     """
 
     def __init__(
@@ -144,13 +216,17 @@ class ShardSet:
         tls: TLS,
         metadata: tuple[tuple[str, str], ...] | None,
         timeout_s: float | None,
+        resolver: Resolver | None = None,
     ) -> None:
         self._options = list(options)
         self._tls = tls
+        self.resolver = resolver
         self.metadata = metadata
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._shards = [ShardHandle(i, a, self._options, tls) for i, a in enumerate(addresses)]
+        self._shards = [
+            ShardHandle(i, a, self._options, tls, resolver) for i, a in enumerate(addresses)
+        ]
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
@@ -162,7 +238,7 @@ class ShardSet:
 
     def add(self, address: str) -> ShardHandle:
         with self._lock:
-            shard = ShardHandle(len(self._shards), address, self._options, self._tls)
+            shard = ShardHandle(len(self._shards), address, self._options, self._tls, self.resolver)
             self._shards = [*self._shards, shard]
             return shard
 
@@ -205,6 +281,10 @@ class ShardSet:
             self.note_down(shard, from_rpc_error(err, shard.address))
 
     def note_down(self, shard: ShardHandle, error: MillpondError) -> None:
+        if shard.resolve() == "moved":  # restarted elsewhere: the next call dials it
+            return
+        if shard.gone:
+            return
         if shard.mark_down():
             logger.warning(
                 "shard %s is unavailable (%s); sampling continues from the other shards, "

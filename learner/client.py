@@ -39,7 +39,7 @@ from millpond.learner._channels import bearer_metadata, channel_options
 from millpond.learner._errors import from_rpc_error
 from millpond.learner._info import combine_info
 from millpond.learner._masses import ShardMasses
-from millpond.learner._shards import ShardSet
+from millpond.learner._shards import Resolver, ShardSet
 from millpond.learner._split import SplitSampler
 from millpond.learner.table_reader import TableReader
 from millpond.learner.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
@@ -83,6 +83,11 @@ class ReplayClient:
             why not (queue tables never are: their delivered segments may be overwritten
             at once); ``False``: always on the wire. The shard picks and counts the rows
             either way, so batches are the same for the same table and seed.
+        resolver: ``resolver(index)`` gives shard ``index``'s current address (``None``:
+            unknown yet) or raises :class:`~millpond.learner._shards.ShardGoneError` when it
+            is lost for good; asked when a shard cannot be reached, so that a shard restarted
+            on another port is found there (see :mod:`millpond.learner._shards`). It must
+            pickle to travel with the client. ``None``: shards stay at their addresses.
 
     Channels are created on first use, so constructing a client never blocks. A client
     pickles as its addresses and options (writers, caches and channels stay behind), so it
@@ -97,6 +102,7 @@ class ReplayClient:
         timeout_s: float | None = 30.0,
         max_message_mb: int = 256,
         colocated: bool | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         parts = addresses.split(",") if isinstance(addresses, str) else list(addresses)
         parts = [a.strip() for a in parts if isinstance(a, str) and a.strip()]
@@ -120,13 +126,21 @@ class ReplayClient:
             )
         if colocated is not None and not isinstance(colocated, bool):
             raise InvalidConfigError(f"colocated ({colocated!r}) must be None, True or False")
+        if resolver is not None and not callable(resolver):
+            raise InvalidConfigError(f"resolver ({resolver!r}) must be callable or None")
+        self.resolver = resolver
         self.token = token
         self.tls = tls
         self.colocated = colocated
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.max_message_mb = max_message_mb
         self._set = ShardSet(
-            parts, channel_options(max_message_mb), tls, bearer_metadata(token), self.timeout_s
+            parts,
+            channel_options(max_message_mb),
+            tls,
+            bearer_metadata(token),
+            self.timeout_s,
+            resolver,
         )
         self._masses = ShardMasses(self._set)
         self._sampler = SplitSampler(
@@ -147,6 +161,7 @@ class ReplayClient:
             self.timeout_s,
             self.max_message_mb,
             self.colocated,
+            self.resolver,
         )
         return (type(self), args)
 
@@ -168,6 +183,12 @@ class ReplayClient:
     @property
     def num_shards(self) -> int:
         return len(self._set.shards)
+
+    @property
+    def lost_shards(self) -> list[int]:
+        """Indexes of the shards that the ``resolver`` says are lost for good: never tried
+        again, their mass 0 (see :mod:`millpond.learner._shards`)."""
+        return [s.index for s in self._set.shards if s.gone]
 
     def add_shard(self, address: str) -> int:
         """Add a shard at the end of the list; returns its index.

@@ -11,6 +11,13 @@ and re-sends every unacknowledged segment in sequence order; the shard stores a
 ``(writer id, sequence)`` once, so nothing is lost or duplicated. A non-retryable error is
 kept and raised by the next :meth:`~Writer.write_segment`, :meth:`~Writer.flush` or
 :meth:`~Writer.close`.
+
+When the client has a resolver (see :mod:`millpond.learner._shards`), each failed attempt
+asks it where the shard is: a shard restarted on another port is dialled there (and the
+unacknowledged segments re-sent to it), and a shard lost for good stops the writer with
+:class:`~millpond.learner._shards.ShardGoneError`: its unacknowledged segments are lost
+with the shard, and the owner may write on to another shard (an env actor does, starting
+new episodes there, so that no episode continues on a shard that lacks its beginning).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from millpond.errors import (
 )
 from millpond.frame_stacks import compact_stacks, stack_examples
 from millpond.learner._errors import from_rpc_error, is_retryable
-from millpond.learner._shards import ShardHandle
+from millpond.learner._shards import ShardGoneError, ShardHandle
 from millpond.protos import wire
 from millpond.routing import writer_hash
 from millpond.segments import PackedSegments, Segment, pack
@@ -610,6 +617,20 @@ class Writer:
             if err is not None and not is_retryable(err):
                 self._fail(from_rpc_error(err, self._shard.address), err)
                 return
+            where = self._shard.resolve()
+            if where == "gone":
+                with self._cv:
+                    lost = self._pending
+                gone = ShardGoneError(
+                    f"writer {self._writer_id!r}: shard {self._shard.index} "
+                    f"({self._shard.address}) is lost for good; {lost} unacknowledged "
+                    "segments are lost with it"
+                )
+                self._fail(gone, err)
+                return
+            if where == "moved":
+                failing = True  # logs when the shard answers at its new address
+                continue
             if not failing:
                 reason = "ended the stream early" if err is None else from_rpc_error(err)
                 logger.warning(
@@ -700,14 +721,17 @@ class Writer:
                     self._acked += queued.count
             self._cv.notify_all()
 
-    def _fail(self, error: MillpondError, cause: BaseException) -> None:
+    def _fail(self, error: MillpondError, cause: BaseException | None) -> None:
         error.__cause__ = cause
-        logger.error(
-            "writer %r: shard %s refused the stream: %s",
-            self._writer_id,
-            self._shard.address,
-            error,
-        )
+        if isinstance(error, ShardGoneError):
+            logger.warning("%s", error)
+        else:
+            logger.error(
+                "writer %r: shard %s refused the stream: %s",
+                self._writer_id,
+                self._shard.address,
+                error,
+            )
         with self._cv:
             self._error = error
             self._cv.notify_all()

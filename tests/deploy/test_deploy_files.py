@@ -107,7 +107,16 @@ def all_launch_commands() -> list[tuple[str, str, list[str], Path]]:
     for where, lines in sources.items():
         for line in lines:
             commands += [(where, line, a, b) for a, b in launch_commands(line)]
-    return commands
+    # A resumed job's config is its run directory's: checked by test_resume_commands_parse.
+    return [c for c in commands if "--resume" not in c[2]]
+
+
+def test_resume_commands_parse():
+    resumes = [a for line in doc_code_lines() for a, _ in launch_commands(line) if "--resume" in a]
+    assert resumes, "docs/cluster.md shows no launch --resume"
+    for args in resumes:
+        parsed = build_parser().parse_args(args)
+        assert parsed.resume and parsed.config is None, args
 
 
 def rayjob_entrypoint() -> str:

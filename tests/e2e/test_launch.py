@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -58,7 +59,8 @@ def wait_until_experience_flows(proc: subprocess.Popen, timeout_s: float = 180) 
     while time.monotonic() < deadline and proc.poll() is None:
         line = proc.stdout.readline()
         lines.append(line)
-        if line.startswith("[") and int(line.split("frames")[1].split()[0]) > 0:
+        progress = re.match(r"\[\s*[\d.]+s\] frames\s+(\d+)", line)  # not Ray's log lines
+        if progress and int(progress.group(1)) > 0:
             return lines
     pytest.fail("no progress line:\n" + "".join(lines))
 
