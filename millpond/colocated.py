@@ -34,7 +34,7 @@ from millpond.storage_format import (
     SEGMENTS_FILE,
     SLOTS_FILE,
     RecordField,
-    num_records,
+    records_in,
     storage_identity,
 )
 
@@ -132,9 +132,9 @@ class ColocatedReader:
             files = {tuple(c["key"]): c["file"] for c in index["columns"]}
             prefix_files = {tuple(p["key"]): p["file"] for p in index.get("prefixes", [])}
             self._slots = _open_readonly(self.directory / SLOTS_FILE, (capacity,), torch.int32)
-            self._records = _open_readonly(
-                self.directory / SEGMENTS_FILE, (num_records(capacity), RECORD_WIDTH), torch.int64
-            )
+            records_file = self.directory / SEGMENTS_FILE
+            n_records = records_in(records_file.stat().st_size, capacity)
+            self._records = _open_readonly(records_file, (n_records, RECORD_WIDTH), torch.int64)
             self.columns: dict[Key, torch.Tensor] = {}
             self.prefixes: dict[Key, torch.Tensor] = {}
             self._rows: dict[Key, np.ndarray] = {}  # the columns' bytes, a row per slot
@@ -151,7 +151,7 @@ class ColocatedReader:
                         raise ColocationError(f"no prefix file for {format_key(key)}")
                     self.prefixes[key] = _open_readonly(
                         self.directory / prefix_files[key],  # relative to the storage
-                        (num_records(capacity), k - 1, *frame),
+                        (n_records, k - 1, *frame),
                         f.dtype,
                     )
                 else:

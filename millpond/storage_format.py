@@ -28,6 +28,7 @@ __all__ = [
     "ensure_token",
     "num_records",
     "read_token",
+    "records_in",
     "storage_identity",
 ]
 
@@ -62,10 +63,28 @@ class RecordField(IntEnum):
 RECORD_WIDTH = len(RecordField)
 
 
-def num_records(capacity: int) -> int:
-    """Rows of ``segments.bin`` for a ring of ``capacity`` slots: a segment takes at least
-    two slots, and record 0 stays zero (what pointer 0 reads)."""
-    return capacity // 2 + 1
+def num_records(capacity: int, stacked: bool = False) -> int:
+    """Rows of ``segments.bin`` for a new ring of ``capacity`` slots (record 0 stays zero:
+    what pointer 0 reads).
+
+    A segment that continues another on its tail slot (writers' regions) takes as few as
+    one slot of its own, so a table has a record per slot. A table with frame-stacked keys
+    keeps a record per two slots (a segment there takes two slots at least: it gets no
+    regions), because each record carries a stack's older frames. Tables written before
+    regions have that many too; readers take the count from the file's size
+    (:func:`records_in`).
+    """
+    return capacity // 2 + 1 if stacked else capacity + 1
+
+
+def records_in(size: int, capacity: int) -> int:
+    """Rows of a ``segments.bin`` of ``size`` bytes, checked to be a layout of ``capacity``."""
+    rows = size // (RECORD_WIDTH * 8)
+    if size % (RECORD_WIDTH * 8) or rows not in (capacity // 2 + 1, capacity + 1):
+        raise ValueError(
+            f"{SEGMENTS_FILE} has {size} bytes, which is no record count for capacity {capacity}"
+        )
+    return rows
 
 
 def column_filename(key: Key) -> str:

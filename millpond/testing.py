@@ -354,25 +354,35 @@ def stored_segments(table) -> dict[tuple[int, int, int, int], int]:
 
     Returns ``{(episode_id, first_step, length, start_slot): generation}``. Checks on the
     way that every published slot belongs to a whole segment (its L step slots then its
-    tail, one generation, steps counting up), so a half-published segment fails here.
+    tail, one generation, steps counting up), so a half-published segment fails here. A
+    tail slot may instead be the first step of the segment that continues it (the same
+    episode, the next step: writers' regions share that slot).
     """
     meta = np.asarray(table.storage.meta)
     gen_c, ep_c, step_c = SlotColumn.GENERATION, SlotColumn.EPISODE_ID, SlotColumn.STEP
     start_c, len_c, kind_c = SlotColumn.SEGMENT_START, SlotColumn.SEGMENT_LENGTH, SlotColumn.KIND
     out: dict[tuple[int, int, int, int], int] = {}
     heads = np.flatnonzero((meta[:, gen_c] > 0) & (meta[:, start_c] == np.arange(len(meta))))
+    shared = 0
     for start in heads.tolist():
         gen, ep, first, length = (int(meta[start, c]) for c in (gen_c, ep_c, step_c, len_c))
         rows = meta[start : start + length + 1]
         assert len(rows) == length + 1, f"segment at slot {start} runs past the ring"
+        tail = rows[-1]
+        if tail[kind_c] == SLOT_STEP:  # shared with the segment that continues this one
+            assert tail[start_c] == start + length and tail[gen_c] > gen
+            assert tail[ep_c] == ep and tail[step_c] == first + length
+            shared += 1
+            rows = rows[:-1]
+        else:
+            assert tail[kind_c] == SLOT_TAIL
         assert (rows[:, gen_c] == gen).all() and (rows[:, ep_c] == ep).all()
         assert (rows[:, start_c] == start).all() and (rows[:, len_c] == length).all()
-        assert (rows[:, step_c] == np.arange(first, first + length + 1)).all()
-        assert (rows[:-1, kind_c] == SLOT_STEP).all()
-        assert rows[-1, kind_c] == SLOT_TAIL
+        assert (rows[:, step_c] == np.arange(first, first + len(rows))).all()
+        assert (rows[:length, kind_c] == SLOT_STEP).all()
         out[(ep, first, length, start)] = gen
     n_live = int((meta[:, gen_c] > 0).sum())
-    assert n_live == sum(k[2] + 1 for k in out), "published slots outside whole segments"
+    assert n_live == sum(k[2] + 1 for k in out) - shared, "published slots outside whole segments"
     return out
 
 

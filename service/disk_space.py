@@ -77,9 +77,12 @@ class Reservation:
     the watermark past what they hold already.
     """
 
-    def __init__(self, table_dir: Path, limit: int, what: str) -> None:
+    def __init__(self, table_dir: Path, limit: int, what: str, typical: int | None = None) -> None:
         self.table_dir = table_dir
         self.limit = limit
+        #: What the chunks are sized for (a 64th of it each): ``limit`` unless most uses
+        #: stay well below it.
+        self.typical = limit if typical is None else typical
         self.what = what
         self.reserved = 0
         self._files: list[tuple[int, int, str]] = []  # fd, bytes per unit, file name
@@ -109,7 +112,7 @@ class Reservation:
         if end <= self.reserved:
             return
         unit = max(1, self.unit_bytes)
-        chunk = min(max(self.limit // 64, MIN_CHUNK_BYTES // unit), MAX_CHUNK_BYTES // unit)
+        chunk = min(max(self.typical // 64, MIN_CHUNK_BYTES // unit), MAX_CHUNK_BYTES // unit)
         target = min(self.limit, max(end, self.reserved + max(1, chunk)))
         try:
             self._reserve(target)

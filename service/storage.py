@@ -14,8 +14,10 @@ more for their bookkeeping than for themselves:
   length, tail slot, writer, sequence. Record 0 stays zero: it is what pointer 0 reads. A
   record is reused as soon as its segment is evicted (new segments take freed records
   before new ones), so the records ever written number at most the segments stored at
-  once. The file has room for the most that can be stored at once (``capacity // 2``: a
-  segment takes at least two slots) and is sparse: pages never written take no disk space.
+  once. The file has room for the most that can be stored at once (a record per slot: a
+  segment that continues another on its tail slot, see :mod:`.regions`, takes one slot of
+  its own at least; ``capacity // 2`` in tables with frame stacks, which get no regions)
+  and is sparse: pages never written take no disk space.
 
 * ``prefixes/<key>.bin``: for each frame-stacked observation key
   (:mod:`millpond.frame_stacks`; its column then holds one frame per slot, the newest of
@@ -75,6 +77,8 @@ from millpond.storage_format import (  # the format a reader on the same host sh
     SLOTS_FILE,
     RecordField,
     column_filename,
+    num_records,
+    records_in,
 )
 
 #: Values of the :attr:`SlotColumn.KIND` column.
@@ -165,12 +169,25 @@ class SegmentStorage:
         self._fds: list[int] = []
         slots_file, records_file = self.path / SLOTS_FILE, self.path / SEGMENTS_FILE
         fresh = not slots_file.exists()
-        # A segment takes at least two slots; record 0 stays zero (what pointer 0 reads).
-        n_records = capacity // 2 + 1
+        if fresh:
+            n_records = num_records(capacity, stacked=bool(self.stacks))
+        else:  # as many as it was made with (tables made before regions: half as many)
+            if not records_file.exists():
+                raise StorageCorruptedError(f"{records_file} is missing")
+            try:
+                n_records = records_in(records_file.stat().st_size, capacity)
+            except (OSError, ValueError) as e:
+                raise StorageCorruptedError(f"{records_file}: {e}") from e
+        #: Whether a segment may take one slot of its own (continue another on its tail,
+        #: see .regions): there is a record for every slot.
+        self.continuations = n_records > capacity // 2 + 1
         # Disk blocks are reserved before pages are first written (see reserve_space).
         self.table_dir = self.path.parent if self.path.name == "data" else self.path
         self._slot_space = Reservation(self.table_dir, capacity, "slots")
-        self._record_space = Reservation(self.table_dir, n_records, "segment records")
+        # Sized for segments of two slots or more: one-slot ones are rare but for regions.
+        self._record_space = Reservation(
+            self.table_dir, n_records, "segment records", typical=capacity // 2 + 1
+        )
         self._claimed_records = 0  # segments reserved for and not yet published
         try:
             self._open_files(slots_file, records_file, n_records, fresh, spec)
@@ -380,6 +397,10 @@ class SegmentStorage:
         """The published segments that overlap slots ``[start, start + n_slots)``."""
         pointers = self.slot_records[start : min(start + n_slots, self._slot_bound())]
         held = pointers[pointers != 0]
+        if len(held) and start > 0:  # a tail shared with a successor: its segment goes too
+            pred = int(self.slot_records[start - 1])
+            if pred and pred != held[0] and self.records[pred, RecordField.TAIL] == start:
+                held = np.concatenate([[pred], held]).astype(held.dtype)
         if not len(held):
             return SegmentBatch.empty()
         # A segment's slots are consecutive: each record appears as one run, in slot order.
@@ -406,14 +427,27 @@ class SegmentStorage:
         return self.slot_records[segments.starts].astype(np.int64)
 
     def unpublish(self, segments: SegmentBatch) -> None:
-        """Clear the commit marker of ``segments``, then their slots; free their records."""
+        """Clear the commit marker of ``segments``, then their slots; free their records.
+
+        A slot shared with a segment that stays (a tail that is also its successor's first
+        step, see :mod:`.regions`) stays that segment's: only pointers at ``segments`` are
+        cleared, and a predecessor that stays gets back its tail slot's pointer.
+        """
         if not len(segments):
             return
         records = self._records_of(segments)
+        slots = segments.all_slots()
+        own = self.slot_records[slots] == np.repeat(records, segments.lengths + 1)
         records = records[records > 0]
         self._generation[records] = 0
-        self.slot_records[segments.all_slots()] = 0
+        self.slot_records[slots[own]] = 0
         self._free.extend(records.tolist())
+        before = segments.starts[segments.starts > 0] - 1
+        if len(before):
+            pred = self.slot_records[before].astype(np.int64)
+            back = (pred > 0) & (self._generation[pred] > 0)
+            back[back] &= self.records[pred[back], RecordField.TAIL] == before[back] + 1
+            self.slot_records[before[back] + 1] = pred[back]
 
     def clear(self) -> None:
         """Unpublish every slot and allocate from slot 0 again."""
@@ -488,7 +522,11 @@ class SegmentStorage:
         frames: dict[Key, torch.Tensor] | None = None,
         records: np.ndarray | None = None,
     ) -> None:
-        """Copy a block of segments into its reserved slots (no metadata is touched).
+        """Copy segments into their reserved slots (no metadata is touched).
+
+        A segment that continues another on its tail slot (:mod:`.regions`) rewrites that
+        slot's observation with the same bytes and fills its step keys, which the tail's
+        segment does not cover.
 
         ``steps`` holds every key for all steps, segment after segment; ``tails`` holds the
         observation keys, one row per segment. Frame-stacked keys come in ``frames``
@@ -501,8 +539,9 @@ class SegmentStorage:
         if self.stacks and records is None:
             raise ValueError("a table with frame stacks writes into records taken first")
         check_step_range(layout.episode_ids, layout.first_steps, layout.lengths)
-        base = int(layout.starts[0])
-        n_slots = int(layout.lengths.sum()) + len(layout)
+        # Segments lie back to back in a block, or apart (in writers' regions).
+        base = int(layout.starts.min())
+        n_slots = int((layout.starts + layout.lengths).max()) + 1 - base
         rel = (layout.starts - base).tolist()
         lengths = layout.lengths.tolist()
         rows = (np.cumsum(layout.lengths) - layout.lengths).tolist()
@@ -573,13 +612,17 @@ class SegmentStorage:
     def publish(self, layout: SegmentBatch, records: np.ndarray | None = None) -> None:
         """Write the records and slot pointers of ``layout``, commit markers last.
 
-        ``layout`` is one block written by :meth:`write`: its segments lie back to back, so
-        their slots' pointers are one slice write. ``records``: those the write was given
-        (:meth:`take_records`), else taken now.
+        ``layout``: segments written by :meth:`write`. ``records``: those the write was
+        given (:meth:`take_records`), else taken now. A segment that starts on another's
+        tail slot (:mod:`.regions`) takes that slot's pointer: a slot points at the segment
+        it is a step of.
         """
-        base = int(layout.starts[0])
         n = len(layout)
+        base = int(layout.starts[0])
         n_slots = int(layout.lengths.sum()) + n
+        back_to_back = bool(
+            np.all(layout.starts == base + np.cumsum(layout.lengths + 1) - (layout.lengths + 1))
+        )
         if records is None:
             records = self.take_records(n)
         f = RecordField
@@ -599,7 +642,12 @@ class SegmentStorage:
         if sums is None:
             sums = self._data_sums(layout.starts, layout.lengths, records)
         self.checksums[records] = cks.combine(sums, block.T)
-        self.slot_records[base : base + n_slots] = np.repeat(records, layout.lengths + 1)
+        pointers = np.repeat(records, layout.lengths + 1)
+        if back_to_back:
+            self.slot_records[base : base + n_slots] = pointers
+        else:
+            self.slot_records[layout.all_slots()] = pointers
+            self.slot_records[layout.starts] = records  # a shared slot: its step's segment
         if self.fsync:
             self.flush()  # the data must be on disk before the marker that vouches for it
         self._generation[records] = layout.generations
@@ -752,6 +800,13 @@ class SegmentStorage:
         pointers = np.repeat(live[good], length[good] + 1)
         if len(slots):
             match = self.slot_records[slots] == pointers
+            # A tail slot may be its successor's first step (see .regions) and point at it.
+            tails = np.cumsum(length[good] + 1) - 1
+            held = self.slot_records[slots[tails]].astype(np.int64)
+            shared = ~match[tails] & (held > 0) & (held < len(self.records))
+            shared[shared] &= self._generation[held[shared]] > 0
+            shared[shared] &= self.records[held[shared], f.START] == slots[tails][shared]
+            match[tails] |= shared
             offsets = np.cumsum(length[good] + 1) - (length[good] + 1)
             good[good] = np.logical_and.reduceat(match, offsets)
         if self._column_bytes and good.any():
@@ -775,6 +830,7 @@ class SegmentStorage:
         start, length, live = start[good], length[good], live[good]
         expected = np.zeros(self.capacity, dtype=np.int32)
         expected[ranges(start, length + 1)] = np.repeat(live, length + 1)
+        expected[start] = live  # a shared slot is its step's (a kept successor's)
         stale = np.flatnonzero(self.slot_records[:n_slots] != expected[:n_slots])
         if len(stale):
             self.slot_records[stale] = expected[stale]

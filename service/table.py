@@ -37,6 +37,7 @@ from millpond.routing import writer_hash
 from millpond.sample_format import ColocatedSample, SlotSample, assemble_ted, distinct_rows
 from millpond.segments import PackedSegments, Segment, pack
 from millpond.service.rate_limiter import RateLimiter
+from millpond.service.regions import Placement, Regions
 from millpond.service.samplers import (
     PrioritizedSampler,
     QueueSampler,
@@ -63,7 +64,7 @@ from millpond.service.table_files import (
     read_config_copy,
     restorable,
 )
-from millpond.spec import OBSERVATION, STEP, Key, TableSpec
+from millpond.spec import DONE, OBSERVATION, STEP, TERMINATED, TRUNCATED, Key, TableSpec
 from millpond.ted import OpenEpisodes, compact_ted, episode_base
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class Table:
         self.config = config
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
-        self._inflight: dict[int, int] = {}  # reserved block start -> slots, during copies
+        self._inflight: dict[int, int] = {}  # start -> slots of what is being copied
         self._queue_full_writers = 0  # writers waiting for a learner to drain a full queue
         self._evictions = 0  # bumped (under the lock) whenever published slots are dropped
         # Steps that uncounted redraws may still take: those dropped since (a row is only
@@ -101,6 +102,8 @@ class Table:
         self.storage = SegmentStorage(
             path / "data", config.capacity, config.spec, fsync=fsync, stacks=config.frame_stacks
         )
+        # Where writers' short segments go (none in tables without a record per slot).
+        self._regions = Regions(config.capacity if self.storage.continuations else 0)
         try:
             c = config
             self.rate_limiter = RateLimiter(
@@ -313,19 +316,35 @@ class Table:
     def _insert_block(
         self, packed: PackedSegments, timeout: float | None, writer: int
     ) -> np.ndarray:
-        n_slots = packed.num_steps + len(packed)
         deadline = None if timeout is None else time.monotonic() + timeout
+        ends = _episode_ends(packed)
+        refused: set[int] = set()  # segments whose first observation is not their
+        # predecessor's tail: stored on their own, never joined to it
         with self._cond:
             while True:
                 self._check_open()
+                place = self._regions.plan(
+                    writer, packed.lengths, packed.episode_ids, packed.first_steps, ends, refused
+                )
+                differ = self._tails_differ(place, packed)
+                if differ:
+                    refused |= differ
+                    continue
+                n_slots = place.block_slots
+                start = self.storage.next_start(n_slots) if n_slots else self.storage.cursor
+                if n_slots and self._regions.overlaps(place, start, n_slots):
+                    self._regions.forget(start, n_slots)  # the block takes their room
+                    continue
                 reason = None
-                start = self.storage.next_start(n_slots)
+                writes = place.ranges(start, packed.lengths)
+                if n_slots:
+                    writes.append((start, n_slots))
                 if not self.rate_limiter.can_insert():
                     reason = (
                         f"the rate limiter holds inserts back: "
                         f"{self.rate_limiter.why_insert_waits()} ({self.rate_limiter.describe()})"
                     )
-                elif self._overlaps_inflight(start, n_slots):
+                elif any(self._overlaps_inflight(s, n) for s, n in writes):
                     reason = "the slots are being written by another writer"
                 else:
                     victims = self.storage.published_in(start, n_slots)
@@ -347,18 +366,23 @@ class Table:
             # Disk blocks first: a full disk refuses the insert here, the table unchanged.
             # Evicting writes only into slots and records already written (the victims'),
             # which have their blocks, so nothing after this point can meet a full disk.
-            self.storage.reserve_space(start, n_slots, len(packed))
-            self.sampler.reserve_space(start + n_slots)
+            end = max(s + n for s, n in writes)
+            self.storage.reserve_space(0, end, len(packed))
+            self.sampler.reserve_space(end)
             if len(victims):
                 self._evictions += 1
                 self._allow_redraws(int(victims.lengths.sum()))
             self.storage.unpublish(victims)
             self.sampler.on_evict(victims)
-            self.storage.reserve(start, n_slots)
+            if n_slots:
+                self._regions.forget(start, n_slots)
+                self.storage.reserve(start, n_slots)
+            self._regions.commit(place, start)
             records = self.storage.take_records(len(packed))
-            self._inflight[start] = n_slots
+            for s, n in writes:
+                self._inflight[s] = n
         layout = SegmentBatch(
-            start + np.concatenate([[0], np.cumsum(packed.lengths + 1)[:-1]]).astype(np.int64),
+            place.absolute(start),
             packed.lengths,
             np.zeros(len(packed), dtype=np.int64),
             packed.episode_ids,
@@ -371,7 +395,9 @@ class Table:
         except BaseException:
             with self._cond:
                 self.storage.return_records(records)
-                del self._inflight[start]
+                self._regions.abandon(writer)
+                for s, _ in writes:
+                    del self._inflight[s]
                 self._cond.notify_all()
             raise
         with self._cond:
@@ -384,9 +410,31 @@ class Table:
                 self._writer_hwm[writer] = max(
                     self._writer_hwm.get(writer, 0), int(packed.sequences[-1])
                 )
-            del self._inflight[start]
+            for s, _ in writes:
+                del self._inflight[s]
             self._cond.notify_all()
         return layout.generations
+
+    def _tails_differ(self, place: Placement, packed: PackedSegments) -> set[int]:
+        """The planned continuations whose first observation is not, byte for byte, the
+        tail of the segment they would continue (a writer that cut and re-sent differently:
+        such segments are stored on their own)."""
+        if not place.checks and not place.in_batch:
+            return set()
+        first = _first_observations(packed)
+        differ: set[int] = set()
+        if place.checks:
+            idx = [i for i, _ in place.checks]
+            _, stored = self.storage.gather(np.array([t - 1 for _, t in place.checks]))
+            for j, i in enumerate(idx):
+                if not all(_same(stored[k][j], first[k][i]) for k in first):
+                    differ.add(i)
+        if place.in_batch:
+            tails = _tail_observations(packed)
+            for i, pred in place.in_batch:
+                if not all(_same(tails[k][pred], first[k][i]) for k in first):
+                    differ.add(i)
+        return differ
 
     def _overlaps_inflight(self, start: int, n: int) -> bool:
         return any(s < start + n and start < s + m for s, m in self._inflight.items())
@@ -502,8 +550,13 @@ class Table:
                 # overwritten during the gather (a writer unpublishes, under the lock,
                 # before it copies).
                 break
-            evictions = self._evictions
-            stale = self.storage.generations(selection.slots) != rows[..., SlotColumn.GENERATION]
+            with self._cond:
+                # Under the lock: a writer counts an eviction before it unpublishes (under
+                # the lock) and copies (after). A count read mid-way would cover an eviction
+                # whose slots still look live here and are overwritten during a re-read.
+                evictions = self._evictions
+                gens = self.storage.generations(selection.slots)
+            stale = gens != rows[..., SlotColumn.GENERATION]
             if stale.ndim > 1:
                 stale = stale.any(axis=tuple(range(1, stale.ndim)))
             if not stale.any():
@@ -772,6 +825,7 @@ class Table:
             self._evictions += 1
             self._allow_redraws(self.sampler.size)
             self.storage.clear()
+            self._regions.clear()
             self.sampler.reset(self._files.reset_counters())
             self._write_meta()
             self._cond.notify_all()
@@ -882,3 +936,46 @@ def _as_slot_sample(gathered: tuple, selection: Selection, rows: np.ndarray) -> 
     """The sampled steps of :meth:`SegmentStorage.gather_slots` as a :class:`SlotSample`."""
     now, observations, obs_rows, next_rows = gathered
     return SlotSample(_as_ted(now, {}, selection, rows), observations, obs_rows, next_rows)
+
+
+def _episode_ends(packed: PackedSegments) -> np.ndarray:
+    """Whether each segment's last step ends its episode."""
+    last = np.cumsum(packed.lengths) - 1
+    out = np.zeros(len(packed), dtype=bool)
+    for key in (TERMINATED, TRUNCATED, DONE):
+        flags = packed.steps.get(key)
+        if flags is not None:
+            out |= flags.reshape(len(flags), -1).any(1).numpy()[last]
+    return out
+
+
+def _first_observations(packed: PackedSegments) -> dict[Key, torch.Tensor]:
+    """Each segment's first observation, per observation key (whole stacks)."""
+    rows = torch.from_numpy(np.cumsum(packed.lengths) - packed.lengths)
+    out = {k: v.index_select(0, rows) for k, v in packed.steps.items() if k in packed.tails}
+    for key, frames in packed.frames.items():
+        k = packed.stacks[key]
+        at = np.cumsum(packed.lengths + k) - (packed.lengths + k)
+        out[key] = torch.stack([frames[a : a + k] for a in at.tolist()])
+    return out
+
+
+def _tail_observations(packed: PackedSegments) -> dict[Key, torch.Tensor]:
+    """Each segment's tail, per observation key (whole stacks)."""
+    out = dict(packed.tails)
+    for key, frames in packed.frames.items():
+        k = packed.stacks[key]
+        at = np.cumsum(packed.lengths + k) - k  # the tail's stack: the last k frames
+        out[key] = torch.stack([frames[a : a + k] for a in at.tolist()])
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (NaN payloads included: what is stored is the bytes)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

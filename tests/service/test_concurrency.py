@@ -231,6 +231,28 @@ def test_uniform_writers_and_samplers(make_table, capacity, form):
     )
 
 
+@pytest.mark.parametrize("form", ["ted", "slots"])
+def test_a_slow_eviction_never_lets_a_redrawn_batch_through_torn(make_table, form):
+    """A writer counts an eviction, then unpublishes (both under the table's lock), then
+    copies. A sampler that read the count between the two (it used to, without the lock)
+    took that eviction as already checked: its re-read after a redraw could catch the copy
+    and be returned torn. Slowing the unpublish makes that window wide (it failed every run
+    before the count was read under the lock)."""
+    table = make_table(TableConfig.uniform("t", 256, seed=0))
+    unpublish = table.storage.unpublish
+
+    def slow_unpublish(segments):
+        time.sleep(0.0005)
+        unpublish(segments)
+
+    table.storage.unpublish = slow_unpublish
+    if form == "ted":
+        sample = lambda b: table.sample(b, timeout=0.5)  # noqa: E731
+    else:
+        sample = lambda b: table.sample_slots(b, timeout=0.5).to_ted()  # noqa: E731
+    _run(table, sample=sample, min_inserted_steps=10 * 256)
+
+
 def test_prioritized_with_concurrent_priority_updates(make_table):
     alpha = 0.6
     table = make_table(TableConfig.prioritized("t", 256, alpha=alpha, beta=0.4, seed=0))

@@ -53,9 +53,10 @@ def test_metadata_is_four_bytes_per_slot_plus_a_record_per_segment(tmp_path):
     data = tmp_path / "t" / "data"
     assert (data / "slots.bin").stat().st_size == 4 * capacity
     assert RECORD_WIDTH * 8 == 64
-    # Room for the most segments the ring can hold, plus record 0 (zero: what pointer 0 reads).
-    assert (data / "segments.bin").stat().st_size == 64 * (capacity // 2 + 1)
-    # The records file has room for capacity // 2 segments but only its written pages count.
+    # Room for the most segments the ring can hold (a segment that continues another on its
+    # tail slot takes one slot of its own), plus record 0 (zero: what pointer 0 reads).
+    assert (data / "segments.bin").stat().st_size == 64 * (capacity + 1)
+    # The records file has room for capacity segments but only its written pages count.
     assert (data / "segments.bin").stat().st_blocks * 512 <= 8192
     t.close()
 

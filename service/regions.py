@@ -1,0 +1,219 @@
+"""Writer regions: where a writer's short segments go, so that an episode sent a few steps
+at a time is stored one slot a step.
+
+A segment of L steps takes L+1 slots: its steps, then its tail (the observation after its
+last step). An actor that sends each step as soon as it has it (``chunk_len: 1``, ALF's
+per-step immediate mode) sends one-step segments, so laid end to end they would take two
+slots a step, each tail a copy of the next segment's first observation. The ring is shared
+by every writer and lane, so the next segment of a lane is not, in general, beside the
+previous one.
+
+So a writer's short segments are placed in *regions*: runs of slots of the ring set aside
+for that writer, each holding the episodes of one lane back to back. A segment that
+*continues* the last segment of a region (same episode, the next step, and a first
+observation equal, byte for byte, to that segment's tail) starts *on* that tail slot: the
+slot is the predecessor's tail and the successor's first step at once, and
+``("next", obs)[i] == obs[i + 1]`` holds across the two. A segment that starts an episode
+goes after the last one of a region whose episode ended, or into a new region. Regions are
+carved from the ring where blocks are (so eviction still runs through the ring in order,
+region by region), and a region is forgotten as soon as a new block overlaps it.
+
+Only writers with an id get regions: their inserts run one at a time, so a predecessor is
+published before its successor is placed. This module only plans; the table checks the
+observations, commits the plan under its lock and writes the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Regions are at most this many slots, and at most 1/64 of the ring.
+MAX_REGION = 256
+#: Segments of more than a quarter of a region's slots go into plain blocks: their tails
+#: cost them little (at most 1/64), and they keep the ring's order exact.
+_SHORT_FRACTION = 4
+#: Regions a writer keeps at once (a lane each, roughly); the oldest are dropped past it.
+_MAX_REGIONS_PER_WRITER = 256
+
+
+def region_size(capacity: int) -> int:
+    """The slots of a new region in a table of ``capacity`` slots (0: no regions)."""
+    size = min(MAX_REGION, capacity // 64)
+    return size if size >= 8 else 0
+
+
+@dataclass
+class _Region:
+    start: int
+    end: int  # exclusive
+    used: int  # the first slot after its last segment's tail
+    episode: int = -1  # of its last segment (-1: none yet)
+    next_step: int = -1  # the step after its last segment's last
+    ended: bool = True  # its last segment ended its episode (or it has none)
+
+
+@dataclass
+class Placement:
+    """Where each segment of one insert goes.
+
+    Attributes:
+        starts: each segment's first slot; for those of ``new`` regions, relative to the
+            block (see :meth:`Regions.commit`).
+        in_block: whether each segment lies in the new block.
+        continues: whether each segment starts on its predecessor's tail slot.
+        block_slots: slots of the new block (its new regions, or its plain segments).
+        checks: ``(segment, tail slot)`` of each continuation whose predecessor is
+            stored: the table compares the observations before committing.
+        in_batch: ``(segment, predecessor)`` of each continuation whose predecessor is
+            in the same insert.
+    """
+
+    starts: np.ndarray
+    in_block: np.ndarray
+    continues: np.ndarray
+    block_slots: int
+    checks: list[tuple[int, int]] = field(default_factory=list)
+    in_batch: list[tuple[int, int]] = field(default_factory=list)
+    _regions: list[_Region] = field(default_factory=list)  # every region it touched, as after
+    _new: list[int] = field(default_factory=list)  # index in _regions of the new ones
+    _writer: int = 0
+
+    def absolute(self, block_start: int) -> np.ndarray:
+        """Every segment's first slot, the new block starting at ``block_start``."""
+        return np.where(self.in_block, self.starts + block_start, self.starts)
+
+    def ranges(self, block_start: int, lengths: np.ndarray) -> list[tuple[int, int]]:
+        """``(start, slots)`` of everything the insert writes outside the new block."""
+        starts = self.absolute(block_start)
+        out = [(int(s), int(n) + 1) for s, n, b in zip(starts, lengths, self.in_block) if not b]
+        return out
+
+
+class Regions:
+    """The regions of every writer of one table (call it under the table's lock)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.size = region_size(capacity)
+        self._by_writer: dict[int, list[_Region]] = {}
+
+    def clear(self) -> None:
+        self._by_writer.clear()
+
+    def plan(
+        self,
+        writer: int,
+        lengths: np.ndarray,
+        episode_ids: np.ndarray,
+        first_steps: np.ndarray,
+        ends: np.ndarray,
+        refused: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> Placement:
+        """Place one insert's segments (nothing changes until :meth:`commit`).
+
+        ``ends``: whether each segment's last step ends its episode. ``refused``: segments
+        that must not continue their predecessor (their observations differ).
+        """
+        n = len(lengths)
+        starts = np.zeros(n, dtype=np.int64)
+        in_block = np.ones(n, dtype=bool)
+        continues = np.zeros(n, dtype=bool)
+        placement = Placement(starts, in_block, continues, 0, _writer=writer)
+        short = self.size and writer
+        if not short:
+            starts[:] = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
+            placement.block_slots = int(lengths.sum()) + n
+            return placement
+        work = [_copy(r) for r in self._by_writer.get(writer, [])]
+        open_at: dict[tuple[int, int], int] = {}  # (episode, next step) -> index in work
+        last_in_batch: dict[int, int] = {}  # index in work -> its last segment of this insert
+        for w, r in enumerate(work):
+            if not r.ended:
+                open_at[(r.episode, r.next_step)] = w
+        block = 0
+        for i in range(n):
+            length, ep, first = int(lengths[i]), int(episode_ids[i]), int(first_steps[i])
+            if length + 1 > self.size // _SHORT_FRACTION:  # a plain segment of the block
+                starts[i], block = block, block + length + 1
+                continue
+            w = open_at.pop((ep, first), None)
+            if w is not None and i not in refused and work[w].used + length <= work[w].end:
+                r = work[w]
+                starts[i] = r.used - 1
+                in_block[i] = w in placement._new
+                continues[i] = True
+                if w in last_in_batch:
+                    placement.in_batch.append((i, last_in_batch[w]))
+                elif w not in placement._new:
+                    placement.checks.append((i, r.used - 1))
+                r.used += length
+            else:
+                if w is not None:
+                    work[w].ended = True  # the episode goes on elsewhere: free its room
+                w = next(
+                    (k for k, r in enumerate(work) if r.ended and r.used + length + 1 <= r.end),
+                    None,
+                )
+                if w is None:  # a new region, in the block
+                    size = max(length + 1, self.size)
+                    work.append(_Region(block, block + size, block))
+                    block += size
+                    w = len(work) - 1
+                    placement._new.append(w)
+                r = work[w]
+                starts[i] = r.used
+                in_block[i] = w in placement._new
+                r.used += length + 1
+            r.episode, r.next_step, r.ended = ep, first + length, bool(ends[i])
+            last_in_batch[w] = i
+            if not r.ended:
+                open_at[(ep, r.next_step)] = w
+        placement.block_slots = block
+        placement._regions = work
+        return placement
+
+    def forget(self, start: int, n_slots: int) -> None:
+        """Drop every region that overlaps slots ``[start, start + n_slots)`` (a new block
+        is about to be written there)."""
+        end = start + n_slots
+        for writer in list(self._by_writer):
+            kept = [r for r in self._by_writer[writer] if r.end <= start or r.start >= end]
+            if kept:
+                self._by_writer[writer] = kept
+            else:
+                del self._by_writer[writer]
+
+    def overlaps(self, placement: Placement, start: int, n_slots: int) -> bool:
+        """Whether the block ``[start, start + n_slots)`` overlaps a stored region the
+        placement writes into."""
+        end = start + n_slots
+        return any(
+            not (r.end <= start or r.start >= end)
+            for k, r in enumerate(placement._regions)
+            if k not in placement._new
+        )
+
+    def commit(self, placement: Placement, block_start: int) -> None:
+        """Make ``placement`` the writer's regions, its new block at ``block_start``."""
+        if not placement._writer or not self.size:
+            return
+        regions = placement._regions
+        for k in placement._new:
+            r = regions[k]
+            r.start, r.end, r.used = (
+                r.start + block_start,
+                r.end + block_start,
+                r.used + block_start,
+            )
+        # Keep what can still take a segment: a continuation needs one free slot.
+        kept = [r for r in regions if r.used + 1 <= r.end]
+        self._by_writer[placement._writer] = kept[-_MAX_REGIONS_PER_WRITER:]
+
+    def abandon(self, writer: int) -> None:
+        """Forget a writer's regions (an insert of it failed half way)."""
+        self._by_writer.pop(writer, None)
+
+
+def _copy(r: _Region) -> _Region:
+    return _Region(r.start, r.end, r.used, r.episode, r.next_step, r.ended)

@@ -1,0 +1,183 @@
+"""Writers' regions: an episode sent a step at a time is stored one slot a step, exactly.
+
+Every value of a :func:`~millpond.testing.pattern_segment` encodes its ``(episode, step)``,
+so a sampled row is checked against that independent reference; :func:`stored_segments`
+checks the slot layout on disk (whole segments; a tail shared only with its continuation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from millpond.config import TableConfig
+from millpond.service.table import Table
+from millpond.testing import pattern, pattern_segment, stored_segments
+
+OBS = (3,)
+
+
+def _per_step(lanes: int, steps: int, episode_len: int, *, first_seq: int = 1, base: int = 0):
+    """Inserts as an actor with ``lanes`` lanes sends them at ``chunk_len: 1``: one
+    one-step segment per lane per insert, each with the next sequence number."""
+    seq = first_seq
+    for t in range(steps):
+        batch = []
+        for lane in range(lanes):
+            ep, first = base + lane * 10_000 + t // episode_len, t % episode_len
+            s = pattern_segment(ep, first, 1, OBS, terminated=first == episode_len - 1)
+            s.sequence = seq
+            seq += 1
+            batch.append(s)
+        yield batch
+
+
+def _published_slots(table: Table) -> int:
+    return int(np.count_nonzero(table.storage.slot_records))
+
+
+def _check_samples(table: Table, n: int = 512) -> None:
+    td = table.sample(n)
+    ep, st = td["episode_id"], td["step"]
+    assert torch.equal(td["observation"], pattern(ep, st, OBS))
+    assert torch.equal(td["next", "observation"], pattern(ep, st + 1, OBS))
+    assert torch.equal(td["action"], torch.stack([ep, st], 1))
+
+
+def test_one_step_segments_take_one_slot_a_step_and_sample_exactly(tmp_path):
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", 1 << 14, seed=0))
+    for batch in _per_step(lanes=4, steps=400, episode_len=50):
+        table.insert_many(batch, writer_id="actor-0")
+    steps = 4 * 400
+    assert table.size == steps
+    segments = stored_segments(table)  # whole segments, tails shared only with continuations
+    assert len(segments) == steps
+    # One slot a step, plus a tail per episode and per region a lane moved on from: 1,600
+    # steps in 32 episodes. (Without regions: 3,200 slots.)
+    assert _published_slots(table) <= steps * 1.05
+    _check_samples(table)
+    before = segments
+    table.close()
+    table = Table.open(tmp_path / "t")
+    assert table.storage.corrupted == []
+    assert stored_segments(table) == before
+    _check_samples(table)
+    table.close()
+
+
+def test_anonymous_inserts_keep_a_tail_slot_per_segment(tmp_path):
+    """Without a writer id, inserts may run at once: no regions, L + 1 slots a segment."""
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", 1 << 14, seed=0))
+    for batch in _per_step(lanes=4, steps=50, episode_len=50):
+        for s in batch:
+            s.sequence = None
+        table.insert_many(batch)
+    assert _published_slots(table) == 2 * 200
+    _check_samples(table)
+    table.close()
+
+
+def test_a_lanes_chunks_in_one_insert_share_their_tails_in_a_new_region(tmp_path):
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", 1 << 14, seed=0))
+    segs = []
+    for first in range(0, 12, 3):  # four chunks of episode 7, all in one insert
+        s = pattern_segment(7, first, 3, OBS, terminated=first == 9)
+        s.sequence = first + 1
+        segs.append(s)
+    table.insert_many(segs, writer_id="w")
+    starts = sorted(start for (_, _, _, start) in stored_segments(table))
+    assert np.diff(starts).tolist() == [3, 3, 3]  # each starts on the previous one's tail
+    assert _published_slots(table) == 12 + 1
+    _check_samples(table)
+    table.close()
+
+
+def test_the_ring_wraps_many_times_through_regions(tmp_path):
+    capacity = 2048
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", capacity, seed=0))
+    for batch in _per_step(lanes=6, steps=4000, episode_len=37):
+        table.insert_many(batch, writer_id="actor-0")
+    segments = stored_segments(table)
+    assert table.size == sum(k[2] for k in segments) > capacity // 2
+    _check_samples(table)
+    table.close()
+    table = Table.open(tmp_path / "t")
+    assert table.storage.corrupted == []
+    assert stored_segments(table) == segments
+    _check_samples(table)
+    table.close()
+
+
+def test_a_continuation_whose_first_observation_differs_is_never_joined(tmp_path):
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", 1 << 14, seed=0))
+    a = pattern_segment(3, 0, 4, OBS, terminated=False)
+    a.sequence = 1
+    table.insert_many([a], writer_id="w")
+    b = pattern_segment(3, 4, 4, OBS)
+    b.steps["observation"][0] += 1  # not the tail the first segment stored
+    b.sequence = 2
+    table.insert_many([b], writer_id="w")
+    (sa, sb) = sorted(start for (_, _, _, start) in stored_segments(table))
+    assert sb != sa + 4  # its own first slot: the first segment's tail is kept as it was
+    td = table.sample(256)
+    first = td["step"] == 3
+    assert first.any()
+    nxt = pattern(td["episode_id"][first], td["step"][first] + 1, OBS)
+    assert torch.equal(td["next", "observation"][first], nxt)
+    table.close()
+
+
+def test_a_damaged_continuation_leaves_its_predecessor_whole(tmp_path):
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", 1 << 14, seed=0))
+    for first, seq in ((0, 1), (4, 2)):
+        s = pattern_segment(5, first, 4, OBS, terminated=first == 4)
+        s.sequence = seq
+        table.insert_many([s], writer_id="w")
+    (sa, sb) = sorted(start for (_, _, _, start) in stored_segments(table))
+    assert sb == sa + 4
+    table.close()
+    column = tmp_path / "t" / "data" / "columns"
+    files = [f for f in column.iterdir() if f.name.startswith("action")]
+    with open(files[0], "r+b") as f:  # the continuation's last action
+        f.seek((sb + 3) * 16)
+        f.write(b"\xff" * 16)
+    table = Table.open(tmp_path / "t")
+    assert [c[0] for c in table.storage.corrupted] == [5]
+    assert list(stored_segments(table)) == [(5, 0, 4, sa)]  # whole: its tail is its own
+    _check_samples(table, 64)
+    table.close()
+
+
+def test_slices_run_across_shared_tails(tmp_path):
+    table = Table.create(tmp_path / "t", TableConfig.slices("t", 1 << 14, 5, seed=0))
+    for batch in _per_step(lanes=3, steps=120, episode_len=40):
+        table.insert_many(batch, writer_id="w")
+    td = table.sample(256)
+    ep, st = td["episode_id"], td["step"]
+    assert torch.all(ep == ep[:, :1]) and torch.all(st == st[:, :1] + torch.arange(5))
+    nxt = pattern(ep.reshape(-1), st.reshape(-1) + 1, OBS)
+    assert torch.equal(td["next", "observation"].reshape(nxt.shape), nxt)
+    table.close()
+
+
+@pytest.mark.parametrize("capacity", [1000, 1001])
+def test_a_table_made_with_half_the_records_opens_without_regions(tmp_path, capacity):
+    """Tables written before regions have a record per two slots: they open as they are
+    and keep a tail slot per segment."""
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", capacity, seed=0))
+    s = pattern_segment(1, 0, 4, OBS)
+    table.insert_many([s])
+    before = stored_segments(table)
+    table.close()
+    for name, width in (("segments.bin", 64), ("checksums.bin", 8)):
+        with open(tmp_path / "t" / "data" / name, "r+b") as f:
+            f.truncate(width * (capacity // 2 + 1))
+    table = Table.open(tmp_path / "t")
+    assert not table.storage.continuations
+    assert stored_segments(table) == before
+    for batch in _per_step(lanes=2, steps=20, episode_len=10, base=100):
+        table.insert_many(batch, writer_id="w")
+    assert _published_slots(table) == 5 + 2 * 40
+    _check_samples(table, 64)
+    table.close()
