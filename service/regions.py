@@ -134,10 +134,12 @@ class Regions:
         block = 0
         for i in range(n):
             length, ep, first = int(lengths[i]), int(episode_ids[i]), int(first_steps[i])
+            w = open_at.pop((ep, first), None)
             if length + 1 > self.size // _SHORT_FRACTION:  # a plain segment of the block
                 starts[i], block = block, block + length + 1
+                if w is not None:
+                    work[w].ended = True  # its episode goes on elsewhere: free its room
                 continue
-            w = open_at.pop((ep, first), None)
             if w is not None and i not in refused and work[w].used + length <= work[w].end:
                 r = work[w]
                 starts[i] = r.used - 1

@@ -424,16 +424,18 @@ class Table:
         first = _first_observations(packed)
         differ: set[int] = set()
         if place.checks:
-            idx = [i for i, _ in place.checks]
+            idx = np.array([i for i, _ in place.checks])
             _, stored = self.storage.gather(np.array([t - 1 for _, t in place.checks]))
-            for j, i in enumerate(idx):
-                if not all(_same(stored[k][j], first[k][i]) for k in first):
-                    differ.add(i)
+            same = np.logical_and.reduce([_rows_equal(stored[k], first[k][idx]) for k in first])
+            differ.update(idx[~same].tolist())
         if place.in_batch:
             tails = _tail_observations(packed)
-            for i, pred in place.in_batch:
-                if not all(_same(tails[k][pred], first[k][i]) for k in first):
-                    differ.add(i)
+            idx = np.array([i for i, _ in place.in_batch])
+            pred = np.array([j for _, j in place.in_batch])
+            same = np.logical_and.reduce(
+                [_rows_equal(tails[k][pred], first[k][idx]) for k in first]
+            )
+            differ.update(idx[~same].tolist())
         return differ
 
     def _overlaps_inflight(self, start: int, n: int) -> bool:
@@ -970,12 +972,12 @@ def _tail_observations(packed: PackedSegments) -> dict[Key, torch.Tensor]:
     return out
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bytes (NaN payloads included: what is stored is the bytes)."""
+def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+    """Row by row, whether ``a`` and ``b`` hold the same bytes (NaN payloads included:
+    what is stored is the bytes)."""
     if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(_bytes(a), _bytes(b))
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+        return np.zeros(len(a), dtype=bool)
+    rows = len(a)
+    av = a.contiguous().reshape(rows, -1).view(torch.uint8)
+    bv = b.contiguous().reshape(rows, -1).view(torch.uint8)
+    return (av == bv).all(1).numpy()

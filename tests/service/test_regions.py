@@ -181,3 +181,25 @@ def test_a_table_made_with_half_the_records_opens_without_regions(tmp_path, capa
     assert _published_slots(table) == 5 + 2 * 40
     _check_samples(table, 64)
     table.close()
+
+
+def test_a_region_whose_episode_goes_on_in_a_long_segment_takes_the_next_episode(tmp_path):
+    """A lane's episode that continues in a segment too long for regions leaves its region
+    to the lane's next episode: the region's room is not lost to a lane that moved on."""
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", 1 << 14, seed=0))
+    seq = iter(range(1, 100))
+
+    def insert(ep: int, first: int, length: int, terminated: bool) -> None:
+        s = pattern_segment(ep, first, length, OBS, terminated=terminated)
+        s.sequence = next(seq)
+        table.insert_many([s], writer_id="w")
+
+    for first in range(3):
+        insert(1, first, 1, False)
+    insert(1, 3, 100, True)  # a plain block of its own
+    insert(2, 0, 1, False)  # goes into episode 1's region, after its tail
+    starts = {(ep, first): start for (ep, first, _, start) in stored_segments(table)}
+    assert starts[(1, 1)] == starts[(1, 0)] + 1 and starts[(1, 2)] == starts[(1, 0)] + 2
+    assert starts[(2, 0)] == starts[(1, 2)] + 2  # episode 1's short part, its tail, then this
+    _check_samples(table, 64)
+    table.close()
