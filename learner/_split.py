@@ -177,7 +177,10 @@ class SplitSampler:
                         received += 1
                         self._masses.set_mass(shard, table, response.mass)
                         if response.HasField("colocated_rows"):
-                            td = self._read_colocated(shard, table, response, timeout, calls)
+                            try:
+                                td = self._read_colocated(shard, table, response, timeout, calls)
+                            except _ShardDown as down:  # its error, not the internal signal
+                                raise down.error from down
                         else:
                             td = decode_sample(response)
                         slots = td.get(("index", "slot"))
