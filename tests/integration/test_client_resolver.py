@@ -122,8 +122,8 @@ def test_an_env_actor_whose_shard_is_lost_writes_whole_new_episodes_elsewhere(se
     actor = EnvActor(1, client, config, incarnation=0)  # actor 1 of 2: pinned to shard 1
     try:
         actor.run(4)  # episodes under way on every lane, some of them on shard 1 already
-        assert actor.status()["shard"] == 1 and client.info("lanes")["shards"][1]["size"] > 0
         actor.writer.flush(timeout_s=30)
+        assert actor.status()["shard"] == 1 and client.info("lanes")["shards"][1]["size"] > 0
         lost.kill()
         gone.add(1)
         actor.run(12)
