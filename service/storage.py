@@ -28,6 +28,8 @@ more for their bookkeeping than for themselves:
   and record (:mod:`.checksums`), sparse too. Recovery drops (and counts in
   :attr:`SegmentStorage.corrupted`) a segment whose checksum does not match, so damaged
   bytes are never served; a table written before checksums gets them on its next open.
+  Row 0 (record 0 is no segment's) holds the ring's cursor + 1: writers' regions put new
+  segments behind the cursor, so the newest segment does not say where the ring stopped.
 
 The files are sparse, and storing through a map into a page that has no block yet makes the
 kernel find one: on a full disk that is SIGBUS, the death of the process. So every insert
@@ -268,6 +270,19 @@ class SegmentStorage:
         self._fds.append(os.open(file, os.O_RDWR))
         return mm
 
+    def _save_cursor(self) -> None:
+        # Checksum row 0 belongs to record 0, which is never a segment's: it holds the
+        # cursor + 1 (0: not known, as in tables made before it). Written only where its
+        # page has its blocks (see reserve_space).
+        if self._record_bound() > 0:
+            self.checksums[0] = self.cursor + 1
+
+    def _saved_cursor(self) -> int | None:
+        if self._record_bound() == 0:
+            return None
+        value = int(self.checksums[0]) - 1
+        return value if 0 <= value <= self.capacity else None
+
     def _slot_bound(self) -> int:
         """Slots below this may hold pointers; those above are holes (zeros)."""
         return max(self._slots_on_disk, self._slot_space.reserved)
@@ -459,6 +474,7 @@ class SegmentStorage:
         self.slot_records[held] = 0
         self._free = list(range(self._next_record - 1, 0, -1))
         self.cursor = 0
+        self._save_cursor()
 
     def reserve_space(self, start: int, n_slots: int, n_segments: int) -> None:
         """Reserve the disk blocks that writing ``n_segments`` segments into slots
@@ -483,6 +499,7 @@ class SegmentStorage:
         if block.any():
             block[:] = 0
         self.cursor = start + n_slots
+        self._save_cursor()  # before the copy: a killed copy leaves the cursor past it
 
     def take_records(self, n: int) -> np.ndarray:
         """Hand out the records of ``n`` segments reserved for (:meth:`reserve_space`)
@@ -837,7 +854,13 @@ class SegmentStorage:
         self._rebuild_free()
         order = np.argsort(self._generation[live], kind="stable")
         segments = self._segments_of(live[order])
-        self.cursor = int(segments.starts[-1] + segments.lengths[-1] + 1) if len(segments) else 0
+        saved = self._saved_cursor()
+        if saved is not None:
+            self.cursor = saved
+        else:  # a table made before the cursor was kept (and so before regions)
+            self.cursor = (
+                int(segments.starts[-1] + segments.lengths[-1] + 1) if len(segments) else 0
+            )
         return segments
 
     def _drop_corrupted(self, records: np.ndarray, rows: np.ndarray) -> None:

@@ -527,6 +527,11 @@ class Table:
                 )
             selection = self.sampler.sample(batch_size)
             rows = self.storage.slot_info(selection.slots)
+            # What a colocated reader will find at each step's next slot: its segment's
+            # generation, or its successor's where the two share the slot (regions).
+            next_gens = (
+                self.storage.generations(selection.slots + 1) if form == "colocated" else None
+            )
             evictions = self._evictions
             if free:
                 self._redraw_allowance -= steps
@@ -542,7 +547,9 @@ class Table:
                     return _as_ted(now, nxt, selection, rows)
                 if self.config.verify_reads:
                     selection, rows = self._without_damaged(selection, rows, None, None)
-                return _packaged(form, self._read(form, selection.slots), selection, rows)
+                return _packaged(
+                    form, self._read(form, selection.slots), selection, rows, next_gens
+                )
         gathered = self._read(form, selection.slots)
         for _ in range(100):
             if self.config.verify_reads and self._drop_damaged(selection.slots, rows):
@@ -566,9 +573,9 @@ class Table:
             if form == "ted":  # only the redrawn rows are read again
                 self._redraw(stale, selection, rows, *gathered)
             else:  # the distinct slots change with the redrawn ones: read them all again
-                self._redraw(stale, selection, rows, None, None)
+                self._redraw(stale, selection, rows, None, None, next_gens)
                 gathered = self._read(form, selection.slots)
-        return _packaged(form, gathered, selection, rows)
+        return _packaged(form, gathered, selection, rows, next_gens)
 
     def _read(self, form: str, slots: np.ndarray) -> tuple:
         """What a batch of ``form`` reads of the sampled ``slots``."""
@@ -642,13 +649,17 @@ class Table:
         rows: np.ndarray,
         now: dict[Key, torch.Tensor] | None,
         nxt: dict[Key, torch.Tensor] | None,
+        next_gens: np.ndarray | None = None,
     ) -> None:
         """Replace the rows overwritten during the gather with fresh draws (and their
-        gathered values, unless ``now`` is ``None``)."""
+        gathered values, unless ``now`` is ``None``; their next slots' generations in
+        ``next_gens``, if given)."""
         idx = np.flatnonzero(stale)
         with self._cond:
             redo = self.sampler.sample(len(idx))
             rows[idx] = self.storage.slot_info(redo.slots)
+            if next_gens is not None:
+                next_gens[idx] = self.storage.generations(redo.slots + 1)
         selection.slots[idx] = redo.slots
         if selection.weights is not None and redo.weights is not None:
             selection.weights[idx] = redo.weights
@@ -913,23 +924,35 @@ def _as_ted(now: dict, nxt: dict, selection: Selection, rows: np.ndarray) -> Ten
     )
 
 
-def _packaged(form: str, gathered: tuple, selection: Selection, rows: np.ndarray):
+def _packaged(
+    form: str,
+    gathered: tuple,
+    selection: Selection,
+    rows: np.ndarray,
+    next_gens: np.ndarray | None = None,
+):
     """The sampled steps in ``form`` (see :meth:`Table._sample`) from what it read."""
     if form == "ted":
         return _as_ted(*gathered, selection, rows)
     if form == "slots":
         return _as_slot_sample(gathered, selection, rows)
-    return _as_colocated(gathered[0], selection, rows)
+    assert next_gens is not None
+    return _as_colocated(gathered[0], selection, rows, next_gens)
 
 
-def _as_colocated(now: dict, selection: Selection, rows: np.ndarray) -> ColocatedSample:
+def _as_colocated(
+    now: dict, selection: Selection, rows: np.ndarray, next_gens: np.ndarray
+) -> ColocatedSample:
     """The sampled steps without observations: the distinct observation slots, and the
-    generation each had when drawn (a step's next slot is in its segment: the same one)."""
+    generation each had when drawn (a next slot's: its step's segment's, or that of the
+    successor sharing it)."""
     distinct, obs_rows, next_rows = distinct_rows(selection.slots)
     drawn = torch.from_numpy(np.ascontiguousarray(rows[..., SlotColumn.GENERATION]).reshape(-1))
     generations = torch.zeros(len(distinct), dtype=torch.int64)
+    generations[next_rows.reshape(-1).long()] = torch.from_numpy(
+        np.ascontiguousarray(next_gens, dtype=np.int64).reshape(-1)
+    )
     generations[obs_rows.reshape(-1).long()] = drawn
-    generations[next_rows.reshape(-1).long()] = drawn
     ted = _as_ted(now, {}, selection, rows)
     return ColocatedSample(ted, distinct, generations, obs_rows, next_rows)
 

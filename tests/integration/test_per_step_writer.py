@@ -30,17 +30,26 @@ def test_per_step_segments_are_stored_once_a_slot_a_step_and_sample_exactly(serv
             zip(lanes["collector", "traj_ids"].tolist(), lanes["collector", "step_count"].tolist())
         )
     }
-    batch = client.sample(table_name, 1024, timeout_s=30)
-    rows = torch.tensor([ref[(int(e), int(s))] for e, s in zip(batch["episode_id"], batch["step"])])
-    want = lanes[rows]
-    assert torch.equal(batch["observation"], want["observation"])
-    assert torch.equal(batch["next", "observation"], want["next", "observation"])
-    assert torch.equal(batch["action"], want["action"])
-    for key in ("reward", "terminated"):
-        assert torch.equal(batch["next", key].reshape(-1), want["next", key].reshape(-1))
-    # ("next", "truncated") is the env's truncation or the batch's stop (every row of a
-    # uniform batch stops there): never false where the env truncated.
-    assert not (want["next", "truncated"] & ~batch["next", "truncated"]).any()
+    # Over the wire and read from the shard's files (colocated): every step is drawn (its
+    # next slot may be its successor's first: the generation check must know) and exact.
+    for colocated in (False, True):
+        reader = ReplayClient(server1.address, colocated=colocated)
+        seen: set[tuple[int, int]] = set()
+        for _ in range(30):
+            batch = reader.sample(table_name, 1024, timeout_s=30)
+            keys = list(zip(batch["episode_id"].tolist(), batch["step"].tolist()))
+            want = lanes[torch.tensor([ref[k] for k in keys])]
+            assert torch.equal(batch["observation"], want["observation"])
+            assert torch.equal(batch["next", "observation"], want["next", "observation"])
+            assert torch.equal(batch["action"], want["action"])
+            for key in ("reward", "terminated"):
+                assert torch.equal(batch["next", key].reshape(-1), want["next", key].reshape(-1))
+            # ("next", "truncated") is the env's truncation or the batch's stop (every row
+            # of a uniform batch stops there): never false where the env truncated.
+            assert not (want["next", "truncated"] & ~batch["next", "truncated"]).any()
+            seen.update(keys)
+        reader.close()
+        assert seen == set(ref), f"colocated={colocated}: {len(set(ref) - seen)} steps never drawn"
 
     slots = np.fromfile(next(server1.dir.rglob(f"{table_name}/**/slots.bin")), dtype=np.int32)
     episodes = int(lanes["next", "done"].sum()) + 4

@@ -203,3 +203,30 @@ def test_a_region_whose_episode_goes_on_in_a_long_segment_takes_the_next_episode
     assert starts[(2, 0)] == starts[(1, 2)] + 2  # episode 1's short part, its tail, then this
     _check_samples(table, 64)
     table.close()
+
+
+def test_a_reopened_table_goes_on_where_its_ring_stopped(tmp_path):
+    """The newest segment lies in an old region, behind the ring's cursor: a reopened table
+    must not start again from there and overwrite what was stored after it."""
+    table = Table.create(tmp_path / "t", TableConfig.uniform("t", 1 << 14, seed=0))
+    # One long episode in lane 0 (its region was made first), short ones in lane 1.
+    seq = iter(range(1, 10_000))
+    for t in range(120):
+        batch = [pattern_segment(7, t, 1, OBS, terminated=False)]
+        batch.append(pattern_segment(100 + t // 10, t % 10, 1, OBS, terminated=t % 10 == 9))
+        for s in batch:
+            s.sequence = next(seq)
+        table.insert_many(batch, writer_id="w")
+    before = stored_segments(table)
+    cursor = table.storage.cursor
+    newest = max(before, key=before.get)
+    assert newest[3] + 2 < cursor  # the newest segment is not at the cursor
+    table.close()
+    table = Table.open(tmp_path / "t")
+    assert table.storage.cursor == cursor
+    for batch in _per_step(lanes=2, steps=30, episode_len=10, base=50_000):
+        table.insert_many(batch, writer_id="w2")
+    after = stored_segments(table)
+    assert set(before) <= set(after), "a reopened table overwrote stored segments"
+    _check_samples(table, 128)
+    table.close()
