@@ -131,8 +131,4 @@ def test_a_stopped_job_resumes_from_its_checkpoint_shards_and_counters(tmp_path)
     # The shard reopened its table: every segment the first run stored is still there
     # (nothing is evicted: the table holds both runs).
     lost = set(segments_before) - set(segments)
-    if lost:
-        pytest.xfail(
-            f"the reopened shard overwrote {len(lost)} segments stored before the stop (a "
-            "service bug seen since writers' regions: a reopened table reuses their slots)"
-        )
+    assert not lost, f"the reopened shard overwrote {len(lost)} segments stored before the stop"
