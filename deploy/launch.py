@@ -187,6 +187,8 @@ class Launch:
         if r is not None:
             self.version = r.checkpoint_version
         self._started_at = time.monotonic()
+        # Seconds from the process's start to the end of each startup phase (summary.json).
+        self._startup: dict[str, float] = {}
         self._last: dict[str, float] = {
             "t": self._started_at,
             "frames": 0,
@@ -228,6 +230,10 @@ class Launch:
                     signal.signal(signal.SIGINT, previous[1])
         return summary
 
+    def _mark(self, phase: str) -> None:
+        """When ``phase`` of the startup ended: seconds since this process started."""
+        self._startup[phase] = round(time.time() - _process_start(), 3)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         # In the loop the main thread mostly waits inside Ray's C code, which an exception
         # raised from a handler would corrupt: there the loop checks the flag instead.
@@ -245,6 +251,7 @@ class Launch:
         from millpond.learner.client import ReplayClient
         from millpond.learner.networks import network_for
 
+        self._mark("imports")  # the interpreter, the config, Ray, torch, the env packages
         c = self.config
         try:  # before anything starts: a wrong env id is a config error
             # Wrapped as every lane is, so that the learner's networks see the actors' spaces.
@@ -274,6 +281,7 @@ class Launch:
             self._started_ray = True
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._on_signal)  # ray.init installs its own
+        self._mark("ray")
         self._ray_info = {"gcs_address": ray.get_runtime_context().gcs_address}
         from millpond.deploy.learner_actor import where
 
@@ -305,6 +313,7 @@ class Launch:
             )
             raise type(e)(f"replay service {addresses}: {e} ({hint})") from None
         self._say(f"replay: {addresses}  table {self.table!r}")
+        self._mark("shards")
 
         try:
             self.network = network_for(obs_space, c.learner.network)
@@ -316,6 +325,7 @@ class Launch:
         else:
             self._start_learners(self._resumed.checkpoint, self._resumed_version())
         self._save_checkpoint()  # a learner lost before the first periodic one restarts here
+        self._mark("learners")
 
         first_index = self._next_actor_index
         self._next_actor_index = first_index + c.actors.num_actors
@@ -336,6 +346,7 @@ class Launch:
         self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
         self._fleet_thread = threading.Thread(target=self._drive_fleet, daemon=True)
         self._fleet_thread.start()
+        self._mark("actors")  # created; up once their first steps come in (first_insert)
         if r is not None:
             self._say(
                 f"resumed {self.run_dir} at {r.frames} frames, {r.episodes} episodes, weights "
@@ -583,6 +594,7 @@ class Launch:
         started = self._started_at = time.monotonic()
         self._last = {"t": started, "frames": 0, "inserts": 0, "samples": 0}
         self._base = self._counters()
+        self._base_frames = self._fleet.status.frames
         self._in_loop = True
         try:
             return self._loop_until_done(report, started)
@@ -599,6 +611,8 @@ class Launch:
             if self._fleet_error is not None:
                 raise MillpondError(f"env actors failed: {self._fleet_error}")
             status = self._fleet.status
+            if "first_insert" not in self._startup and status.frames > self._base_frames:
+                self._mark("first_insert")
             if status.frames >= c.run.frames:
                 return "frames"
             if c.run.timeout_s is not None and time.monotonic() - started > c.run.timeout_s:
@@ -876,6 +890,7 @@ class Launch:
             "shard_restarts": sum(self._shard_watch.restarts) if self._shard_watch else 0,
             "shards": self._shard_watch.summary() if self._shard_watch else None,
             "next_actor_index": self._next_actor_index,
+            "startup_s": dict(self._startup),
             "resumes": resumes,
             "actors_act_s": round(act_s, 2),
             "actors_write_s": round(write_s, 2),
@@ -929,6 +944,19 @@ def _placement_hint(section: Any) -> str:
 
 #: Seconds the driver waits for a shard's answer to ``status`` before asking again.
 _STATUS_PATIENCE_S = 3.0
+
+
+def _process_start() -> float:
+    """This process's start (wall clock), so that startup times include the imports."""
+    try:
+        import psutil  # a Ray dependency
+
+        return psutil.Process().create_time()
+    except Exception:  # pragma: no cover - without psutil: from this module's import
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
 
 
 class _ShardWatch:
