@@ -1,16 +1,20 @@
-"""Training benchmark: frames and wall time to reach a mean return of 475 on CartPole-v1.
+"""Training benchmark: frames and wall time to reach a mean return on CartPole-v1.
 
-Runs ``millpond launch`` (in this process, through :class:`millpond.deploy.launch.Launch`)
-for each shipped config on a local Ray instance with ``ray.num_cpus`` CPUs, stopping when
-the mean return over the last 100 episodes reaches the target or at ``--max-frames``, and
+Runs ``millpond launch`` for each shipped config, each seed in a fresh process (``python -m
+millpond.cli launch``), on a local Ray instance with ``ray.num_cpus`` CPUs, stopping when the
+mean return over the last 100 episodes reaches ``--target`` or at ``--max-frames``, and
 reports per config and seed:
 
-* frames and wall-clock seconds to the target (``-`` if not reached);
-* end-to-end frames/s (collected frames over the run's wall time);
+* frames and wall-clock seconds to the target (``-`` if not reached), the seconds counted
+  from the process's start (the interpreter, the imports and the job's startup included), and
+  of those the startup: until the first inserted step (``startup_s`` in ``summary.json``);
+* end-to-end frames/s (collected frames over the training loop's wall time);
 * the pipeline's share of time: the actors' time split between acting (env + policy) and
   inserting (cutting, processing, handing segments to the writer, which blocks when the
   writer's window or the table's rate limiter is full), and the learner's time split between
   waiting for samples and learning (loss, backward, optimiser, publishing weights).
+
+``ppo-2learners`` is the PPO config with ``learner.num_learners=2`` (data-parallel).
 
 ``cleanrl-dqn`` runs the single-process reference of ``benchmarks/cleanrl_dqn.py``
 (CleanRL's DQN: one env, no Ray, no millpond) in this process, with the same seeds, target
@@ -19,11 +23,16 @@ half of its ``total_timesteps``), so that millpond's DQN can be read against the
 it follows; it has no actors or sampling to split, and its learner steps are its gradient
 steps.
 
-Writes ``train.md`` (the table), ``train.json`` and ``train.png`` (mean return against
-frames for every run) into ``--out``::
+``sb3-ppo`` runs Stable-Baselines3's PPO with rl-zoo's CartPole-v1 hyperparameters
+(``benchmarks/sb3_ppo.py``, the ``bench`` extra), one process per seed, timed from that
+process's start as a launch is; its learner steps are its gradient steps.
+
+Writes ``train.md`` (the table and the medians), ``train.json`` and ``train.png`` (mean
+return against frames for every run) into ``--out``::
 
     python benchmarks/train.py                      # ppo and dqn, 1 seed
-    python benchmarks/train.py --configs ppo --seeds 3
+    python benchmarks/train.py --configs ppo sb3-ppo --seeds 3 --target 450
+    python benchmarks/train.py --configs ppo ppo-2learners --seeds 3 --target 450
     python benchmarks/train.py --configs dqn cleanrl-dqn --seeds 3
 """
 
@@ -31,10 +40,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
 import json
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,11 +53,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import code_version, log  # noqa: E402
 
-CONFIGS = {
-    "ppo": ROOT / "deploy" / "configs" / "cartpole-ppo.yaml",
-    "dqn": ROOT / "deploy" / "configs" / "cartpole-dqn.yaml",
+CONFIGS = {  # a config and the overrides of its variant
+    "ppo": (ROOT / "deploy" / "configs" / "cartpole-ppo.yaml", []),
+    "ppo-2learners": (
+        ROOT / "deploy" / "configs" / "cartpole-ppo.yaml",
+        ["learner.num_learners=2"],
+    ),
+    "dqn": (ROOT / "deploy" / "configs" / "cartpole-dqn.yaml", []),
 }
-REFERENCES = ("cleanrl-dqn",)  # single-process references, run in this process
+# Single-process references: cleanrl-dqn in this process, sb3-ppo in a process of its own.
+REFERENCES = ("cleanrl-dqn", "sb3-ppo")
 
 
 def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
@@ -87,34 +103,50 @@ def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
-    from millpond.deploy.launch import Launch
-    from millpond.deploy.launch_config import load_config
-
+    """``millpond launch`` in a fresh process, timed from that process's start."""
+    path, extra = CONFIGS[name]
     overrides = [
         f"run.seed={seed}",
         f"run.stop_at_return={args.target}",
         f"run.frames={args.max_frames}",
         f"ray.num_cpus={args.num_cpus}",
         "run.status_every_s=2",
+        *extra,
     ]
-    config = load_config(CONFIGS[name], overrides)
     run_dir = work / f"{name}-{seed}"
     log(f"{name} seed {seed}: launching (target {args.target}, at most {args.max_frames} frames)")
-    summary = Launch(config, run_dir=run_dir, out=_Prefixed(f"  {name}/{seed} ")).run()
+    command = [sys.executable, "-m", "millpond.cli", "launch", str(path), "--run-dir", str(run_dir)]
+    for override in overrides:
+        command += ["--set", override]
+    process_wall = _stream(command, f"  {name}/{seed} ")[1]
+    summary = json.loads((run_dir / "summary.json").read_text())
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     reached = next(
         (r for r in rows if r["mean_return"] and float(r["mean_return"]) >= args.target), None
     )
+    startup = summary.get("startup_s") or {}
+    loop_start = startup.get("actors")  # the loop starts as the actors are created
+    # The loop stops as soon as the return is reached: its end is the time to the target
+    # (the status rows come only every 2 s).
+    seconds = None
+    if summary["stopped_by"] == "return" and loop_start is not None:
+        seconds = loop_start + summary["wall_s"]
+    frames = summary["frames"] if summary["stopped_by"] == "return" else None
+    if frames is None and reached:
+        frames = int(reached["frames"])
     act, write = summary["actors_act_s"], summary["actors_write_s"]
     wait, learn = summary["learner_sample_s"], summary["learner_update_s"]
     return {
         "config": name,
         "seed": seed,
-        "frames_to_target": int(reached["frames"]) if reached else None,
-        "seconds_to_target": float(reached["time_s"]) if reached else None,
+        "frames_to_target": frames,
+        "seconds_to_target": seconds,
+        "startup_s": startup.get("first_insert"),
+        "startup": startup,
         "final_return": summary["mean_return"],
         "frames": summary["frames"],
         "wall_s": summary["wall_s"],
+        "process_s": process_wall,
         "frames_per_s": summary["frames_per_s"],
         "actors_acting": act / (act + write) if act + write else None,
         "actors_inserting": write / (act + write) if act + write else None,
@@ -125,17 +157,51 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     }
 
 
-class _Prefixed(io.TextIOBase):
-    """Progress lines of a run, indented under the benchmark's own."""
+def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
+    """Stable-Baselines3's PPO (``benchmarks/sb3_ppo.py``) in a fresh process."""
+    log(f"{name} seed {seed}: running (target {args.target}, at most {args.max_frames} frames)")
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "sb3_ppo.py"), "--seed", str(seed),
+        "--target", str(args.target), "--max-frames", str(args.max_frames),
+    ]  # fmt: skip
+    lines, process_wall = _stream(command, f"  {name}/{seed} ")
+    run = json.loads(lines[-1])
+    return {
+        "config": name,
+        "seed": seed,
+        "frames_to_target": run["frames_to_target"],
+        "seconds_to_target": run["seconds_to_target"],
+        "startup_s": run["startup_s"],
+        "final_return": run["final_return"],
+        "frames": run["frames"],
+        "wall_s": run["wall_s"],
+        "process_s": process_wall,
+        "frames_per_s": run["frames"] / run["wall_s"],
+        "actors_acting": None,
+        "actors_inserting": None,
+        "learner_sampling": None,
+        "learner_learning": None,
+        "learner_steps": run["updates"],
+        "curve": run["curve"],
+    }
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
 
-    def write(self, text: str) -> int:
-        for line in text.splitlines():
-            if line.strip():
-                print(self.prefix + line, flush=True)
-        return len(text)
+def _stream(command: list[str], prefix: str) -> tuple[list[str], float]:
+    """Run ``command``, echoing its output indented; returns its stdout lines and wall time."""
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        line = line.rstrip("\n")
+        lines.append(line)
+        if line.strip() and not line.startswith("{"):
+            print(prefix + line, flush=True)
+    if process.wait() != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({process.returncode})")
+    return lines, time.monotonic() - started
 
 
 def table(results: list[dict], target: float) -> str:
@@ -143,17 +209,42 @@ def table(results: list[dict], target: float) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [
-        f"| config | seed | frames to {target:g} | seconds to {target:g} | final return | "
-        "frames/s | actors: acting / inserting | learner: sampling / learning | learner steps |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| config | seed | frames to {target:g} | seconds to {target:g} | of which startup | "
+        "final return | frames/s | actors: acting / inserting | learner: sampling / learning "
+        "| learner steps |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         lines.append(
             f"| {r['config']} | {r['seed']} | {fmt(r['frames_to_target'])} | "
-            f"{fmt(r['seconds_to_target'], '.1f')} | {fmt(r['final_return'], '.1f')} | "
+            f"{fmt(r['seconds_to_target'], '.1f')} | {fmt(r.get('startup_s'), '.1f')} | "
+            f"{fmt(r['final_return'], '.1f')} | "
             f"{fmt(r['frames_per_s'])} | {fmt(r['actors_acting'], '.0%')} / "
             f"{fmt(r['actors_inserting'], '.0%')} | {fmt(r['learner_sampling'], '.0%')} / "
             f"{fmt(r['learner_learning'], '.0%')} | {r['learner_steps']} |"
+        )
+    lines += ["", medians(results, target)]
+    return "\n".join(lines)
+
+
+def medians(results: list[dict], target: float) -> str:
+    """Per config: the median frames and seconds to the target over the seeds that reached it."""
+    lines = [
+        f"| config | seeds reaching {target:g} | median frames | median seconds | "
+        "median startup s |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name in dict.fromkeys(r["config"] for r in results):
+        runs = [r for r in results if r["config"] == name]
+        done = [r for r in runs if r["frames_to_target"] is not None]
+
+        def med(key, spec, done=done):
+            values = [r[key] for r in done if r.get(key) is not None]
+            return format(statistics.median(values), spec) if values else "-"
+
+        lines.append(
+            f"| {name} | {len(done)}/{len(runs)} | {med('frames_to_target', '.0f')} | "
+            f"{med('seconds_to_target', '.1f')} | {med('startup_s', '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -193,7 +284,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="millpond-train-") as work:
         for name in args.configs:
             for seed in range(args.seeds):
-                if name in REFERENCES:
+                if name == "sb3-ppo":
+                    results.append(run_sb3(name, seed, args))
+                elif name in REFERENCES:
                     results.append(run_reference(name, seed, args))
                 else:
                     results.append(run_one(name, seed, args, Path(work)))
