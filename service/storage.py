@@ -673,7 +673,9 @@ class SegmentStorage:
 
     def generations(self, slots: np.ndarray) -> np.ndarray:
         """The generation of each slot's segment (0 where none is published)."""
-        return np.take(self._generation, np.take(self.slot_records, slots))  # 0: record 0
+        # Indexing, not np.take: take makes a strided column contiguous first, reading every
+        # record, holes included (on a full tmpfs, a hole read is a SIGBUS).
+        return self._generation[np.take(self.slot_records, slots)]  # 0: record 0
 
     def slot_info(self, slots: np.ndarray) -> np.ndarray:
         """Decoded metadata rows of ``slots`` (shape ``[*slots.shape, width]``, int64; the
