@@ -329,3 +329,34 @@ def project_requirements() -> dict[str, str]:
         match = re.match(r"([A-Za-z0-9_.-]+)\s*(.*)", requirement)
         out[match[1].lower()] = match[2].split(";")[0].strip()
     return out
+
+
+def test_rayjob_learner_gpu_group_offers_what_its_command_asks_for():
+    """The learner-gpu group's GPU and custom resource are what the command its comment
+    shows asks each learner for, and only the learners ask for that resource."""
+    cluster = rayjob()["spec"]["rayClusterSpec"]
+    (group,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == "learner-gpu"]
+    container = group["template"]["spec"]["containers"][0]
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert int(container["resources"]["requests"]["nvidia.com/gpu"]) == gpus >= 1
+    params = group["rayStartParams"]
+    assert int(params["num-gpus"]) == gpus
+    offered = json.loads(json.loads(params["resources"]))  # KubeRay's quoted JSON string
+    gpu_commands = [
+        args
+        for line in comment_lines(RAYJOB)
+        for args, _ in launch_commands(line)
+        if any("learner.num_gpus" in a for a in args)
+    ]
+    assert gpu_commands, "rayjob.yaml shows no command for the learner-gpu group"
+    for args in gpu_commands:
+        _, config = parse_and_load(args, ROOT)
+        assert config.learner.num_gpus <= gpus and config.learner.device == "cuda"
+        assert config.learner.resources, "the learners must ask for the group's resource"
+        for name, amount in config.learner.resources.items():
+            assert amount <= offered.get(name, 0), f"learner-gpu offers no {name}: {amount}"
+            assert name not in config.actors.resources and name not in config.replay.resources
+    # the CPU groups do not offer it, so nothing else lands on the GPU node by that resource
+    for other in cluster["workerGroupSpecs"]:
+        if other is not group:
+            assert "resources" not in other["rayStartParams"]
