@@ -360,3 +360,26 @@ def test_rayjob_learner_gpu_group_offers_what_its_command_asks_for():
     for other in cluster["workerGroupSpecs"]:
         if other is not group:
             assert "resources" not in other["rayStartParams"]
+
+
+def test_ray_cluster_yaml_gives_gpu_workers_the_learner_resource():
+    """`ray up`'s workers with a GPU offer learner_node, the resource the documented GPU
+    command places its learners by; the head and the other workers offer none."""
+    config = ray_cluster()
+    (start,) = [c for c in config["worker_start_ray_commands"] if "ray start --address" in c]
+    conditional = re.search(r"\$\(test -e /dev/nvidia0 && echo '--resources=(\{.*?\})'\)", start)
+    assert conditional, start
+    offered = json.loads(conditional.group(1))
+    assert not any("--resources" in c for c in config["head_start_ray_commands"])
+    gpu_commands = [
+        (args, base)
+        for line in doc_code_lines()
+        for args, base in launch_commands(line)
+        if "~/millpond-src/" in " ".join(args) and any("learner.num_gpus" in a for a in args)
+    ]
+    assert gpu_commands, "docs/cluster.md shows no ray up command for the learner nodes"
+    for args, base in gpu_commands:
+        _, launch = parse_and_load(args, base)
+        assert launch.learner.num_gpus >= 1 and launch.learner.resources
+        for name, amount in launch.learner.resources.items():
+            assert amount <= offered.get(name, 0), f"the GPU workers offer no {name}"
