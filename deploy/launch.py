@@ -320,13 +320,10 @@ class Launch:
         except InvalidConfigError as e:
             raise InvalidConfigError(f"learner.network: {e}") from None
         self._learner_args = (addresses, obs_space, act_space, admin_token, resolver)
-        if self._resumed is None:
-            self._start_learners()
-        else:
-            self._start_learners(self._resumed.checkpoint, self._resumed_version())
-        self._save_checkpoint()  # a learner lost before the first periodic one restarts here
-        self._mark("learners")
 
+        # The env actors are created first, so that their processes start (imports, envs,
+        # writers) while the learners do; they act only from their first run call, made
+        # by the fleet thread once the learners have published the weights they start with.
         first_index = self._next_actor_index
         self._next_actor_index = first_index + c.actors.num_actors
         r = self._resumed
@@ -344,9 +341,15 @@ class Launch:
         )
         # Submitted before the fleet's first run call, so answered as soon as each actor is up.
         self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
+        if self._resumed is None:
+            self._start_learners()
+        else:
+            self._start_learners(self._resumed.checkpoint, self._resumed_version())
+        self._save_checkpoint()  # a learner lost before the first periodic one restarts here
+        self._mark("learners")
         self._fleet_thread = threading.Thread(target=self._drive_fleet, daemon=True)
         self._fleet_thread.start()
-        self._mark("actors")  # created; up once their first steps come in (first_insert)
+        self._mark("actors")  # running; up once their first steps come in (first_insert)
         if r is not None:
             self._say(
                 f"resumed {self.run_dir} at {r.frames} frames, {r.episodes} episodes, weights "
