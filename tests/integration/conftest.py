@@ -274,6 +274,62 @@ def covering_writer_ids() -> Callable[..., list[str]]:
     return writer_ids_covering
 
 
+# -- multi-node Ray clusters on this machine ----------------------------------------------------
+
+_CLUSTER_ATTEMPTS = 3
+
+
+def _start_cluster(head: dict, nodes: Sequence[dict]) -> tuple[object, list]:
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        added = [c.add_node(**node) for node in nodes]
+        c.wait_for_nodes()
+    except BaseException:
+        c.shutdown()
+        raise
+    return c, added
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch) -> Iterator[Callable[..., tuple[object, list]]]:
+    """``ray_cluster(head_args, [node_args, ...])``: a ``ray.cluster_utils.Cluster`` and its
+    added nodes, joined by ``ray.init``; shut down at teardown.
+
+    Each node is a raylet that Ray gives 30 s to register; on a loaded 2-core machine one
+    sometimes misses that, so a cluster that fails to start is torn down and started again
+    (at most three times): the tests are about what the job does on a cluster, not about
+    Ray's start-up time.
+    """
+    import ray
+
+    # Cluster records its head as this machine's "current" Ray cluster, which every
+    # address-less ray.init() on the machine would then join: this one is joined by address.
+    monkeypatch.setattr(ray._private.utils, "write_ray_address", lambda *a, **k: None)
+    monkeypatch.setattr(ray._common.utils, "reset_ray_address", lambda *a, **k: None)
+    started: list = []
+
+    def make(head: dict, nodes: Sequence[dict]) -> tuple[object, list]:
+        for attempt in range(1, _CLUSTER_ATTEMPTS + 1):
+            try:
+                c, added = _start_cluster(head, nodes)
+                break
+            except Exception as e:
+                if "timed out during startup" not in str(e) or attempt == _CLUSTER_ATTEMPTS:
+                    raise
+        started.append(c)
+        ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+        return c, added
+
+    try:
+        yield make
+    finally:
+        ray.shutdown()
+        for c in started:
+            c.shutdown()
+
+
 # -- the reference ------------------------------------------------------------------------------
 #: Keys a sampled batch carries besides the rollout's own.
 SAMPLE_KEYS = {

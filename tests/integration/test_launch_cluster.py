@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from millpond.deploy.launch import Launch
 from millpond.deploy.launch_config import load_config
@@ -19,22 +18,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture
-def cluster(monkeypatch):
-    """A head that runs nothing of the job, and one node per role."""
-    # Cluster records its head as this machine's "current" Ray cluster, which every
-    # address-less ray.init() on the machine would then join: this one is joined by address.
-    monkeypatch.setattr(ray._private.utils, "write_ray_address", lambda *a, **k: None)
-    monkeypatch.setattr(ray._common.utils, "reset_ray_address", lambda *a, **k: None)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        for resource in ROLES.values():
-            c.add_node(num_cpus=1, resources={resource: 1})
-        c.wait_for_nodes()
-        ray.init(address=c.address, logging_level="WARNING")
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
+def cluster(ray_cluster):
+    """A head that runs nothing of the job, one node per role and a spare env node."""
+    nodes = [{"num_cpus": 1, "resources": {resource: 1}} for resource in ROLES.values()]
+    c, added = ray_cluster({"num_cpus": 0}, [*nodes, {"num_cpus": 1, "resources": {"env_node": 1}}])
+    return c, added[-1]
 
 
 def test_roles_run_where_their_resources_say_and_the_job_survives_losing_the_actors_node(
@@ -43,8 +31,7 @@ def test_roles_run_where_their_resources_say_and_the_job_survives_losing_the_act
     import threading
     import time
 
-    spare = cluster.add_node(num_cpus=1, resources={"env_node": 1})
-    cluster.wait_for_nodes()
+    cluster, spare = cluster
     node_of = {
         resource: n["NodeID"]
         for n in ray.nodes()

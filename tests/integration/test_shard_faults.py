@@ -19,7 +19,6 @@ from urllib.request import urlopen
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from millpond.deploy.launch import Launch
 from millpond.deploy.launch_config import load_config
@@ -115,24 +114,13 @@ def test_a_killed_shard_restarts_on_its_directory_and_the_job_finishes(local_ray
 
 
 @pytest.fixture
-def cluster(monkeypatch):
-    """A head that runs nothing of the job, a node for the env actors and the learner, and
-    one node per replay shard."""
-    # Cluster records its head as this machine's "current" Ray cluster, which every
-    # address-less ray.init() on the machine would then join: this one is joined by address.
-    monkeypatch.setattr(ray._private.utils, "write_ray_address", lambda *a, **k: None)
-    monkeypatch.setattr(ray._common.utils, "reset_ray_address", lambda *a, **k: None)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        c.add_node(num_cpus=2, resources={"env_node": 2, "learner_node": 1})
-        for _ in range(2):
-            c.add_node(num_cpus=1, resources={"replay_node": 1})
-        c.wait_for_nodes()
-        ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
+def cluster(ray_cluster):
+    """A head that runs the env actors and the learner, and one node per replay shard."""
+    c, _ = ray_cluster(
+        {"num_cpus": 2, "resources": {"env_node": 2, "learner_node": 1}},
+        [{"num_cpus": 1, "resources": {"replay_node": 1}}] * 2,
+    )
+    return c
 
 
 def test_losing_a_shards_node_leaves_the_job_going_on_with_fewer_shards(cluster, tmp_path):
