@@ -34,6 +34,7 @@ return against frames for every run) into ``--out``::
     python benchmarks/train.py --configs ppo sb3-ppo --seeds 3 --target 450
     python benchmarks/train.py --configs ppo ppo-2learners --seeds 3 --target 450
     python benchmarks/train.py --configs dqn cleanrl-dqn --seeds 3
+    python benchmarks/train.py --configs ppo --set learner.ppo.epochs=10 --out /tmp/try
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         f"ray.num_cpus={args.num_cpus}",
         "run.status_every_s=2",
         *extra,
+        *args.set,
     ]
     run_dir = work / f"{name}-{seed}"
     log(f"{name} seed {seed}: launching (target {args.target}, at most {args.max_frames} frames)")
@@ -278,6 +280,13 @@ def main() -> int:
     p.add_argument("--max-frames", type=int, default=500_000)
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every millpond run (as `millpond launch --set`)",
+    )
     args = p.parse_args()
     log(f"code {code_version(['service', 'actors', 'learner', 'deploy'])}")
     results = []
