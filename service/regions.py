@@ -96,6 +96,7 @@ class Regions:
 
     def __init__(self, capacity: int) -> None:
         self.size = region_size(capacity)
+        self.capacity = capacity
         self._by_writer: dict[int, list[_Region]] = {}
 
     def clear(self) -> None:
@@ -122,9 +123,7 @@ class Regions:
         placement = Placement(starts, in_block, continues, 0, _writer=writer)
         short = self.size and writer
         if not short:
-            starts[:] = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
-            placement.block_slots = int(lengths.sum()) + n
-            return placement
+            return _plain(placement, lengths)
         work = [_copy(r) for r in self._by_writer.get(writer, [])]
         open_at: dict[tuple[int, int], int] = {}  # (episode, next step) -> index in work
         last_in_batch: dict[int, int] = {}  # index in work -> its last segment of this insert
@@ -171,6 +170,10 @@ class Regions:
             last_in_batch[w] = i
             if not r.ended:
                 open_at[(ep, r.next_step)] = w
+        if block > self.capacity:
+            # New regions round the block up past what the insert was split to fit in the
+            # ring: lay it out plainly instead (the writer starts its regions afresh).
+            return _plain(Placement(starts, in_block, continues, 0, _writer=writer), lengths)
         placement.block_slots = block
         placement._regions = work
         return placement
@@ -215,6 +218,15 @@ class Regions:
     def abandon(self, writer: int) -> None:
         """Forget a writer's regions (an insert of it failed half way)."""
         self._by_writer.pop(writer, None)
+
+
+def _plain(placement: Placement, lengths: np.ndarray) -> Placement:
+    """``placement`` as one block of segments laid end to end, each with its tail."""
+    placement.starts[:] = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
+    placement.in_block[:] = True
+    placement.continues[:] = False
+    placement.block_slots = int(lengths.sum()) + len(lengths)
+    return placement
 
 
 def _copy(r: _Region) -> _Region:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from millpond.config import TableConfig
+from millpond.segments import pack
 from millpond.service.table import Table
 from millpond.testing import pattern, pattern_segment, stored_segments
 
@@ -229,4 +230,27 @@ def test_a_reopened_table_goes_on_where_its_ring_stopped(tmp_path):
     after = stored_segments(table)
     assert set(before) <= set(after), "a reopened table overwrote stored segments"
     _check_samples(table, 128)
+    table.close()
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "queue"])
+def test_an_insert_as_large_as_the_ring_with_short_segments_still_fits(tmp_path, sampler):
+    """An insert split to fit the ring (its steps and tails) must fit as placed: a new
+    region for a short segment would make its block longer than the ring, so such an
+    insert is laid out plainly instead (seen: ``millpond launch`` with a 1,024-slot queue
+    and 64-segment inserts, an IndexError in the shard)."""
+    capacity = 1024  # regions of 16 slots: segments of up to 3 steps go into them
+    table = Table.create(tmp_path / "t", getattr(TableConfig, sampler)("t", capacity, seed=0))
+    segs = [pattern_segment(100, 0, 1, OBS, terminated=False)]  # 2 slots, and 30 x 34
+    segs += [pattern_segment(lane, 0, 33, OBS, terminated=False) for lane in range(30)]
+    for seq, s in enumerate(segs, 1):
+        s.sequence = seq
+    table.insert_packed(pack(segs), writer_id="w")
+    expected = stored_segments(table)
+    assert sum(length for _, _, length, _ in expected) == 30 * 33 + 1
+    table.close()
+    table = Table.open(tmp_path / "t")
+    assert table.storage.corrupted == []
+    assert stored_segments(table) == expected
+    _check_samples(table, 64)
     table.close()
