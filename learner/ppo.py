@@ -170,7 +170,9 @@ class PPOLearner:
         self.version = published_version(client) if version is None else version
         # A torso shared by the policy and the critic (the Nature CNN's) is optimised once.
         params = list({id(p): p for p in [*policy.parameters(), *critic.parameters()]}.values())
-        self.optimizer = torch.optim.Adam(params, lr=config.lr, eps=1e-5)
+        # foreach: one kernel per step for all parameters (the per-tensor loop costs more
+        # than the arithmetic on small networks).
+        self.optimizer = torch.optim.Adam(params, lr=config.lr, eps=1e-5, foreach=True)
         self.device = params[0].device if params else torch.device("cpu")
         self.data_parallel = data_parallel
         self._turn = distributed.BatchTurn(data_parallel, self.device)
@@ -245,29 +247,30 @@ class PPOLearner:
         n = batch.shape[0]
         if self.data_parallel:
             return self._update_data_parallel(batch)
-        totals: dict[str, float] = {}
-        count = 0
+        columns = self._columns(batch)  # plain tensors: indexing them is cheap
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        sums: list[torch.Tensor] = []
         for _ in range(c.epochs):
             order = torch.randperm(n, device=batch.device)
             for start in range(0, n, c.minibatch_size):
-                minibatch = batch[order[start : start + c.minibatch_size]]
-                losses = self.loss(minibatch)
-                self.optimizer.zero_grad()
+                rows = order[start : start + c.minibatch_size]
+                losses = self._loss(*(column[rows] for column in columns))
+                self.optimizer.zero_grad(set_to_none=True)
                 losses["loss"].backward()
                 if c.max_grad_norm is not None:
-                    params = [p for group in self.optimizer.param_groups for p in group["params"]]
-                    nn.utils.clip_grad_norm_(params, c.max_grad_norm)
+                    nn.utils.clip_grad_norm_(params, c.max_grad_norm, foreach=True)
                 self.optimizer.step()
-                for name, value in losses.items():
-                    totals[name] = totals.get(name, 0.0) + float(value.detach())
-                count += 1
-        return {name: total / count for name, total in totals.items()}
+                sums.append(torch.stack([v.detach() for v in losses.values()]))
+        # One host sync for the whole update, not one per term and minibatch.
+        means = torch.stack(sums).mean(0).tolist()
+        return dict(zip(_LOSS_TERMS, means))
 
     def _update_data_parallel(self, batch: TensorDictBase) -> dict[str, float]:
         c = self.config
         n = batch.shape[0]
         parts = int(distributed.global_max(-(-n // c.minibatch_size), self.device))
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        columns = self._columns(batch)
         totals: dict[str, float] = {}
         count = 0
         for _ in range(c.epochs):
@@ -275,7 +278,7 @@ class PPOLearner:
             for rows in torch.tensor_split(order, parts):
                 self.optimizer.zero_grad()
                 if rows.numel():
-                    losses = self.loss(batch[rows])
+                    losses = self._loss(*(column[rows] for column in columns))
                     losses["loss"].backward()
                     for name, value in losses.items():
                         totals[name] = totals.get(name, 0.0) + float(value.detach())
@@ -298,13 +301,27 @@ class PPOLearner:
         Returns ``loss``, ``loss_policy`` (``-L^CLIP``), ``loss_value``, ``entropy``,
         ``approx_kl`` (``E[(ratio - 1) - log ratio]``) and ``clip_fraction``.
         """
-        c = self.config
-        obs = batch[c.observation_key]
-        action = batch["action"].reshape(-1).long()
-        old_log_prob = batch["sample_log_prob"].reshape(-1)
-        advantage = batch["advantage"].reshape(-1)
-        value_target = batch["value_target"].reshape(-1)
+        return self._loss(*self._columns(batch))
 
+    def _columns(self, batch: TensorDictBase) -> tuple[torch.Tensor, ...]:
+        """What :meth:`_loss` reads of ``batch``, one tensor each, a row per step."""
+        return (
+            batch[self.config.observation_key],
+            batch["action"].reshape(-1).long(),
+            batch["sample_log_prob"].reshape(-1),
+            batch["advantage"].reshape(-1),
+            batch["value_target"].reshape(-1),
+        )
+
+    def _loss(
+        self,
+        obs: torch.Tensor,
+        action: torch.Tensor,
+        old_log_prob: torch.Tensor,
+        advantage: torch.Tensor,
+        value_target: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        c = self.config
         dist = torch.distributions.Categorical(logits=_logits(self.policy(obs)))
         new_log_prob = dist.log_prob(action)
         log_ratio = new_log_prob - old_log_prob
@@ -343,6 +360,10 @@ class PPOLearner:
         state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
         self.version = self.client.publish_weights(state, self.version + 1)
         return self.version
+
+
+#: The loss terms :meth:`PPOLearner.loss` returns, in its order.
+_LOSS_TERMS = ("loss", "loss_policy", "loss_value", "entropy", "approx_kl", "clip_fraction")
 
 
 def _logits(out: Any) -> torch.Tensor:
