@@ -9,7 +9,7 @@ nothing else of millpond (:mod:`.errors`, :mod:`.spec`, :mod:`.config`, :mod:`.s
 :mod:`.ted`, :mod:`.segmenting`, :mod:`.sample_format`, :mod:`.routing`,
 :mod:`.storage_format`, :mod:`.colocated`). The
 subpackages stand on it (``docs/architecture.md``); this ``__init__`` re-exports the public
-names, and :mod:`.cli` and :mod:`.testing` sit on top of everything.
+names (each imported on first use), and :mod:`.cli` and :mod:`.testing` sit on top of everything.
 """
 
 import os as _os
@@ -25,32 +25,56 @@ if not _os.path.isdir(_os.path.join(__path__[0], "service")) and _os.path.isfile
 ):
     __path__.append(_checkout)
 
-from millpond.colocated import ColocationError
-from millpond.config import TableConfig
-from millpond.errors import (
-    AuthenticationError,
-    ClosedError,
-    DeadlineExceededError,
-    InvalidConfigError,
-    InvalidDataError,
-    MillpondError,
-    PermissionDeniedError,
-    RateLimiterTimeoutError,
-    ResourceExhaustedError,
-    ShardBusyError,
-    ShardUnavailableError,
-    StorageCorruptedError,
-    TableExistsError,
-    TableNotFoundError,
-)
+# The public names, imported on first use (PEP 562): a process that needs one floor of
+# millpond (a shard, an env actor, the CLI) does not pay for the others' imports (torch,
+# tensordict, grpc: seconds per process on a small machine).
+_PUBLIC = {
+    "ColocationError": "millpond.colocated",
+    "TableConfig": "millpond.config",
+    **dict.fromkeys(
+        (
+            "AuthenticationError",
+            "ClosedError",
+            "DeadlineExceededError",
+            "InvalidConfigError",
+            "InvalidDataError",
+            "MillpondError",
+            "PermissionDeniedError",
+            "RateLimiterTimeoutError",
+            "ResourceExhaustedError",
+            "ShardBusyError",
+            "ShardUnavailableError",
+            "StorageCorruptedError",
+            "TableExistsError",
+            "TableNotFoundError",
+        ),
+        "millpond.errors",
+    ),
+    # The public face: the client and the in-process shard, from the floors above.
+    "ReplayClient": "millpond.learner.client",
+    "Writer": "millpond.learner.writer",
+    "Segment": "millpond.segments",
+    "Shard": "millpond.service.shard",
+    "Table": "millpond.service.table",
+    "FieldSpec": "millpond.spec",
+    "TableSpec": "millpond.spec",
+}
 
-# The public face: the client and the in-process shard, from the floors above.
-from millpond.learner.client import ReplayClient
-from millpond.learner.writer import Writer
-from millpond.segments import Segment
-from millpond.service.shard import Shard
-from millpond.service.table import Table
-from millpond.spec import FieldSpec, TableSpec
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'millpond' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
 
 __version__ = "0.1.0"
 

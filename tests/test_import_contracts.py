@@ -102,3 +102,27 @@ if __name__ == "__main__":
         outcome = lint(mirror(Path(tmp)))
     print(outcome.stdout, outcome.stderr, sep="", end="")
     sys.exit(outcome.returncode)
+
+
+def test_the_package_and_the_cli_import_nothing_heavy_until_a_name_is_used():
+    """``import millpond`` and ``millpond --help`` stay light (no torch, tensordict, grpc or
+    ray); the public names still resolve, each from its own module."""
+    code = (
+        "import sys, millpond, millpond.cli\n"
+        "heavy = [m for m in ('torch', 'tensordict', 'grpc', 'ray') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "from millpond import ReplayClient, Table, TableConfig\n"
+        "assert ReplayClient.__module__ == 'millpond.learner.client'\n"
+        "assert Table.__module__ == 'millpond.service.table'\n"
+        "assert set(millpond.__all__) <= set(dir(millpond))\n"
+        "try:\n"
+        "    millpond.NoSuchName\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchName' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
