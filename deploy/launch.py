@@ -167,6 +167,7 @@ class Launch:
         self._fleet_error: BaseException | None = None
         self._halt = threading.Event()
         self._learners: list[Any] = []  # LearnerActor handles, by rank
+        self._spaces: tuple[Any, Any] = (None, None)  # the env's, for new learners
         self._runs: dict[Any, int] = {}  # each learner's run call in flight -> its rank
         self._nodes: dict[str, Any] = {}  # where each part of the job ran
         self._node_refs: dict[str, list[Any]] = {}
@@ -283,6 +284,8 @@ class Launch:
                 signal.signal(signal.SIGTERM, self._on_signal)  # ray.init installs its own
         self._mark("ray")
         self._ray_info = {"gcs_address": ray.get_runtime_context().gcs_address}
+        # The learners' processes start (torch, the project) while the shards do.
+        self._create_learners(obs_space, act_space)
         from millpond.deploy.learner_actor import where
 
         self._nodes["driver"] = where()
@@ -319,7 +322,7 @@ class Launch:
             self.network = network_for(obs_space, c.learner.network)
         except InvalidConfigError as e:
             raise InvalidConfigError(f"learner.network: {e}") from None
-        self._learner_args = (addresses, obs_space, act_space, admin_token, resolver)
+        self._learner_args = (addresses, admin_token, resolver)
 
         # The env actors are created first, so that their processes start (imports, envs,
         # writers) while the learners do; they act only from their first run call, made
@@ -484,30 +487,38 @@ class Launch:
         )
         return held
 
-    def _start_learners(self, restore: bytes | None = None, version: int | None = None) -> None:
-        """Place the learners, form their group (from the checkpoint ``restore``, if
-        given, the weight version going on from ``version``, else from the service's),
-        publish their weights."""
+    def _create_learners(self, obs_space: Any, act_space: Any) -> None:
+        """Place the learners' actors; their processes start (imports) while the caller
+        goes on. :meth:`_start_learners` connects them."""
         import ray
 
         from millpond.deploy.learner_actor import LearnerActor
 
         c = self.config
         n = c.learner.num_learners
-        addresses, obs_space, act_space, token, resolver = self._learner_args
         remote = ray.remote(LearnerActor).options(
             num_cpus=c.learner.num_cpus,
             num_gpus=c.learner.num_gpus,
             max_restarts=0,  # the driver restarts the whole group (it cannot take a rank back)
             **_placement(c.learner.resources, c.learner.label_selector),
         )
+        self._spaces = (obs_space, act_space)
         self._learners = [
-            remote.remote(
-                c, addresses, self.table, obs_space, act_space,
-                rank=rank, world_size=n, token=token, tls=c.replay.tls, resolver=resolver,
-            )
-            for rank in range(n)
-        ]  # fmt: skip
+            remote.remote(c, obs_space, act_space, rank=rank, world_size=n) for rank in range(n)
+        ]
+
+    def _start_learners(self, restore: bytes | None = None, version: int | None = None) -> None:
+        """Place the learners (unless :meth:`_create_learners` did), form their group (from
+        the checkpoint ``restore``, if given, the weight version going on from ``version``,
+        else from the service's), publish their weights."""
+        import ray
+
+        c = self.config
+        n = c.learner.num_learners
+        if not self._learners:
+            self._create_learners(*self._spaces)
+        addresses, token, resolver = self._learner_args
+        connect = {"token": token, "tls": c.replay.tls, "resolver": resolver}
         try:
             described = ray.get(
                 [learner.describe.remote() for learner in self._learners],
@@ -515,7 +526,10 @@ class Launch:
             )
             master = ray.get(self._learners[0].rendezvous.remote()) if n > 1 else None
             ray.get(
-                [learner.start.remote(master, restore, version) for learner in self._learners],
+                [
+                    learner.start.remote(addresses, self.table, master, restore, version, **connect)
+                    for learner in self._learners
+                ],
                 timeout=c.learner.start_timeout_s,
             )
         except ray.exceptions.GetTimeoutError:

@@ -105,36 +105,27 @@ def make_learner(
 class LearnerActor:
     """The body of one learner Ray actor (``ray.remote(LearnerActor)``).
 
+    The actor is made before the replay service is up (its process imports torch and
+    builds nothing yet while the shards start); :meth:`start` connects it.
+
     Args:
         config: the job's config.
-        addresses: the replay service's shard addresses.
-        table: the table the learner samples.
         obs_space: the env's (wrapped) observation space.
         act_space: the env's action space.
         rank: this learner's rank, ``0`` to ``world_size - 1``.
         world_size: learners in the job.
-        token: the replay service's ``admin`` token, if it requires one.
-        tls: the replay service's TLS setting (see ``replay.tls``).
-        resolver: where each shard is now (a shard restarted on another port, or lost;
-            see :class:`~millpond.deploy.replay_actor.ShardAddresses`).
     """
 
     def __init__(
         self,
         config: LaunchConfig,
-        addresses: str,
-        table: str,
         obs_space: Any,
         act_space: Any,
         *,
         rank: int = 0,
         world_size: int = 1,
-        token: str | None = None,
-        tls: bool | str | None = None,
-        resolver: Any = None,
     ) -> None:
         from millpond.allocator import keep_freed_buffers
-        from millpond.learner.client import ReplayClient
 
         keep_freed_buffers()  # its batches are message-sized buffers
         self.config = config
@@ -143,8 +134,8 @@ class LearnerActor:
         self.device = _device(config.learner.device)
         torch.manual_seed(config.run.seed)  # the same initial networks on every rank
         torch.set_num_threads(config.learner.threads)
-        self.client = _Counting(ReplayClient(addresses, token=token, tls=tls, resolver=resolver))
-        self._build = (table, obs_space, act_space)
+        self._spaces = (obs_space, act_space)
+        self.client: Any = None
         self.steps = 0
         self.learner: Any = None
         self._group = False
@@ -169,15 +160,33 @@ class LearnerActor:
 
     def start(
         self,
+        addresses: str,
+        table: str,
         master: tuple[str, int] | None = None,
         restore: bytes | None = None,
         version: int | None = None,
+        *,
+        token: str | None = None,
+        tls: bool | str | None = None,
+        resolver: Any = None,
     ) -> None:
-        """Join the group at ``master`` (all ranks at once; none with one learner), then
-        build the learner, every rank starting from rank 0's parameters, or from the
-        checkpoint ``restore`` (the bytes of a ``checkpoint.pt``: networks and optimizer).
-        The weight version goes on from ``version``, or (``None``) from the one the service
-        holds."""
+        """Connect to the replay service and join the group at ``master`` (all ranks at
+        once; none with one learner), then build the learner, every rank starting from rank
+        0's parameters, or from the checkpoint ``restore`` (the bytes of a
+        ``checkpoint.pt``: networks and optimizer). The weight version goes on from
+        ``version``, or (``None``) from the one the service holds.
+
+        Args:
+            addresses: the replay service's shard addresses.
+            table: the table the learner samples.
+            token: the replay service's ``admin`` token, if it requires one.
+            tls: the replay service's TLS setting (see ``replay.tls``).
+            resolver: where each shard is now (a shard restarted on another port, or lost;
+                see :class:`~millpond.deploy.replay_actor.ShardAddresses`).
+        """
+        from millpond.learner.client import ReplayClient
+
+        self.client = _Counting(ReplayClient(addresses, token=token, tls=tls, resolver=resolver))
         data_parallel = self.world_size > 1
         if data_parallel:
             import torch.distributed as dist
@@ -191,7 +200,7 @@ class LearnerActor:
                 world_size=self.world_size,
             )
             self._group = True
-        table, obs_space, act_space = self._build
+        obs_space, act_space = self._spaces
         self.learner = make_learner(
             self.config,
             self.client,
@@ -301,7 +310,7 @@ class LearnerActor:
         return {
             "rank": self.rank,
             "steps": self.steps,
-            "published": self.client.published,
+            "published": self.client.published if self.client is not None else 0,
             "version": self.learner.version if self.learner is not None else None,
             "parameters_sha256": digest.hexdigest(),
         }
@@ -315,7 +324,8 @@ class LearnerActor:
 
             dist.destroy_process_group()
             self._group = False
-        self.client.close(timeout_s=5)
+        if self.client is not None:
+            self.client.close(timeout_s=5)
         return True
 
     def _modules(self) -> dict[str, torch.nn.Module]:
