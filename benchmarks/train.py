@@ -14,7 +14,9 @@ reports per config and seed:
   writer's window or the table's rate limiter is full), and the learner's time split between
   waiting for samples and learning (loss, backward, optimiser, publishing weights).
 
-``ppo-2learners`` is the PPO config with ``learner.num_learners=2`` (data-parallel).
+``ppo-2learners`` is the PPO config with ``learner.num_learners=2`` (data-parallel), each rank
+sampling 512-step batches in 256-row minibatches: the same global batch (1,024 steps) and
+minibatches (512 rows) as one learner.
 
 ``cleanrl-dqn`` runs the single-process reference of ``benchmarks/cleanrl_dqn.py``
 (CleanRL's DQN: one env, no Ray, no millpond) in this process, with the same seeds, target
@@ -58,7 +60,8 @@ CONFIGS = {  # a config and the overrides of its variant
     "ppo": (ROOT / "deploy" / "configs" / "cartpole-ppo.yaml", []),
     "ppo-2learners": (
         ROOT / "deploy" / "configs" / "cartpole-ppo.yaml",
-        ["learner.num_learners=2"],
+        # Each rank half of one learner's batch and minibatch: the same global update.
+        ["learner.num_learners=2", "learner.ppo.batch_size=512", "learner.ppo.minibatch_size=256"],
     ),
     "dqn": (ROOT / "deploy" / "configs" / "cartpole-dqn.yaml", []),
 }
