@@ -25,31 +25,15 @@ if not _os.path.isdir(_os.path.join(__path__[0], "service")) and _os.path.isfile
 ):
     __path__.append(_checkout)
 
+from millpond import errors as _errors  # light: no dependencies
+
 # The public names, imported on first use (PEP 562): a process that needs one floor of
 # millpond (a shard, an env actor, the CLI) does not pay for the others' imports (torch,
 # tensordict, grpc: seconds per process on a small machine).
 _PUBLIC = {
     "ColocationError": "millpond.colocated",
     "TableConfig": "millpond.config",
-    **dict.fromkeys(
-        (
-            "AuthenticationError",
-            "ClosedError",
-            "DeadlineExceededError",
-            "InvalidConfigError",
-            "InvalidDataError",
-            "MillpondError",
-            "PermissionDeniedError",
-            "RateLimiterTimeoutError",
-            "ResourceExhaustedError",
-            "ShardBusyError",
-            "ShardUnavailableError",
-            "StorageCorruptedError",
-            "TableExistsError",
-            "TableNotFoundError",
-        ),
-        "millpond.errors",
-    ),
+    **dict.fromkeys(_errors.__all__, "millpond.errors"),
     # The public face: the client and the in-process shard, from the floors above.
     "ReplayClient": "millpond.learner.client",
     "Writer": "millpond.learner.writer",
