@@ -276,7 +276,33 @@ def covering_writer_ids() -> Callable[..., list[str]]:
 
 # -- multi-node Ray clusters on this machine ----------------------------------------------------
 
-_CLUSTER_ATTEMPTS = 3
+_RAY_START_ATTEMPTS = 3
+#: How Ray says that its own processes (GCS, raylet) did not come up in time.
+_RAY_START_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
+
+
+def _ray_start_timed_out(error: BaseException) -> bool:
+    return any(message in str(error) for message in _RAY_START_TIMEOUTS)
+
+
+@pytest.fixture(scope="session")
+def start_local_ray() -> Callable[..., object]:
+    """``start_local_ray(**ray_init_kwargs)``: ``ray.init`` on this machine, tried again (at
+    most three times) when Ray's own processes miss their start-up deadline, as they
+    sometimes do on a loaded 2-core machine; the caller shuts it down."""
+    import ray
+
+    def start(**kwargs: object) -> object:
+        for attempt in range(1, _RAY_START_ATTEMPTS + 1):
+            try:
+                return ray.init(**kwargs)
+            except Exception as e:
+                ray.shutdown()
+                if not _ray_start_timed_out(e) or attempt == _RAY_START_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    return start
 
 
 def _start_cluster(head: dict, nodes: Sequence[dict]) -> tuple[object, list]:
@@ -311,12 +337,12 @@ def ray_cluster(monkeypatch) -> Iterator[Callable[..., tuple[object, list]]]:
     started: list = []
 
     def make(head: dict, nodes: Sequence[dict]) -> tuple[object, list]:
-        for attempt in range(1, _CLUSTER_ATTEMPTS + 1):
+        for attempt in range(1, _RAY_START_ATTEMPTS + 1):
             try:
                 c, added = _start_cluster(head, nodes)
                 break
             except Exception as e:
-                if "timed out during startup" not in str(e) or attempt == _CLUSTER_ATTEMPTS:
+                if not _ray_start_timed_out(e) or attempt == _RAY_START_ATTEMPTS:
                     raise
         started.append(c)
         ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)

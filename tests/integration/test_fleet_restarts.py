@@ -15,8 +15,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+def ray_cluster(start_local_ray):
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
 

@@ -45,8 +45,8 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 @pytest.fixture
-def local_ray():
-    ray.init(
+def local_ray(start_local_ray):
+    start_local_ray(
         num_cpus=3,
         include_dashboard=False,
         log_to_driver=False,
