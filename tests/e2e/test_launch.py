@@ -178,7 +178,10 @@ def test_a_token_protected_serve_takes_the_token_file(tmp_path, start_server):
     tokens = tmp_path / "tokens"
     tokens.write_text("admin admin-token-1\nwriter writer-token-1\nlearner learner-token-1\n")
     address = start_server(1, "--token-file", str(tokens))
-    job = [PPO, *SMALL, "--set", "run.frames=4000", "--replay", address]
+    # A queue with room for the whole run: every step the actors took is stored, none left
+    # in a writer when the job stops (a full queue would hold the last ones back).
+    room = ["--set", "replay.table.capacity=8192"]
+    job = [PPO, *SMALL, *room, "--set", "run.frames=4000", "--replay", address]
 
     denied = launch(*job, "--run-dir", tmp_path / "denied", timeout=120)
     assert denied.returncode == 2, denied.stdout[-3000:] + denied.stderr[-3000:]
