@@ -28,11 +28,22 @@ CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 pytestmark = pytest.mark.timeout(300)
 
 
-def start_job(launch: Launch) -> tuple[threading.Thread, dict]:
+def start_job(
+    run_dir: Path, config_file: str, overrides: list[str]
+) -> tuple[Launch, io.StringIO, threading.Thread, dict]:
+    """``launch`` of ``config_file`` run in a thread, once its actors have sent experience:
+    the launch, its output, the thread and (once it ends) its summary."""
+    out = io.StringIO()
+    launch = Launch(load_config(CONFIGS / config_file, overrides), run_dir=run_dir, out=out)
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(launch.run()), daemon=True)
     job.start()
-    return job, result
+    wait_for(
+        lambda: launch._fleet is not None and launch._fleet.status.frames >= 1500,
+        150,
+        "experience",
+    )
+    return launch, out, job, result
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -69,15 +80,7 @@ def test_a_killed_shard_restarts_on_its_directory_and_the_job_finishes(local_ray
         *("replay.table.samples_per_insert=null", "replay.table.error_buffer=null"),
         "replay.metrics_port=0",
     ]
-    config = load_config(CONFIGS / "cartpole-dqn.yaml", overrides)
-    out = io.StringIO()
-    launch = Launch(config, run_dir=tmp_path / "run", out=out)
-    job, result = start_job(launch)
-    wait_for(
-        lambda: launch._fleet is not None and launch._fleet.status.frames >= 1500,
-        150,
-        "experience",
-    )
+    launch, out, job, result = start_job(tmp_path / "run", "cartpole-dqn.yaml", overrides)
     shard = launch._shards[0]
     before = ray.get(shard.status.remote())
     # replay.metrics_port=0: the shard serves Prometheus metrics where the driver records.
@@ -131,15 +134,7 @@ def test_losing_a_shards_node_leaves_the_job_going_on_with_fewer_shards(cluster,
         *("actors.num_actors=2", "actors.resources={env_node: 1}"),
         "learner.resources={learner_node: 1}",
     ]
-    config = load_config(CONFIGS / "cartpole-ppo.yaml", overrides)
-    out = io.StringIO()
-    launch = Launch(config, run_dir=tmp_path / "run", out=out)
-    job, result = start_job(launch)
-    wait_for(
-        lambda: launch._fleet is not None and launch._fleet.status.frames >= 1500,
-        150,
-        "experience",
-    )
+    launch, out, job, result = start_job(tmp_path / "run", "cartpole-ppo.yaml", overrides)
     statuses = ray.get([s.status.remote() for s in launch._shards])
     assert statuses[0]["node_id"] != statuses[1]["node_id"]  # one shard per replay node
     victim = next(n for n in cluster.worker_nodes if n.node_id == statuses[1]["node_id"])
