@@ -67,6 +67,10 @@ CONFIGS = {  # a config and the overrides of its variant
 }
 # Single-process references: cleanrl-dqn in this process, sb3-ppo in a process of its own.
 REFERENCES = ("cleanrl-dqn", "sb3-ppo")
+# A reference has no actors or sampling whose time to split.
+_NO_PIPELINE = dict.fromkeys(
+    ("actors_acting", "actors_inserting", "learner_sampling", "learner_learning")
+)
 
 
 def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
@@ -97,10 +101,7 @@ def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
         "frames": run["frames"],
         "wall_s": run["wall_s"],
         "frames_per_s": run["frames"] / run["wall_s"],
-        "actors_acting": None,
-        "actors_inserting": None,
-        "learner_sampling": None,
-        "learner_learning": None,
+        **_NO_PIPELINE,
         "learner_steps": run["updates"],
         "curve": curve,
     }
@@ -182,10 +183,7 @@ def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
         "wall_s": run["wall_s"],
         "process_s": process_wall,
         "frames_per_s": run["frames"] / run["wall_s"],
-        "actors_acting": None,
-        "actors_inserting": None,
-        "learner_sampling": None,
-        "learner_learning": None,
+        **_NO_PIPELINE,
         "learner_steps": run["updates"],
         "curve": run["curve"],
     }
