@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.processor_specs import ProcessorSpec, check_processors
 from millpond.config import TableConfig
+from millpond.deploy.config_files import read_config_doc
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
 from millpond.learner.networks import NETWORKS
@@ -384,23 +383,7 @@ class LaunchConfig:
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> LaunchConfig:
     """Read a YAML config, apply ``key=value`` overrides, and check it all."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise InvalidConfigError(f"config file {p} not found") from None
-    except OSError as e:
-        raise InvalidConfigError(f"cannot read config file {p}: {e.strerror}") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise InvalidConfigError(f"{p} is not valid YAML: {_one_line(e)}") from None
-    doc = {} if doc is None else doc
-    if not isinstance(doc, dict):
-        raise InvalidConfigError(f"{p}: expected a mapping of sections, got {_kind(doc)}")
-    for item in overrides:
-        apply_override(doc, item)
-    return from_mapping(LaunchConfig, doc)
+    return from_mapping(LaunchConfig, read_config_doc(path, overrides))
 
 
 #: What a resumed job (``millpond launch --resume RUN_DIR``) must keep of the run's recorded
@@ -459,27 +442,6 @@ def _differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any
             out += _differences(old.get(key), new.get(key), where)
         return out
     return [] if old == new else [(path, old, new)]
-
-
-def apply_override(doc: dict[str, Any], item: str) -> None:
-    """Set ``a.b.c=value`` in a nested mapping; the value is read as YAML (``1e-3``, ``[64]``)."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise InvalidConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. learner.ppo.lr=1e-3")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        value = raw
-    parts = key.strip().split(".")
-    node = doc
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise InvalidConfigError(
-                f"--set {item!r}: {'.'.join(parts[: depth + 1])} is not a section"
-            )
-        node = child
-    node[parts[-1]] = value
 
 
 def to_mapping(config: Any) -> Any:
@@ -575,10 +537,6 @@ def _names_a_field(message: str, names: Sequence[str]) -> bool:
 
 def _kind(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
 
 
 def _choice(path: str, value: Any, options: tuple[str, ...]) -> None:

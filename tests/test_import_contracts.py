@@ -126,3 +126,28 @@ def test_the_package_and_the_cli_import_nothing_heavy_until_a_name_is_used():
     import sys
 
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_launch_reads_its_command_line_and_config_before_anything_heavy_imports():
+    """``millpond launch``'s parser and its config's ``ray`` section need neither torch nor
+    tensordict: the launcher imports those in a thread while Ray starts."""
+    code = (
+        "import sys\n"
+        "from millpond import cli\n"
+        "from millpond.deploy import config_files, launch\n"
+        "try:\n"
+        "    cli.main(['launch', '--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "doc = config_files.read_config_doc('deploy/configs/cartpole-ppo.yaml', ['ray.num_cpus=2'])\n"
+        "assert doc['ray']['num_cpus'] == 2, doc\n"
+        "heavy = [m for m in ('torch', 'tensordict', 'grpc') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=120, cwd=root, capture_output=True
+    )

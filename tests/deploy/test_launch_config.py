@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from millpond.deploy.launch_config import LaunchConfig, apply_override, load_config, to_mapping
+from millpond.deploy.config_files import apply_override
+from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.errors import InvalidConfigError
 from millpond.learner import DQNConfig, PPOConfig
 

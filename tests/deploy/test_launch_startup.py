@@ -1,0 +1,65 @@
+"""``millpond launch`` starts Ray while the job's modules import: a config that turns out
+bad then stops that Ray again, and a config Ray cannot be started from plainly leaves Ray
+to the job (which checks the config first)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "deploy" / "configs" / "cartpole-ppo.yaml"
+
+_SCRIPT = """
+import argparse, sys, time
+import ray
+from millpond.deploy import launch
+from millpond.errors import InvalidConfigError
+
+parser = argparse.ArgumentParser()
+launch.build_parser(parser)
+args = parser.parse_args(sys.argv[1:])
+started = []
+real_init = launch._init_ray
+launch._init_ray = lambda *a: (started.append(time.monotonic()), real_init(*a))
+try:
+    launch.run(args)
+except InvalidConfigError as e:
+    print("ERROR", e)
+print("RAY_STARTED", len(started))
+print("RAY_UP", ray.is_initialized())
+"""
+
+
+def _launch(tmp_path: Path, *args: str) -> dict[str, str]:
+    run = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(CONFIG), "--run-dir", str(tmp_path / "run"), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = {}
+    for line in run.stdout.splitlines():
+        key, _, rest = line.partition(" ")
+        out[key] = rest
+    return out
+
+
+def test_a_config_found_bad_after_ray_started_stops_ray_and_names_the_key(tmp_path: Path):
+    out = _launch(tmp_path, "--set", "learner.algorithm=sac", "--set", "ray.num_cpus=1")
+    assert out["RAY_STARTED"] == "1"  # started while the modules imported
+    assert "learner.algorithm" in out["ERROR"] and "'sac'" in out["ERROR"]
+    assert out["RAY_UP"] == "False"
+    assert not (tmp_path / "run").exists()  # nothing of the job was written
+
+
+def test_a_ray_section_that_is_not_plain_starts_no_ray_before_the_config_is_checked(
+    tmp_path: Path,
+):
+    out = _launch(tmp_path, "--set", "ray.num_cpus=two")
+    assert out["RAY_STARTED"] == "0"
+    assert "ray.num_cpus" in out["ERROR"]
+    assert out["RAY_UP"] == "False"
