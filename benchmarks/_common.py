@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -79,21 +79,31 @@ def collect_atari(game: str, lanes: int, chunk_len: int, chunks: int, seed: int)
 
 
 def time_in_turns(
-    systems: dict[str, Callable[[], object]], reps: int, calls: int
+    systems: dict[str, Callable[[], object]],
+    reps: int,
+    calls: int,
+    turns: Mapping[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """``calls`` back-to-back calls of each system in turn, ``reps`` times over (so that a
     shared machine's slow phases fall on all alike): each call's latency and each system's
-    total wall time, in seconds."""
+    total wall time, in seconds.
+
+    ``turns[name]()``, where given, is entered before that system's turn and left after it,
+    untimed: a pipelined system (requests kept in flight) opens its stream there and closes
+    it after, so that what it left in flight does not run during the next system's turn.
+    """
     lat: dict[str, list[float]] = {name: [] for name in systems}
     wall: dict[str, float] = {name: 0.0 for name in systems}
+    turns = turns or {}
     for _ in range(reps):
         for name, fn in systems.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                fn()
-                lat[name].append(time.perf_counter() - t0)
-            wall[name] += time.perf_counter() - start
+            with turns[name]() if name in turns else contextlib.nullcontext():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    fn()
+                    lat[name].append(time.perf_counter() - t0)
+                wall[name] += time.perf_counter() - start
     return lat, wall
 
 

@@ -6,7 +6,9 @@ as :mod:`wire_sample` does) and serves it on loopback. The client process calls
 ``ReplayClient.sample(table, B)`` with ``colocated=False`` (observations on the wire) and
 ``colocated=True`` (the shard sends the sampled slots, the client reads the rows from the
 table's memory-mapped files and checks their generations), ``sample`` call after call and
-through ``iterate`` (requests kept in flight), and, as the floor, gathers the
+through ``iterate`` (requests kept in flight; each turn opens its own stream, primed before
+the clock starts and closed after it stops, so that batches left in flight never run in
+another system's turn), and, as the floor, gathers the
 observations and next observations of the slots the colocated calls drew straight from the
 column file (``np.memmap``, read-only: no RPC, no metadata, no checks). Each repetition runs
 every system in turn, so that the load of a shared machine falls on all alike.
@@ -106,7 +108,10 @@ def main() -> int:
 
 
 def _measure(args, port: int) -> list[list[str]]:
+    import contextlib
     import json
+    from collections.abc import Callable, Iterator
+    from typing import Any
 
     import grpc
     import torch
@@ -150,25 +155,43 @@ def _measure(args, port: int) -> list[list[str]]:
     channel = grpc.insecure_channel(address, options=[("SingleThreadedUnaryStream", 1)])
     stub = pb_grpc.ReplayStub(channel)
     request = pb.SampleRequest(table=TABLE, batch_size=args.batch, num_batches=1, colocated=True)
-    streams = {
-        "wire": wire.iterate(TABLE, args.batch, prefetch=args.prefetch, timeout_s=30),
-        "colocated": colocated.iterate(TABLE, args.batch, prefetch=args.prefetch, timeout_s=30),
-    }
+    streams: dict[str, Any] = {}
+
+    def streaming(name: str, client: ReplayClient) -> Callable[[], Any]:
+        """A turn of ``client.iterate``: opened and primed (``prefetch`` batches taken)
+        before the clock starts, closed after it stops, so that what it keeps in flight
+        never runs in another system's turn."""
+
+        @contextlib.contextmanager
+        def turn() -> Iterator[None]:
+            streams[name] = client.iterate(TABLE, args.batch, prefetch=args.prefetch, timeout_s=30)
+            for _ in range(args.prefetch):
+                next(streams[name])
+            try:
+                yield
+            finally:
+                streams.pop(name).close()
+
+        return turn
+
+    wire_iterate = f"wire, iterate (prefetch {args.prefetch})"
+    colocated_iterate = f"colocated, iterate (prefetch {args.prefetch})"
     systems = {
         "wire, sample (colocated=False)": lambda: wire.sample(TABLE, args.batch, timeout_s=30),
         "colocated, sample (colocated=True)": sample_colocated,
-        f"wire, iterate (prefetch {args.prefetch})": lambda: next(streams["wire"]),
-        f"colocated, iterate (prefetch {args.prefetch})": lambda: next(streams["colocated"]),
+        wire_iterate: lambda: next(streams[wire_iterate]),
+        colocated_iterate: lambda: next(streams[colocated_iterate]),
         "bare memmap gather, same rows": bare,
         "colocated request alone (no read)": lambda: list(stub.Sample(request)),
     }
-    for _ in range(max(3, args.calls)):  # warm-up: page cache, channels, readers
-        for fn in list(systems.values())[:4]:
-            fn()
+    turns = {wire_iterate: streaming(wire_iterate, wire)}
+    turns[colocated_iterate] = streaming(colocated_iterate, colocated)
+    for name, fn in list(systems.items())[:4]:  # warm-up: page cache, channels, readers
+        with turns[name]() if name in turns else contextlib.nullcontext():
+            for _ in range(max(3, args.calls)):
+                fn()
     assert colocated._sampler._colocation._readers, "the colocated client must read the files"
-    lat, wall = time_in_turns(systems, args.reps, args.calls)
-    for stream in streams.values():
-        stream.close()
+    lat, wall = time_in_turns(systems, args.reps, args.calls, turns)
     channel.close()
     wire.close()
     colocated.close()

@@ -12,7 +12,8 @@ uniformly, batch after batch, from this process:
   B)`` (the shard answers with slots, the client reads the rows from the table's
   memory-mapped files on this host).
 * ``bare memmap gather``: the floor under the colocated read: the observations and next
-  observations of one colocated batch's slots gathered straight from the column file
+  observations of colocated batches' slots (32 batches in turn, as random as sampled rows)
+  gathered straight from the column file
   (``np.take`` on a read-only ``np.memmap``; no RPC, no metadata, no checks).
 * ``torchrl-ray``: TorchRL's ``RayReplayBuffer`` (a ``ReplayBuffer`` in a Ray actor) over a
   ``LazyMemmapStorage`` in TED layout (``("next", "observation")`` stored), ``RandomSampler``,
@@ -363,9 +364,15 @@ def fill_torchrl(rb, episodes) -> None:
         rb.extend(ted_chunk(batch))
 
 
+#: Batches of slots the bare gather cycles through: rows as random as the sampled ones (one
+#: batch gathered over and over would stay in the CPU's caches).
+BARE_BATCHES = 32
+
+
 def bare_gather(colocated, batch: int) -> Callable[[], object]:
-    """The observations and next observations of one colocated batch's slots, gathered
-    straight from the table's column file, held as tensors as a batch holds them."""
+    """The observations and next observations of colocated batches' slots (a new batch's
+    each call, :data:`BARE_BATCHES` in turn), gathered straight from the table's column
+    file, held as tensors as a batch holds them."""
     import torch
 
     from millpond.storage_format import COLUMN_INDEX, COLUMNS_DIR
@@ -380,9 +387,12 @@ def bare_gather(colocated, batch: int) -> Callable[[], object]:
         mode="r",
         shape=(info["config"].capacity, *OBS_SHAPE),
     )
-    slots = colocated.sample(TABLE, batch)["index", "slot"].numpy()
+    drawn = [colocated.sample(TABLE, batch)["index", "slot"].numpy() for _ in range(BARE_BATCHES)]
+    calls = [0]
 
     def fn():
+        slots = drawn[calls[0] % BARE_BATCHES]
+        calls[0] += 1
         obs = torch.from_numpy(np.take(column, slots, axis=0))
         nxt = torch.from_numpy(np.take(column, slots + 1, axis=0))
         return obs, nxt
