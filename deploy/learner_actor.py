@@ -334,7 +334,8 @@ class LearnerActor:
         return {n: m for n, m in modules.items() if isinstance(m, torch.nn.Module)}
 
 
-#: How long a publication waits for shard 0 (the weights rendezvous) while Ray restarts it.
+#: How long a publication waits for the weights rendezvous (shard 0, or the lowest-numbered
+#: shard not lost for good) while Ray restarts it.
 PUBLISH_WAIT_S = 60.0
 
 
@@ -342,7 +343,8 @@ class _Counting:
     """The learner's client, counting the weight publications it sends, and riding out a
     shard that Ray restarts: a sample that finds every shard down is a sample that timed
     out (in a data-parallel group every rank learns it together), and a publication waits
-    for shard 0 to come back (up to :data:`PUBLISH_WAIT_S`)."""
+    for the weights rendezvous to come back (up to :data:`PUBLISH_WAIT_S`), or goes to the
+    next shard once the rendezvous is lost for good."""
 
     def __init__(self, client: Any) -> None:
         self._client = client

@@ -34,6 +34,8 @@ def combine_info(
     per_table: dict[str, list[dict[str, Any]]] = {}
     errors: list[MillpondError] = []
     weights_version: int | None = None
+    # The weights rendezvous: the lowest-numbered shard not lost for good.
+    rendezvous = next((s.index for s in shards if not s.gone), None)
     for shard, result in zip(shards, results, strict=True):
         base = {"shard": shard.index, "address": shard.address, "error": None}
         if isinstance(result, MillpondError):
@@ -45,7 +47,7 @@ def combine_info(
             entries.append({**base, "available": not shard.down, "error": str(result)})
             continue
         version = int(result.weights_version)
-        if shard.index == 0:
+        if shard.index == rendezvous:
             weights_version = version
         names = []
         for msg in result.tables:

@@ -236,6 +236,23 @@ class ShardSet:
         """The handles, shard 0 first (a snapshot: :meth:`add` replaces the list)."""
         return self._shards
 
+    def rendezvous(self) -> ShardHandle:
+        """The weights rendezvous: the lowest-numbered shard not lost for good.
+
+        Shard 0 while it lives (down or restarting included: publications and fetches wait
+        for it); once its resolver calls it gone, the next shard, and so on. Every client
+        of a job asks the same resolver, so the learner and the actors move together.
+        Raises :class:`ShardGoneError` when every shard is lost for good.
+        """
+        shards = self.shards
+        for shard in shards:
+            if not shard.gone:
+                return shard
+        raise ShardGoneError(
+            f"every shard is lost for good ({', '.join(s.address for s in shards)}): no "
+            "shard can hold the weights"
+        )
+
     def add(self, address: str) -> ShardHandle:
         with self._lock:
             shard = ShardHandle(len(self._shards), address, self._options, self._tls, self.resolver)

@@ -68,7 +68,8 @@ class ReplayClient:
 
     Args:
         addresses: ``"host:port"``, a comma-separated list of them, or a sequence. Shard
-            ``i`` is the ``i``-th address; shard 0 is the weights rendezvous.
+            ``i`` is the ``i``-th address; shard 0 is the weights rendezvous (the next
+            shard once it is lost for good, see ``resolver``).
         token: a bearer token sent with every call (``authorization: Bearer <token>``).
         tls: ``None`` (plaintext), ``True`` (TLS with the system's root certificates), or
             the path of a PEM root certificate.
@@ -261,7 +262,8 @@ class ReplayClient:
 
         With a ``table``: ``{"table", "config", "size", "mass", "inserts", "samples",
         "bytes_on_disk", "weights_version", "shards"}``: the numbers summed over the shards
-        that answered, ``weights_version`` shard 0's (``None`` if it did not answer), and
+        that answered, ``weights_version`` the weights rendezvous's (shard 0, or the
+        lowest-numbered shard not lost for good; ``None`` if it did not answer), and
         ``"shards"`` one dict per shard: ``"shard"`` (index), ``"address"``, ``"available"``,
         ``"error"`` (``None``, or why the shard gave nothing) and, when it answered, its
         ``"weights_version"`` and :func:`millpond.protos.tables.info_from_proto`'s keys
@@ -552,7 +554,8 @@ class ReplayClient:
 
     # -- weights -------------------------------------------------------------------------
     def publish_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
-        """Publish a state dict as ``version`` on shard 0 (the rendezvous); returns it.
+        """Publish a state dict as ``version`` on the weights rendezvous (shard 0, or the
+        lowest-numbered shard not lost for good); returns it.
 
         Parameter names are dot-separated parts of letters, digits, ``_`` and ``-``
         (``"fc.weight"``, ``"layers.0.bias"``); tensors travel as raw bytes.
@@ -561,7 +564,7 @@ class ReplayClient:
             raise InvalidDataError(f"version ({version!r}) must be a non-negative integer")
         self._check_open()
         blob = state_dict_to_blob(state_dict)
-        shard = self._set.shards[0]
+        shard = self._set.rendezvous()
         return int(self._set.call(shard, "PublishWeights", publish_requests(blob, version)).version)
 
     def get_weights(
@@ -577,7 +580,7 @@ class ReplayClient:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s < 0:
             raise InvalidDataError(f"timeout_s ({timeout_s!r}) must be a number >= 0")
         self._check_open()
-        shard = self._set.shards[0]
+        shard = self._set.rendezvous()
         request = pb.GetWeightsRequest(
             min_version=min_version, timeout_ms=int(np.ceil(timeout_s * 1000))
         )

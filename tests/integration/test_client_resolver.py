@@ -10,10 +10,13 @@ pinned to a lost shard stops with ShardGoneError while sampling goes on from the
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
+import torch
 
 from millpond import ReplayClient, TableConfig
+from millpond.errors import ShardUnavailableError
 from millpond.learner._shards import ShardGoneError
 from millpond.testing import constant_segment
 
@@ -99,6 +102,74 @@ def test_a_shard_the_resolver_calls_gone_is_skipped_and_its_writer_stops(server_
     to_kept.close()
     with pytest.raises(ShardGoneError):  # closing its writers reports the one that stopped
         client.close(timeout_s=5)
+
+
+def test_the_weights_rendezvous_moves_to_the_next_shard_once_shard_0_is_lost(server_process):
+    first, second = server_process(), server_process()
+    gone = set()
+
+    def resolve(index: int) -> str:
+        if index in gone:
+            raise ShardGoneError("its node is gone")
+        return [first.address, second.address][index]
+
+    addresses = f"{first.address},{second.address}"
+    learner = ReplayClient(addresses, timeout_s=20, resolver=resolve)
+    actor = ReplayClient(addresses, timeout_s=20, resolver=resolve)
+    weights = {"w": torch.arange(4, dtype=torch.float32)}
+    assert learner.publish_weights(weights, 1) == 1
+    state, version = actor.get_weights(min_version=1)
+    assert version == 1 and torch.equal(state["w"], weights["w"])
+    assert learner.info()["weights_version"] == 1
+    assert [s["weights_version"] for s in learner.info()["shards"]] == [1, -1]
+
+    first.kill()
+    # While shard 0 is only unreachable, it stays the rendezvous: a restart brings it back.
+    with pytest.raises(ShardUnavailableError):
+        learner.publish_weights(weights, 2)
+    gone.add(0)
+    newer = {"w": torch.arange(4, dtype=torch.float32) * 2}
+    # Lost for good: the next publication (the learner retries) lands on shard 1 ...
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert learner.publish_weights(newer, 2) == 2
+            break
+        except ShardUnavailableError:
+            assert time.monotonic() < deadline, "the publication never moved"
+            time.sleep(0.2)
+    assert learner.lost_shards == [0]
+    # ... where the actors fetch it, and which info reports.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            state, version = actor.get_weights(min_version=2)
+            break
+        except ShardUnavailableError:
+            assert time.monotonic() < deadline, "the fetch never moved"
+            time.sleep(0.2)
+    assert version == 2 and torch.equal(state["w"], newer["w"])
+    info = learner.info()
+    assert info["weights_version"] == 2
+    assert [s["available"] for s in info["shards"]] == [False, True]
+
+    gone.add(1)
+    second.kill()
+    with pytest.raises(ShardUnavailableError):
+        learner.publish_weights(newer, 3)
+    deadline = time.monotonic() + 30
+    while True:  # every shard lost: nowhere to publish, said so
+        try:
+            learner.publish_weights(newer, 3)
+        except ShardGoneError as e:
+            if "every shard is lost for good" in str(e):
+                break
+        except ShardUnavailableError:
+            pass
+        assert time.monotonic() < deadline, "never said that every shard is lost"
+        time.sleep(0.2)
+    learner.close(timeout_s=5)
+    actor.close(timeout_s=5)
 
 
 def test_an_env_actor_whose_shard_is_lost_writes_whole_new_episodes_elsewhere(server_process):
