@@ -214,6 +214,85 @@ def millpond_serve(root: Path, shards: int = 1) -> ServerProcess:
 
 
 # -- command line, scratch space, report ----------------------------------------------------
+# -- the raw gRPC ceiling ------------------------------------------------------------------
+RAW_SERVICE = "bench.Raw"
+MiB = 1 << 20
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def grpc_options() -> list[tuple[str, int]]:
+    """Message limits of 256 MiB each way, as the benchmarks' millpond clients have."""
+    return [
+        ("grpc.max_send_message_length", 256 * MiB),
+        ("grpc.max_receive_message_length", 256 * MiB),
+    ]
+
+
+def add_raw_source(server) -> None:
+    """``bench.Raw/Source`` on a gRPC ``server``: a request names a size (8 bytes, little
+    endian) and is answered with one message of that many random bytes (made once per
+    size): gRPC moving the bytes and nothing else, the ceiling for a response that size."""
+    import grpc
+
+    payloads: dict[int, bytes] = {}
+
+    def source(request: bytes, context):
+        size = int.from_bytes(request[:8], "little")
+        if size not in payloads:
+            payloads[size] = os.urandom(size)
+        yield payloads[size]
+
+    handler = grpc.unary_stream_rpc_method_handler(
+        source, request_deserializer=_identity, response_serializer=_identity
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(RAW_SERVICE, {"Source": handler}),)
+    )
+
+
+def raw_source(channel) -> Callable[[int], list[bytes]]:
+    """``fetch(size)``: one ``bench.Raw/Source`` call over ``channel``, its messages."""
+    call = channel.unary_stream(
+        f"/{RAW_SERVICE}/Source", request_serializer=_identity, response_deserializer=_identity
+    )
+    return lambda size: list(call(size.to_bytes(8, "little")))
+
+
+def response_bytes(channel, request) -> int:
+    """The bytes of the first answer of a millpond ``Sample`` ``request`` over ``channel``,
+    as it travels (read without decoding)."""
+    call = channel.unary_stream(
+        "/millpond.v1.Replay/Sample",
+        request_serializer=type(request).SerializeToString,
+        response_deserializer=_identity,
+    )
+    return len(next(iter(call(request))))
+
+
+def serve_raw_source() -> int:
+    """A server process of ``bench.Raw/Source`` alone, on a free loopback port, announced as
+    :class:`ServerProcess` expects, until SIGTERM. It keeps freed buffers for reuse, as
+    millpond's shard processes do."""
+    from concurrent import futures
+
+    import grpc
+
+    from millpond.allocator import keep_freed_buffers
+
+    keep_freed_buffers()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=grpc_options())
+    add_raw_source(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(0))
+    print(f"ADDRESSES 127.0.0.1:{port}", flush=True)
+    server.wait_for_termination()
+    return 0
+
+
 def add_common_args(ap: argparse.ArgumentParser, quick_help: str) -> None:
     """``--quick``, ``--out``, ``--dir`` and ``--shapes``, as every side-by-side script takes them."""
     ap.add_argument("--quick", action="store_true", help=quick_help)

@@ -15,6 +15,9 @@ uniformly, batch after batch, from this process:
   observations of colocated batches' slots (32 batches in turn, as random as sampled rows)
   gathered straight from the column file
   (``np.take`` on a read-only ``np.memmap``; no RPC, no metadata, no checks).
+* ``raw gRPC, millpond wire's bytes``: the ceiling: a gRPC server process doing nothing but
+  send one message as large as millpond's wire answer for that batch size (random bytes,
+  no decoding), one call per batch.
 * ``torchrl-ray``: TorchRL's ``RayReplayBuffer`` (a ``ReplayBuffer`` in a Ray actor) over a
   ``LazyMemmapStorage`` in TED layout (``("next", "observation")`` stored), ``RandomSampler``,
   ``sample(B)``; filled with one ``extend`` per episode.
@@ -400,6 +403,22 @@ def bare_gather(colocated, batch: int) -> Callable[[], object]:
     return fn
 
 
+def raw_ceiling(channel, address: str, batch: int) -> Callable[[], object]:
+    """One message as large as millpond's wire answer to ``sample(table, batch)`` (its bytes
+    measured once, undecoded), sent by a gRPC server doing nothing else: the ceiling the
+    wire path is held to."""
+    import grpc
+    from _common import grpc_options, raw_source, response_bytes
+
+    from millpond.protos import millpond_pb2 as pb
+
+    with grpc.insecure_channel(address, options=grpc_options()) as probe:
+        request = pb.SampleRequest(table=TABLE, batch_size=batch, num_batches=1)
+        size = response_bytes(probe, request)
+    fetch = raw_source(channel)
+    return lambda: fetch(size)
+
+
 # -- the run --------------------------------------------------------------------------------
 PREFETCH = 4  # iterate's requests in flight
 WIRE = "millpond wire"
@@ -407,6 +426,7 @@ COLOCATED = "millpond colocated"
 WIRE_ITERATE = "millpond wire, iterate"
 COLOCATED_ITERATE = "millpond colocated, iterate"
 BARE = "bare memmap gather"
+RAW = "raw gRPC, millpond wire's bytes"
 TORCHRL = "torchrl-ray"
 REVERB_DS = "reverb TrajectoryDataset"
 REVERB_CLIENT = "reverb Client.sample"
@@ -416,6 +436,7 @@ ORDER = [
     WIRE_ITERATE,
     COLOCATED_ITERATE,
     BARE,
+    RAW,
     TORCHRL,
     REVERB_DS,
     REVERB_CLIENT,
@@ -426,7 +447,8 @@ def run(args, batches: list[int], root: Path) -> dict[tuple[str, int], list[dict
     import contextlib
     import functools
 
-    from _common import log, millpond_serve, quiet_torchrl, start_ray
+    import grpc
+    from _common import ServerProcess, grpc_options, log, millpond_serve, quiet_torchrl, start_ray
 
     from millpond import ReplayClient
 
@@ -442,6 +464,13 @@ def run(args, batches: list[int], root: Path) -> dict[tuple[str, int], list[dict
         stack.callback(wire.close)
         colocated = ReplayClient(address, max_message_mb=256, colocated=True, timeout_s=60)
         stack.callback(colocated.close)
+        raw = stack.enter_context(
+            ServerProcess(
+                [sys.executable, __file__, "--raw-server"], root / "raw.log", "raw gRPC source"
+            )
+        )
+        raw_channel = grpc.insecure_channel(raw.addresses[0], options=grpc_options())
+        stack.callback(raw_channel.close)
         t0 = time.perf_counter()
         size = fill_millpond(wire, episodes)
         log(f"millpond: {size} transitions filled ({time.perf_counter() - t0:.1f} s)")
@@ -459,6 +488,7 @@ def run(args, batches: list[int], root: Path) -> dict[tuple[str, int], list[dict
             WIRE_ITERATE: lambda b: iterating(wire, b),
             COLOCATED_ITERATE: lambda b: iterating(colocated, b),
             BARE: lambda b: bare_gather(colocated, b),
+            RAW: lambda b: raw_ceiling(raw_channel, address, b),
         }
         if "torchrl" not in args.skip:
             import ray
@@ -619,6 +649,27 @@ def render(summary, batches, args, argv, load, seconds) -> str:
                 f"- Reverb's best path is {best}; against it: "
                 + ", ".join(f"{n} {r:.2f}x" for n, r in mine.items())
             )
+            if BARE in names:
+                lines.append(
+                    f"- the bare memmap gather (no RPC, no checks) is "
+                    f"{summary[BARE, b]['trs'] / summary[best, b]['trs']:.2f}x {best}"
+                )
+            if RAW in names:
+                lines.append(
+                    f"- raw gRPC moving millpond's wire bytes is "
+                    f"{summary[RAW, b]['trs'] / summary[best, b]['trs']:.2f}x {best}"
+                )
+        if RAW in names:
+            raw = summary[RAW, b]["trs"]
+            lines.append(
+                f"- millpond wire reaches {summary[WIRE, b]['trs'] / raw:.2f} of the raw gRPC "
+                f"ceiling for its bytes ({raw:,.0f} transitions/s)"
+                + (
+                    f", `iterate` {summary[WIRE_ITERATE, b]['trs'] / raw:.2f}"
+                    if WIRE_ITERATE in names
+                    else ""
+                )
+            )
     return "\n".join(lines) + "\n", machine
 
 
@@ -629,7 +680,7 @@ def plot(summary, batches, machine: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 5.5))
-    styles = {BARE: ":", REVERB_CLIENT: "--"}
+    styles = {BARE: ":", RAW: ":", REVERB_CLIENT: "--"}
     for name in ORDER:
         if (name, batches[0]) not in summary:
             continue
@@ -682,7 +733,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (1)")
     ap.add_argument("--reverb-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--reverb-server", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.raw_server:
+        from _common import serve_raw_source
+
+        return serve_raw_source()
     if args.reverb_server:
         return reverb_server()
     if args.reverb_worker:

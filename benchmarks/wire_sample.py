@@ -28,25 +28,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _common import time_in_turns
+from _common import add_raw_source, grpc_options, raw_source, response_bytes, time_in_turns
 
 MiB = 1 << 20
 OBS_SHAPE = (4, 84, 84)
 CAPACITY = 4096
 SLICE_LEN = 8
-RAW_SERVICE = "bench.Raw"
 TABLES = {"uniform": "uniform", "slices": "slices"}
 
 
-def _identity(b: bytes) -> bytes:
-    return b
-
-
-def _options() -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", 256 * MiB),
-        ("grpc.max_receive_message_length", 256 * MiB),
-    ]
+_options = grpc_options
 
 
 def _fill(shard, tables: list[str]) -> None:
@@ -108,27 +99,8 @@ def serve(root: Path, tables: list[str]) -> int:
         ports.append(server.add_insecure_port("127.0.0.1:0"))
         server.start()
         servers.append(server)
-    payloads: dict[int, bytes] = {}
-
-    def source(request: bytes, context):
-        size = int.from_bytes(request[:8], "little")
-        if size not in payloads:
-            payloads[size] = os.urandom(size)
-        yield payloads[size]
-
     raw = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_options())
-    raw.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                RAW_SERVICE,
-                {
-                    "Source": grpc.unary_stream_rpc_method_handler(
-                        source, request_deserializer=_identity, response_serializer=_identity
-                    )
-                },
-            ),
-        )
-    )
+    add_raw_source(raw)
     ports.append(raw.add_insecure_port("127.0.0.1:0"))
     raw.start()
     print("PORTS", *ports, flush=True)
@@ -209,9 +181,7 @@ def _measure(args, tables, slots_port, rows_port, raw_port, ReplayClient, grpc, 
     }
     ports = {"millpond, slot layout": slots_port, "millpond, older form": rows_port}
     raw_channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=_options())
-    source = raw_channel.unary_stream(
-        f"/{RAW_SERVICE}/Source", request_serializer=_identity, response_deserializer=_identity
-    )
+    source = raw_source(raw_channel)
     out = []
     for table in tables:
         batch = args.batch // SLICE_LEN if table == "slices" else args.batch
@@ -219,13 +189,8 @@ def _measure(args, tables, slots_port, rows_port, raw_port, ReplayClient, grpc, 
         sizes = {}
         for name, port in ports.items():  # one response's bytes, read without decoding
             channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_options())
-            call = channel.unary_stream(
-                "/millpond.v1.Replay/Sample",
-                request_serializer=pb.SampleRequest.SerializeToString,
-                response_deserializer=_identity,
-            )
             request = pb.SampleRequest(table=table, batch_size=batch, num_batches=1)
-            sizes[name] = len(next(iter(call(request))))
+            sizes[name] = response_bytes(channel, request)
             channel.close()
         systems = {
             name: (lambda c=client, t=table, b=batch: c.sample(t, b, timeout_s=30))
@@ -234,7 +199,7 @@ def _measure(args, tables, slots_port, rows_port, raw_port, ReplayClient, grpc, 
         for name in ports:
             size = sizes[name]
             label = f"raw gRPC ceiling, {name.split(', ')[1]} bytes"
-            systems[label] = lambda s=size: list(source(s.to_bytes(8, "little")))
+            systems[label] = lambda s=size: source(s)
             sizes[label] = size
         for fn in systems.values():  # warm-up
             fn()
