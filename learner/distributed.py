@@ -18,7 +18,6 @@ of the single-process case.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -136,7 +135,10 @@ class BatchTurn:
     holds it) would leave the others waiting in the update's collectives; here every rank
     learns that and raises :class:`~millpond.errors.DeadlineExceededError` together, and a
     rank that did get a batch keeps it for the next turn (a queue batch is not
-    delivered twice, so dropping it would lose those steps).
+    delivered twice, so dropping it would lose those steps). Any other error of a rank's
+    sample (every shard unreachable, say) is raised on that rank after the agreement, the
+    others raising :class:`~millpond.errors.DeadlineExceededError`: every rank takes part
+    in every turn, so the group stays in step.
 
     Args:
         data_parallel: take part in a group; ``False``: :meth:`take` just samples.
@@ -152,10 +154,17 @@ class BatchTurn:
         """A batch from ``sample()`` (or the one kept from an earlier turn)."""
         if not self.data_parallel:
             return sample()
+        error: Exception | None = None
         if self._pending is None:
-            with contextlib.suppress(DeadlineExceededError):  # the turn says so to all
+            try:
                 self._pending = sample()
+            except DeadlineExceededError:  # the turn says so to all
+                pass
+            except Exception as e:  # every shard down, say: raised after the turn, so that
+                error = e  # the other ranks are not left waiting in it
         if not all_true(self._pending is not None, self.device):
+            if error is not None:
+                raise error
             raise DeadlineExceededError("waiting until every learner has a batch")
         batch, self._pending = self._pending, None
         return batch  # type: ignore[return-value]

@@ -128,3 +128,45 @@ def test_without_a_group_everything_is_the_single_process_case():
     )
     turn = distributed.BatchTurn(False)
     assert turn.take(lambda: "batch") == "batch"
+
+
+def _turn_main(rank: int, init_file: str, results) -> None:
+    import datetime
+
+    from millpond.errors import DeadlineExceededError, ShardUnavailableError
+
+    # A short group timeout: a rank left waiting in a collective fails the test, not hangs it.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    try:
+        turn = distributed.BatchTurn(True)
+        outcomes = []
+
+        def unreachable():
+            raise ShardUnavailableError("every shard is down")
+
+        # Turn 1: rank 0's sample fails (not a timeout), rank 1 gets a batch and keeps it.
+        try:
+            turn.take(unreachable if rank == 0 else (lambda: "kept"))
+        except (ShardUnavailableError, DeadlineExceededError) as e:
+            outcomes.append(type(e).__name__)
+        # Turn 2: both have batches; rank 1 hands over the one it kept, not a new one.
+        outcomes.append(turn.take(lambda: f"fresh-{rank}"))
+        outcomes.append(distributed.all_true(True))  # the group is still in step
+        results[rank] = outcomes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_sample_fails_outright_keeps_the_group_in_step(tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_turn_main, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        results = dict(results)
+    assert results[0] == ["ShardUnavailableError", "fresh-0", True]
+    assert results[1] == ["DeadlineExceededError", "kept", True]
