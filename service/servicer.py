@@ -62,6 +62,9 @@ _MAX_DETAILS = 2000
 # Bytes every sampled row carries besides the spec's keys, at the least: its slot,
 # generation, episode id and step (int64 each) and the done/terminated/truncated flags.
 _SAMPLED_ROW_BYTES = 36
+# What a colocated answer adds per row instead of its observations: its two row indices
+# (int32 each).
+_COLOCATED_ROW_BYTES = 8
 #: ReadTable streams one shard serves at once: each holds its snapshot's segment list (40
 #: bytes a segment) and one group of rows.
 MAX_TABLE_READS = 4
@@ -352,8 +355,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         if request.num_batches < 0:
             raise InvalidDataError(f"num_batches ({request.num_batches}) must be >= 0")
         timeout = _timeout(request.timeout_ms)
-        self._check_batch_size(table, request.batch_size)
         queue = table.config.sampler == "queue"
+        self._check_batch_size(table, request.batch_size, colocated=request.colocated and not queue)
         if request.redraw and queue:
             raise InvalidDataError(
                 f"table {table.name!r} is a queue: its batches are never redrawn (redraw is "
@@ -418,13 +421,14 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             yield response
             sent += 1
 
-    def _check_batch_size(self, table, batch_size: int) -> None:
+    def _check_batch_size(self, table, batch_size: int, colocated: bool = False) -> None:
         """Refuse a batch that can never be sent, before sampling allocates it.
 
         Its steps must fit the table (more than its capacity is never a useful batch, and
         is what would be allocated) and their least bytes on the wire (from the spec) the
         message limit. Rows of uniform and prioritized batches carry their next observation
-        too; consecutive rows of slices and queue batches carry each other's.
+        too; consecutive rows of slices and queue batches carry each other's; a
+        ``colocated`` answer carries no observation, only the slots to read them from.
         """
         config = table.config
         k = config.slice_len or 1
@@ -440,7 +444,9 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         if spec is None:  # nothing stored yet: the message limit is checked on each batch
             return
         obs, row = spec.observation_bytes, spec.slot_bytes + _SAMPLED_ROW_BYTES
-        if config.sampler in ("uniform", "prioritized"):
+        if colocated:
+            least = steps * (spec.step_bytes + _SAMPLED_ROW_BYTES + _COLOCATED_ROW_BYTES)
+        elif config.sampler in ("uniform", "prioritized"):
             least = steps * (row + obs)
         else:
             least = steps * row + (batch_size if k > 1 else 1) * obs

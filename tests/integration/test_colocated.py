@@ -19,6 +19,7 @@ import torch
 
 from millpond import ReplayClient, TableConfig
 from millpond.colocated import ColocatedReader, ColocationError
+from millpond.errors import ResourceExhaustedError
 from millpond.learner import _colocated
 from millpond.storage_format import TOKEN_FILE, ensure_token, read_token, storage_identity
 from millpond.testing import pattern, pattern_segment
@@ -389,3 +390,22 @@ def test_a_directory_that_is_not_here_falls_back_to_the_wire(server_process, tab
             strict.sample(table_name, 16)
     finally:
         os.rename(moved, directory)
+
+
+def test_a_colocated_batch_larger_than_the_wire_could_send_is_sampled(server_process, table_name):
+    """The message limit bounds what travels: a colocated answer carries no observations, so
+    a batch whose observations would not fit one message is still served colocated, and
+    refused on the wire with the largest batch that fits."""
+    server = server_process("--max-message-mb", "1")
+    big = (128, 128)  # pattern rows of 16 KiB: 32 KiB a step with its next, 31 steps a message
+    with ReplayClient(server.address, colocated=False) as wire:
+        wire.create_table(TableConfig.uniform(table_name, capacity=1_000, seed=8))
+        _fill(wire, table_name, _segments(12, obs=big))
+        with pytest.raises(ResourceExhaustedError, match="batch_size must be at most"):
+            wire.sample(table_name, 64)
+    with ReplayClient(server.address, colocated=True) as colocated:
+        batch = colocated.sample(table_name, 64)
+        assert batch["observation"].shape == (64, *big)
+        eps, steps = batch["episode_id"], batch["step"]
+        assert torch.equal(batch["observation"], pattern(eps, steps, big))
+        assert torch.equal(batch["next", "observation"], pattern(eps, steps + 1, big))
