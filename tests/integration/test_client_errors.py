@@ -145,9 +145,13 @@ def test_message_too_large(setup):
         pytest.raises(ResourceExhaustedError, match="message limit"),
     ):
         w2.write_segment(steps, tail, 10**6, 0)
-    # A sample whose answer exceeds the limit.
-    with pytest.raises(ResourceExhaustedError):
-        client.sample(table, 6_000)
+    # A sample whose answer exceeds the limit (on the wire: a colocated answer carries no
+    # observations, and that batch fits it).
+    with (
+        ReplayClient(client.addresses, colocated=False) as wire,
+        pytest.raises(ResourceExhaustedError),
+    ):
+        wire.sample(table, 6_000)
     intact()
 
 
