@@ -215,6 +215,17 @@ def test_a_huge_sample_batch_is_refused_before_sampling(served):
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
     assert "batch_size (8000000)" in error.details() and "message limit" in error.details()
     assert growth < MAX_GROWTH, f"the server grew by {growth / MiB:.0f} MiB"
+    # Asked colocated (no observations in the answer), the same batch is refused too: its
+    # step keys and indices alone exceed the limit.
+    error, growth = served.growth(
+        lambda: list(
+            served.stub.Sample(
+                pb.SampleRequest(table="wide", batch_size=8_000_000, num_batches=1, colocated=True)
+            )
+        )
+    )
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert growth < MAX_GROWTH, f"the server grew by {growth / MiB:.0f} MiB"
     # nothing was counted as sampled, and a batch that fits still comes
     assert served.stub.Info(pb.InfoRequest(table="wide")).tables[0].samples == 0
     batches = list(served.stub.Sample(pb.SampleRequest(table="wide", batch_size=8, num_batches=1)))
