@@ -19,28 +19,33 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture
 def cluster(ray_cluster):
-    """A head that runs nothing of the job, one node per role and a spare env node."""
+    """A head that runs nothing of the job, one node per role, and a spare env node and
+    learner node."""
     nodes = [{"num_cpus": 1, "resources": {resource: 1}} for resource in ROLES.values()]
-    c, added = ray_cluster({"num_cpus": 0}, [*nodes, {"num_cpus": 1, "resources": {"env_node": 1}}])
-    return c, added[-1]
+    spares = [{"num_cpus": 1, "resources": {r: 1}} for r in ("env_node", "learner_node")]
+    c, added = ray_cluster({"num_cpus": 0}, [*nodes, *spares])
+    return c, added[-2:]
 
 
-def test_roles_run_where_their_resources_say_and_the_job_survives_losing_the_actors_node(
-    cluster, tmp_path
-):
+def test_roles_run_where_their_resources_say_and_the_job_survives_losing_nodes(cluster, tmp_path):
+    """The actors' node and the learner's node are removed mid-run: the actor restarts on
+    the spare env node, the learner on the spare learner node, and the job finishes (a PPO
+    job cannot reach its frames without a learner: its queue holds the actors back)."""
     import threading
     import time
 
-    cluster, spare = cluster
+    cluster, spares = cluster
+    spare_ids = {n.node_id for n in spares}
     node_of = {
         resource: n["NodeID"]
         for n in ray.nodes()
-        for resource in ROLES.values()
-        if n["Alive"] and resource in n["Resources"] and n["NodeID"] != spare.node_id
+        for resource in ("replay_node",)
+        if n["Alive"] and resource in n["Resources"] and n["NodeID"] not in spare_ids
     }
+    learner_nodes = {n["NodeID"] for n in ray.nodes() if "learner_node" in n["Resources"]}
     overrides = [
         f"ray.address={cluster.address}",
-        *("run.frames=6000", "run.status_every_s=1", "actors.num_actors=1"),
+        *("run.frames=8000", "run.status_every_s=1", "actors.num_actors=1"),
         *("actors.resources={env_node: 1}", "learner.resources={learner_node: 1}"),
         "replay.resources={replay_node: 1}",
     ]
@@ -56,15 +61,19 @@ def test_roles_run_where_their_resources_say_and_the_job_survives_losing_the_act
         time.sleep(0.2)
     assert launch._fleet is not None and launch._fleet.status.frames > 0, "no experience"
     (first,) = ray.get(launch._node_refs["actors"])
-    victim = next(n for n in [*cluster.worker_nodes, spare] if n.node_id == first["node_id"])
-    cluster.remove_node(victim)  # the actor restarts on the other env node
-    job.join(timeout=200)
+    (learner,) = launch._nodes["learners"]
+    nodes = list(cluster.worker_nodes)
+    cluster.remove_node(next(n for n in nodes if n.node_id == first["node_id"]))
+    cluster.remove_node(next(n for n in nodes if n.node_id == learner["node_id"]))
+    job.join(timeout=240)
     assert not job.is_alive()
     assert result["stopped_by"] == "frames" and result["actor_restarts"] >= 1, result
+    assert result["learner_restarts"] == 1, result
     assert result["learner_steps"] > 0
-    for role in ("replay", "learners"):
-        resource = ROLES[role]
-        assert {p["node_id"] for p in result["nodes"][role]} == {node_of[resource]}, role
-    assert first["node_id"] in (node_of["env_node"], spare.node_id)
-    assert result["nodes"]["driver"]["node_id"] not in [*node_of.values(), spare.node_id]
+    assert {p["node_id"] for p in result["nodes"]["replay"]} == {node_of["replay_node"]}
+    (restarted,) = result["nodes"]["learners"]
+    assert restarted["node_id"] in learner_nodes - {learner["node_id"]}  # the other one
+    assert learner["node_id"] in learner_nodes
+    driver = result["nodes"]["driver"]["node_id"]
+    assert driver not in {n.node_id for n in nodes}  # the head: it runs nothing of the job
     assert (tmp_path / "run" / "checkpoint.pt").exists()
