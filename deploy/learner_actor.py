@@ -301,8 +301,10 @@ class LearnerActor:
 
     def report(self) -> dict[str, Any]:
         """This rank's totals for the run summary: ``rank``, ``steps``, ``published`` (weight
-        publications it sent), ``version`` and ``parameters_sha256`` (a digest of its
-        parameters: equal on every rank of a healthy group)."""
+        publications it sent), ``version``, ``parameters_sha256`` (a digest of its
+        parameters: equal on every rank of a healthy group) and ``colocated_shards`` (the
+        shards whose rows it read from their files on its host; queue tables stay on the
+        wire)."""
         digest = hashlib.sha256()
         for module in self._modules().values():
             for p in module.parameters():
@@ -313,6 +315,9 @@ class LearnerActor:
             "published": self.client.published if self.client is not None else 0,
             "version": self.learner.version if self.learner is not None else None,
             "parameters_sha256": digest.hexdigest(),
+            "colocated_shards": (
+                self.client.colocated_shards(self.learner.table) if self.learner is not None else []
+            ),
         }
 
     def close(self) -> bool:

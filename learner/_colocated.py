@@ -90,6 +90,11 @@ class Colocation:
         for _, channel, _ in channels.values():
             channel.close()
 
+    def read_shards(self, table: str) -> list[int]:
+        """The shards whose ``table`` has an open reader, in order."""
+        with self._lock:
+            return sorted(index for index, name in self._readers if name == table)
+
     def wanted(self, shard: ShardHandle, table: str) -> bool:
         """Whether to ask ``shard`` for ``table``'s slots only (and read the rows here).
 

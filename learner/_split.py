@@ -223,6 +223,10 @@ class SplitSampler:
         """Release the colocated readers and their channels."""
         self._colocation.close()
 
+    def colocated_shards(self, table: str) -> list[int]:
+        """Shards whose ``table`` is read from its files here (a reader is open)."""
+        return self._colocation.read_shards(table)
+
     def _sample_shard(
         self, shard: ShardHandle, table: str, n: int, wait: float | None, calls: CallSet
     ) -> TensorDict:

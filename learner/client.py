@@ -191,6 +191,11 @@ class ReplayClient:
         again, their mass 0 (see :mod:`millpond.learner._shards`)."""
         return [s.index for s in self._set.shards if s.gone]
 
+    def colocated_shards(self, table: str) -> list[int]:
+        """Indexes of the shards whose ``table`` this client has read from the table's
+        files on this host so far (see ``colocated``); the others' rows came on the wire."""
+        return self._sampler.colocated_shards(table)
+
     def add_shard(self, address: str) -> int:
         """Add a shard at the end of the list; returns its index.
 

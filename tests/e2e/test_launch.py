@@ -96,6 +96,8 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
     trained = summary["weights_version"]  # version 0: the weights the actors start with
     assert summary["learner_steps"] - summary["stale_steps"] <= trained <= summary["learner_steps"]
     assert summary["mean_return"] > 2 * random_policy_return(), summary
+    # A queue table's batches travel with their rows (colocated reads are for replay tables).
+    assert [r["colocated_shards"] for r in summary["learners"]] == [[]], summary["learners"]
 
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
@@ -146,6 +148,8 @@ def test_dqn_job_uses_a_running_serve_with_two_shards(tmp_path, start_server):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == "frames" and summary["learner_steps"] > 0
     assert not (run_dir / "replay").exists(), "no shards of its own with --replay"
+    # The learner runs on the shards' host: it read both shards' rows from their files.
+    assert [r["colocated_shards"] for r in summary["learners"]] == [[0, 1]], summary["learners"]
 
     from millpond import ReplayClient
 
