@@ -67,15 +67,33 @@ def test_a_shard_restarted_on_another_port_is_found_through_the_resolver(server_
     client.close()
 
 
-def test_a_shard_the_resolver_calls_gone_is_skipped_and_its_writer_stops(server_process):
-    kept, lost = server_process(), server_process()
-    gone = set()
+def resolver_over(servers, gone: set[int]):
+    """A supervisor's resolver: shard ``i`` is ``servers[i]``, lost for good once in ``gone``."""
 
     def resolve(index: int) -> str:
         if index in gone:
             raise ShardGoneError("its node is gone")
-        return [kept.address, lost.address][index]
+        return servers[index].address
 
+    return resolve
+
+
+def retried(call, what: str, seconds: float = 30):
+    """``call()``, again while it raises ShardUnavailableError (a client finds out that a
+    shard is gone on a later call), for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return call()
+        except ShardUnavailableError:
+            assert time.monotonic() < deadline, f"{what}: still unavailable"
+            time.sleep(0.2)
+
+
+def test_a_shard_the_resolver_calls_gone_is_skipped_and_its_writer_stops(server_process):
+    kept, lost = server_process(), server_process()
+    gone: set[int] = set()
+    resolve = resolver_over([kept, lost], gone)
     client = ReplayClient(f"{kept.address},{lost.address}", timeout_s=20, resolver=resolve)
     client.create_table(TableConfig.uniform("routes", capacity=10_000, seed=4))
     to_kept = client.writer("routes", writer_id="a", shard=0)
@@ -106,13 +124,8 @@ def test_a_shard_the_resolver_calls_gone_is_skipped_and_its_writer_stops(server_
 
 def test_the_weights_rendezvous_moves_to_the_next_shard_once_shard_0_is_lost(server_process):
     first, second = server_process(), server_process()
-    gone = set()
-
-    def resolve(index: int) -> str:
-        if index in gone:
-            raise ShardGoneError("its node is gone")
-        return [first.address, second.address][index]
-
+    gone: set[int] = set()
+    resolve = resolver_over([first, second], gone)
     addresses = f"{first.address},{second.address}"
     learner = ReplayClient(addresses, timeout_s=20, resolver=resolve)
     actor = ReplayClient(addresses, timeout_s=20, resolver=resolve)
@@ -130,24 +143,10 @@ def test_the_weights_rendezvous_moves_to_the_next_shard_once_shard_0_is_lost(ser
     gone.add(0)
     newer = {"w": torch.arange(4, dtype=torch.float32) * 2}
     # Lost for good: the next publication (the learner retries) lands on shard 1 ...
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            assert learner.publish_weights(newer, 2) == 2
-            break
-        except ShardUnavailableError:
-            assert time.monotonic() < deadline, "the publication never moved"
-            time.sleep(0.2)
+    assert retried(lambda: learner.publish_weights(newer, 2), "the publication") == 2
     assert learner.lost_shards == [0]
     # ... where the actors fetch it, and which info reports.
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            state, version = actor.get_weights(min_version=2)
-            break
-        except ShardUnavailableError:
-            assert time.monotonic() < deadline, "the fetch never moved"
-            time.sleep(0.2)
+    state, version = retried(lambda: actor.get_weights(min_version=2), "the fetch")
     assert version == 2 and torch.equal(state["w"], newer["w"])
     info = learner.info()
     assert info["weights_version"] == 2
@@ -157,17 +156,17 @@ def test_the_weights_rendezvous_moves_to_the_next_shard_once_shard_0_is_lost(ser
     second.kill()
     with pytest.raises(ShardUnavailableError):
         learner.publish_weights(newer, 3)
-    deadline = time.monotonic() + 30
-    while True:  # every shard lost: nowhere to publish, said so
+
+    def refused_for_good() -> str:  # every shard lost: nowhere to publish, said so
         try:
             learner.publish_weights(newer, 3)
         except ShardGoneError as e:
             if "every shard is lost for good" in str(e):
-                break
-        except ShardUnavailableError:
-            pass
-        assert time.monotonic() < deadline, "never said that every shard is lost"
-        time.sleep(0.2)
+                return str(e)
+            raise
+        raise AssertionError("published with every shard gone")
+
+    assert second.address in retried(refused_for_good, "every shard lost")
     learner.close(timeout_s=5)
     actor.close(timeout_s=5)
 

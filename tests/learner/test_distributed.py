@@ -86,11 +86,16 @@ def _rank_main(rank: int, init_file: str, results) -> None:
         dist.destroy_process_group()
 
 
-def test_averaged_gradients_equal_the_gradient_of_the_concatenated_batch(tmp_path):
+def run_two_ranks(main, tmp_path) -> dict:
+    """``main(rank, init_file, results)`` in two processes; what each put in ``results``."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
-        results = dict(results)
+        mp.spawn(main, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        return dict(results)
+
+
+def test_averaged_gradients_equal_the_gradient_of_the_concatenated_batch(tmp_path):
+    results = run_two_ranks(_rank_main, tmp_path)
 
     batch = whole_batch()
     policy, critic = networks()
@@ -164,9 +169,6 @@ def _turn_main(rank: int, init_file: str, results) -> None:
 
 
 def test_a_rank_whose_sample_fails_outright_keeps_the_group_in_step(tmp_path):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_turn_main, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
-        results = dict(results)
+    results = run_two_ranks(_turn_main, tmp_path)
     assert results[0] == ["ShardUnavailableError", "fresh-0", True]
     assert results[1] == ["DeadlineExceededError", "kept", True]
