@@ -131,12 +131,12 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         (r for r in rows if r["mean_return"] and float(r["mean_return"]) >= args.target), None
     )
     startup = summary.get("startup_s") or {}
-    loop_start = startup.get("actors")  # the loop starts as the actors are created
-    # The loop stops as soon as the return is reached: its end is the time to the target
-    # (the status rows come only every 2 s).
+    # The job stops as soon as the return is reached (the status rows come only every 2 s):
+    # when it decided to stop is the time to the target. Its shutdown (actors flushed,
+    # learners and shards stopped) is not counted.
     seconds = None
-    if summary["stopped_by"] == "return" and loop_start is not None:
-        seconds = loop_start + summary["wall_s"]
+    if summary["stopped_by"] == "return":
+        seconds = summary.get("stopped_at_s")
     frames = summary["frames"] if summary["stopped_by"] == "return" else None
     if frames is None and reached:
         frames = int(reached["frames"])

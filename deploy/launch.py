@@ -198,6 +198,7 @@ class Launch:
         self._started_at = time.monotonic()
         # Seconds from the process's start to the end of each startup phase (summary.json).
         self._startup: dict[str, float] = {}
+        self._stopped_at: float | None = None
         self._last: dict[str, float] = {
             "t": self._started_at,
             "frames": 0,
@@ -772,16 +773,16 @@ class Launch:
     def _shutdown(self, report: RunReport, reason: str) -> dict[str, Any]:
         import ray
 
+        self._stopped_at = round(time.time() - _process_start(), 3)
+
         # Each step is guarded so that one failure does not leave the rest running.
         self._halt.set()
         if self._fleet_thread is not None:
             self._fleet_thread.join(timeout=30)
         final = None
         if self._fleet is not None:
-            # Short waits: with a rate-limited table, inserts block once the learner stops
-            # sampling, and what is not stored by now is not needed.
             with _logged("stopping the env actors"):
-                final = self._fleet.stop(timeout_s=5)
+                final = self._stop_fleet_while_learning()
         with _logged("locating the shards and env actors"):
             for role, refs in self._node_refs.items():
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
@@ -838,6 +839,35 @@ class Launch:
         report.write_summary(summary)
         self._say("summary:\n" + format_summary(summary))
         return summary
+
+    def _stop_fleet_while_learning(self) -> Any:
+        """Stop the env actors (flushed and closed) while the learners go on sampling; the
+        fleet's final status.
+
+        A PPO queue that is full when the job stops holds the actors' last segments back
+        until something samples: with the learners idle, the actors' close waited out its
+        timeouts (5 s for their runs, 5 s for their flush) and dropped those steps. Short
+        waits still bound a table whose rate limiter holds inserts back for another reason.
+        """
+        outcome: dict[str, Any] = {}
+
+        def stop() -> None:
+            try:
+                outcome["final"] = self._fleet.stop(timeout_s=5)
+            except BaseException as e:  # raised below, in this thread
+                outcome["error"] = e
+
+        stopper = threading.Thread(target=stop, name="millpond-fleet-stop", daemon=True)
+        stopper.start()
+        while stopper.is_alive():
+            if self._learners and not self._learner_lost:
+                with contextlib.suppress(MillpondError):  # the loop reported it already
+                    self._poll_learners(timeout_s=0.2)
+            else:
+                stopper.join(0.2)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("final")
 
     def _checkpoint_live_shards(self) -> None:
         """Checkpoint the shards that are still there (the lost ones cannot be)."""
@@ -910,6 +940,9 @@ class Launch:
             "shards": self._shard_watch.summary() if self._shard_watch else None,
             "next_actor_index": self._next_actor_index,
             "startup_s": dict(self._startup),
+            # When the job decided to stop (its frames, return or timeout reached, a signal,
+            # an error), in seconds since its process started, as startup_s counts.
+            "stopped_at_s": self._stopped_at,
             "resumes": resumes,
             "actors_act_s": round(act_s, 2),
             "actors_write_s": round(write_s, 2),

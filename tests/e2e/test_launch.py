@@ -96,6 +96,9 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
     trained = summary["weights_version"]  # version 0: the weights the actors start with
     assert summary["learner_steps"] - summary["stale_steps"] <= trained <= summary["learner_steps"]
     assert summary["mean_return"] > 2 * random_policy_return(), summary
+    # When it stopped: after its start, and before its shutdown's final counters were read.
+    started = summary["startup_s"]["actors"]
+    assert started < summary["stopped_at_s"] < started + summary["wall_s"] + 1
     # A queue table's batches travel with their rows (colocated reads are for replay tables).
     assert [r["colocated_shards"] for r in summary["learners"]] == [[]], summary["learners"]
 
@@ -182,10 +185,11 @@ def test_a_token_protected_serve_takes_the_token_file(tmp_path, start_server):
     tokens = tmp_path / "tokens"
     tokens.write_text("admin admin-token-1\nwriter writer-token-1\nlearner learner-token-1\n")
     address = start_server(1, "--token-file", str(tokens))
-    # A queue with room for the whole run: every step the actors took is stored, none left
-    # in a writer when the job stops (a full queue would hold the last ones back).
-    room = ["--set", "replay.table.capacity=8192"]
-    job = [PPO, *SMALL, *room, "--set", "run.frames=4000", "--replay", address]
+    # Every step the actors took is stored, none left in a writer when the job stops: the
+    # learner goes on sampling while the actors flush into the queue (2,048 slots), which a
+    # slow learner (60 epochs an update) leaves full when the frames are reached.
+    slow = ["--set", "learner.ppo.epochs=60"]
+    job = [PPO, *SMALL, *slow, "--set", "run.frames=4000", "--replay", address]
 
     denied = launch(*job, "--run-dir", tmp_path / "denied", timeout=120)
     assert denied.returncode == 2, denied.stdout[-3000:] + denied.stderr[-3000:]
@@ -201,7 +205,8 @@ def test_a_token_protected_serve_takes_the_token_file(tmp_path, start_server):
 
     client = ReplayClient(address, token="admin-token-1")
     info = client.info("rollouts")
-    assert info["inserts"] >= 4000 and info["weights_version"] == summary["weights_version"]
+    assert info["inserts"] == summary["frames"] >= 4000, (info["inserts"], summary["frames"])
+    assert info["weights_version"] == summary["weights_version"]
     client.close()
 
 
