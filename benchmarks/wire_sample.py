@@ -37,9 +37,6 @@ SLICE_LEN = 8
 TABLES = {"uniform": "uniform", "slices": "slices"}
 
 
-_options = grpc_options
-
-
 def _fill(shard, tables: list[str]) -> None:
     import torch
     from tensordict import TensorDict
@@ -91,7 +88,7 @@ def serve(root: Path, tables: list[str]) -> int:
     for mode in ("slots", "rows"):
         shard = Shard(root / mode)
         _fill(shard, tables)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_options())
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=grpc_options())
         servicer = ReplayServicer(
             shard, WeightStore(root / mode / "weights"), 256 * MiB, slot_samples=mode == "slots"
         )
@@ -99,7 +96,7 @@ def serve(root: Path, tables: list[str]) -> int:
         ports.append(server.add_insecure_port("127.0.0.1:0"))
         server.start()
         servers.append(server)
-    raw = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_options())
+    raw = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=grpc_options())
     add_raw_source(raw)
     ports.append(raw.add_insecure_port("127.0.0.1:0"))
     raw.start()
@@ -180,7 +177,7 @@ def _measure(args, tables, slots_port, rows_port, raw_port, ReplayClient, grpc, 
         ),
     }
     ports = {"millpond, slot layout": slots_port, "millpond, older form": rows_port}
-    raw_channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=_options())
+    raw_channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=grpc_options())
     source = raw_source(raw_channel)
     out = []
     for table in tables:
@@ -188,7 +185,7 @@ def _measure(args, tables, slots_port, rows_port, raw_port, ReplayClient, grpc, 
         steps = batch * (SLICE_LEN if table == "slices" else 1)
         sizes = {}
         for name, port in ports.items():  # one response's bytes, read without decoding
-            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_options())
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options())
             request = pb.SampleRequest(table=table, batch_size=batch, num_batches=1)
             sizes[name] = response_bytes(channel, request)
             channel.close()
