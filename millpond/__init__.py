@@ -25,7 +25,12 @@ if not _os.path.isdir(_os.path.join(__path__[0], "service")) and _os.path.isfile
 ):
     __path__.append(_checkout)
 
+from millpond import _lazy_compiler
 from millpond import errors as _errors  # light: no dependencies
+
+# tensordict's compile marks wait for torch._dynamo (~1 s of CPU per process) until something
+# imports it: only learners compile (their optimizers), not shards, env actors or the driver.
+_lazy_compiler.install()
 
 # The public names, imported on first use (PEP 562): a process that needs one floor of
 # millpond (a shard, an env actor, the CLI) does not pay for the others' imports (torch,
