@@ -33,7 +33,7 @@ def test_ppo_file_values_reach_the_dataclasses():
     config = load_config(CONFIGS / "cartpole-ppo.yaml")
     assert config.learner.algorithm == "ppo"
     assert config.learner.ppo.batch_size == 1024 and config.learner.ppo.lr == pytest.approx(1e-3)
-    assert config.env.id == "CartPole-v1" and config.actors.num_actors == 2
+    assert config.env.id == "CartPole-v1" and config.actors.num_actors == 1
 
 
 def test_defaults_round_trip(tmp_path):
