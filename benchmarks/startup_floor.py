@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_LAUNCH = (sys.executable, "-m", "millpond.cli", "launch", "deploy/configs/cartpole-ppo.yaml")
+_LAUNCH += ("--set", "run.frames=3000", "--set", "ray.num_cpus=2")
 
 # Timed from the process's start (psutil comes with Ray); prints "ray_up ready" in seconds.
 _FLOOR = """
@@ -63,8 +65,7 @@ def floor(actors: int) -> tuple[float, float]:
 def launch() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as run_dir:
         subprocess.run(
-            [sys.executable, "-m", "millpond.cli", "launch", "deploy/configs/cartpole-ppo.yaml"]
-            + ["--set", "run.frames=3000", "--set", "ray.num_cpus=2", "--run-dir", run_dir],
+            [*_LAUNCH, "--run-dir", run_dir],
             cwd=ROOT,
             capture_output=True,
             check=True,
@@ -96,9 +97,7 @@ def main() -> None:
     print("| from the process's start to | median s | range s |")
     print("| --- | ---: | ---: |")
     for name, values in rows.items():
-        print(
-            f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}–{max(values):.2f} |"
-        )
+        print(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f} |")
 
 
 if __name__ == "__main__":
