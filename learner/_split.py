@@ -138,8 +138,9 @@ class SplitSampler:
     ) -> Iterator[TensorDict] | None:
         """Batches of a table held by this client's only shard, read from the table's files
         on this host and asked ``prefetch`` at a time in one call (what a prefetching
-        iterator keeps in flight, without a call per batch); ``None`` where that shard's
-        table is not read colocated (then :meth:`sample` serves)."""
+        iterator keeps in flight, without a call per batch), the next call asked for as
+        the last batch of one is read; ``None`` where that shard's table is not read
+        colocated (then :meth:`sample` serves)."""
         shards = self._set.shards
         if len(shards) != 1 or shards[0].down:
             return None
@@ -164,17 +165,25 @@ class SplitSampler:
             timeout_ms=0 if timeout is None else max(1, int(timeout * 1000)),
             colocated=True,
         )
+
+        def open_call() -> Any:
+            call = self._colocation.stub(shard).Sample(
+                request, timeout=deadline, metadata=self._set.metadata
+            )
+            return call if calls.add(call) else None
+
         try:
-            while True:
-                call = self._colocation.stub(shard).Sample(
-                    request, timeout=deadline, metadata=self._set.metadata
-                )
-                if not calls.add(call):
-                    return
+            call = open_call()
+            while call is not None:
+                upcoming = None
                 received = 0
                 try:
                     for response in call:
                         received += 1
+                        if received == prefetch:
+                            # The next call is asked for while its last batch is read: the
+                            # shard samples meanwhile, not after (no more drawn ahead).
+                            upcoming = open_call()
                         self._masses.set_mass(shard, table, response.mass)
                         if response.HasField("colocated_rows"):
                             try:
@@ -195,6 +204,7 @@ class SplitSampler:
                     if isinstance(error, ShardBusyError) and not received:
                         time.sleep(backoff)  # refused at once: asked again, as sample does
                         backoff = min(BUSY_BACKOFF_MAX_S, backoff * 2)
+                        call = open_call()
                         continue
                     raise error from err
                 finally:
@@ -202,8 +212,9 @@ class SplitSampler:
                     calls.discard(call)
                 self._set.note_up(shard)
                 backoff = BUSY_BACKOFF_INITIAL_S
+                call = upcoming if upcoming is not None else open_call()
         finally:
-            calls.cancel()
+            calls.cancel()  # the upcoming call too
 
     def _queue(self, table: str) -> bool:
         config = self._masses.configs.get(table)

@@ -453,8 +453,10 @@ class ReplayClient:
 
         Closing the generator (``break`` out of the loop, ``close()``) cancels what is in
         flight and joins its threads. A table of a client's only shard that is read from its
-        files on this host (``colocated``) is asked ``prefetch`` batches per call instead. For queue tables the requests run one after another,
-        so batches come in the queue's order. Errors of :meth:`sample` are raised here.
+        files on this host (``colocated``) is asked ``prefetch`` batches per call instead,
+        the next call asked for as the last batch of one is read. For queue tables
+        the requests run one after another, so batches come in the queue's order. Errors of
+        :meth:`sample` are raised here.
         """
         _check_table(table)
         _check_batch_size(batch_size)
