@@ -121,7 +121,7 @@ class Settings:
     sample_reps: int
     sample_rep_seconds: float
     quick: bool
-    write: str = "segments"  # millpond writers: "segments" (one call each) or "chunks"
+    write: str = "segments"  # millpond writers: "segments" (one call each), "chunks", "packed"
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -619,7 +619,12 @@ class MillpondRunner(Runner):
         self.passes += 1
 
         def job(writer, mine: set[int]) -> None:
-            if self.write == "chunks":  # as an env actor does: a chunk's segments in one call
+            if self.write == "packed":  # as an env actor does: a chunk's columns as they are
+                for packed in self.packed[id(writer)]:
+                    writer.write_packed(
+                        dataclasses.replace(packed, episode_ids=packed.episode_ids + off)
+                    )
+            elif self.write == "chunks":  # one write_segments call per chunk
                 from millpond.segments import Segment
 
                 chunks: dict[int, list[Segment]] = {}
@@ -637,7 +642,26 @@ class MillpondRunner(Runner):
 
         lanes = lanes_of(wl.shape.lanes, streams)
         writers = self.writers[streams]
+        if self.write == "packed":
+            self._pack_chunks(writers, lanes)
         return run_parallel([functools.partial(job, w, set(ls)) for w, ls in zip(writers, lanes)])
+
+    def _pack_chunks(self, writers: list, lanes: list[list[int]]) -> None:
+        """Each writer's chunks as the columns an env actor hands its writer
+        (:func:`millpond.segmenting.pack_batch`: one contiguous block per chunk), built
+        once, before any pass is timed."""
+        from millpond.segments import Segment, pack
+
+        self.packed = getattr(self, "packed", {})
+        for writer, mine in zip(writers, lanes):
+            if id(writer) in self.packed:
+                continue
+            chunks: dict[int, list[Segment]] = {}
+            for g in self.wl.segments:
+                if g.lane in set(mine):
+                    seg = Segment(g.steps, g.tail, g.episode, g.first_step)
+                    chunks.setdefault(g.chunk, []).append(seg)
+            self.packed[id(writer)] = [pack(group) for group in chunks.values()]
 
     def sample_bytes(self) -> int:
         """The bytes of one sample response (a batch of 256 split over the shards)."""
@@ -1045,10 +1069,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--write",
-        choices=("segments", "chunks"),
+        choices=("segments", "chunks", "packed"),
         default="segments",
-        help="millpond writers call write_segment per segment (default) or write_segments "
-        "per chunk, as env actors do (one packed message per chunk)",
+        help="millpond writers call write_segment per segment (default), write_segments "
+        "per chunk (its segments concatenated into columns), or write_packed per chunk with "
+        "the columns built beforehand, as env actors hand them over (pack_batch)",
     )
     ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
