@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -366,6 +367,22 @@ def test_iterate_streams_the_batches_sample_would_draw(server1, table_name, kind
     for i, (got, expected) in enumerate(zip(batches[True], batches[False], strict=True)):
         _assert_same(got, expected, f"batch {i}")
         _check_pattern(got)
+
+
+def test_iterate_asks_for_the_next_call_while_the_last_batch_of_one_is_read(server1, table_name):
+    """Once the last batch of a colocated call is handed out, the next call is open: the
+    shard draws its batches meanwhile, before the iterator is asked for another."""
+    with ReplayClient(server1.address, colocated=True) as client:
+        client.create_table(CONFIGS["uniform"](table_name))
+        _fill(client, table_name, _segments(30))
+        stream = client.iterate(table_name, 16, prefetch=3)
+        batches = [next(stream) for _ in range(3)]  # the whole of the first call
+        steps = batches[0].numel()
+        deadline = time.monotonic() + 10
+        while client.info(table_name)["samples"] < 6 * steps and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.info(table_name)["samples"] == 6 * steps
+        stream.close()
 
 
 def test_a_directory_that_is_not_here_falls_back_to_the_wire(server_process, table_name):
