@@ -181,7 +181,7 @@ class SplitSampler:
                     for response in call:
                         received += 1
                         if received == prefetch:
-                            # The next call is asked for while its last batch is read: the
+                            # The next call is asked for while this one's last batch is read: the
                             # shard samples meanwhile, not after (no more drawn ahead).
                             upcoming = open_call()
                         self._masses.set_mass(shard, table, response.mass)
