@@ -23,11 +23,24 @@ import time
 
 
 def _process_start() -> float:
+    """This process's start (wall clock), the interpreter's start included, as
+    ``millpond launch`` counts it (psutil, which comes with Ray and not with SB3, or
+    Linux's ``/proc``; else this module's import)."""
     try:
         import psutil
 
         return psutil.Process().create_time()
-    except Exception:  # pragma: no cover
+    except Exception:
+        pass
+    try:
+        import os
+
+        with open("/proc/self/stat") as f:  # field 22: started, in ticks since boot
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return time.time() - (up - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except Exception:  # pragma: no cover - not Linux
         return _IMPORTED_AT
 
 
