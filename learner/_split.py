@@ -134,7 +134,7 @@ class SplitSampler:
         return batches[0] if len(batches) == 1 else torch.cat(batches, dim=0)
 
     def stream(
-        self, table: str, batch_size: int, prefetch: int, timeout: float | None
+        self, table: str, batch_size: int, prefetch: int, timeout: float | None, calls: CallSet
     ) -> Iterator[TensorDict] | None:
         """Batches of a table held by this client's only shard, read from the table's files
         on this host and asked ``prefetch`` at a time in one call (what a prefetching
@@ -149,12 +149,17 @@ class SplitSampler:
             self._masses.refresh(table, [shard])
         if not self._colocation.wanted(shard, table):
             return None
-        return self._stream(shard, table, batch_size, prefetch, timeout)
+        return self._stream(shard, table, batch_size, prefetch, timeout, calls)
 
     def _stream(
-        self, shard: ShardHandle, table: str, n: int, prefetch: int, timeout: float | None
+        self,
+        shard: ShardHandle,
+        table: str,
+        n: int,
+        prefetch: int,
+        timeout: float | None,
+        calls: CallSet,
     ) -> Iterator[TensorDict]:
-        calls = CallSet()
         backoff = BUSY_BACKOFF_INITIAL_S
         # Each batch may wait ``timeout`` for the rate limiter; the call, for all of them.
         deadline = None if timeout is None else prefetch * timeout + DEADLINE_SLACK_S

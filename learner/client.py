@@ -39,6 +39,7 @@ from millpond.learner._channels import bearer_metadata, channel_options
 from millpond.learner._errors import from_rpc_error
 from millpond.learner._info import combine_info
 from millpond.learner._masses import ShardMasses
+from millpond.learner._read_ahead import read_ahead
 from millpond.learner._shards import Resolver, ShardSet
 from millpond.learner._split import SplitSampler
 from millpond.learner.table_reader import TableReader
@@ -454,7 +455,9 @@ class ReplayClient:
         Closing the generator (``break`` out of the loop, ``close()``) cancels what is in
         flight and joins its threads. A table of a client's only shard that is read from its
         files on this host (``colocated``) is asked ``prefetch`` batches per call instead,
-        the next call asked for as the last batch of one is read. For queue tables
+        the next call asked for as the last batch of one is read, and the next batch's rows
+        are read on a thread of the iterator's own while the caller works on this one (one
+        batch ahead, as a ``DataLoader`` prepares its next). For queue tables
         the requests run one after another, so batches come in the queue's order. Errors of
         :meth:`sample` are raised here.
         """
@@ -474,11 +477,13 @@ class ReplayClient:
             self._masses.refresh(table, [s for s in self._set.shards if not s.down])
             config = self._masses.configs.get(table)
         in_order = config is not None and config.sampler == "queue"
-        streamed = None if in_order else self._sampler.stream(table, batch_size, prefetch, timeout)
-        if streamed is not None:
-            yield from streamed
-            return
         calls = CallSet()
+        streamed = (
+            None if in_order else self._sampler.stream(table, batch_size, prefetch, timeout, calls)
+        )
+        if streamed is not None:
+            yield from read_ahead(streamed, calls.cancel, "millpond-colocated-read")
+            return
         pool = ThreadPoolExecutor(
             max_workers=1 if in_order else prefetch, thread_name_prefix="millpond-prefetch"
         )

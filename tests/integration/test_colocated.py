@@ -385,6 +385,35 @@ def test_iterate_asks_for_the_next_call_while_the_last_batch_of_one_is_read(serv
         stream.close()
 
 
+def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this_one(
+    server1, table_name, monkeypatch
+):
+    """The rows of the next batch are read on the iterator's own thread as soon as this
+    one is handed out, one batch ahead and no more; closing the iterator joins that thread."""
+    reads: list[str] = []
+    real_read = ColocatedReader.read
+
+    def read(self, *args):
+        reads.append(threading.current_thread().name)
+        return real_read(self, *args)
+
+    monkeypatch.setattr(ColocatedReader, "read", read)
+    with ReplayClient(server1.address, colocated=True) as client:
+        client.create_table(CONFIGS["uniform"](table_name))
+        _fill(client, table_name, _segments(30))
+        stream = client.iterate(table_name, 16, prefetch=3)
+        _check_pattern(next(stream))
+        deadline = time.monotonic() + 10
+        while len(reads) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # time for a third read, if one were made
+        assert len(reads) == 2, reads
+        assert set(reads) == {"millpond-colocated-read"}
+        _check_pattern(next(stream))
+        stream.close()
+        assert "millpond-colocated-read" not in {t.name for t in threading.enumerate()}
+
+
 def test_a_directory_that_is_not_here_falls_back_to_the_wire(server_process, table_name):
     """The shard's directory path names nothing on this side (another mount namespace, say):
     the automatic client samples on the wire, ``colocated=True`` says why not."""
