@@ -15,9 +15,11 @@ every system in turn, so that the load of a shared machine falls on all alike.
 
     python benchmarks/colocated_sample.py                  # uniform, batch 256, ~1 minute
     python benchmarks/colocated_sample.py --reps 5 --calls 40 --threads 4
+    python benchmarks/colocated_sample.py --work-ms 3.5    # a learner's update per batch
 
-Prints a Markdown table: transitions/s (steps per second of back-to-back calls), the p50/p99
-latency of one call pooled over repetitions, and each system's time over the bare gather's.
+Prints a Markdown table: transitions/s (steps per second of back-to-back calls, or of calls
+each followed by ``--work-ms`` of torch work), the p50/p99 latency of one call (and its
+work) pooled over repetitions, and each system's time over the bare gather's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +66,13 @@ def main() -> int:
         help="the client keeps freed buffers for reuse, as millpond's learners do "
         "(millpond.allocator); by default glibc's thresholds stay as they are",
     )
+    parser.add_argument(
+        "--work-ms",
+        type=float,
+        default=0.0,
+        help="a learner's update after every batch: about this many ms of torch work on the "
+        "client's thread (default 0: batches back to back)",
+    )
     parser.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -96,6 +106,7 @@ def main() -> int:
     print(
         f"\n{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__},"
         f" grpcio {grpc.__version__}, {args.threads} torch thread(s), "
+        f"{f'{args.work_ms:g} ms of work after each batch, ' if args.work_ms else ''}"
         f"{'freed buffers kept' if args.keep_freed_buffers else 'default allocator'}; load average "
         f"{load[0]:.1f}; batch {args.batch} steps of uint8{list(OBS_SHAPE)} with next "
         f"observations; {args.reps} reps x {args.calls} calls\n"
@@ -110,7 +121,7 @@ def main() -> int:
 def _measure(args, port: int) -> list[list[str]]:
     import contextlib
     import json
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from typing import Any
 
     import grpc
@@ -184,6 +195,9 @@ def _measure(args, port: int) -> list[list[str]]:
         "bare memmap gather, same rows": bare,
         "colocated request alone (no read)": lambda: list(stub.Sample(request)),
     }
+    if args.work_ms > 0:
+        work = _work(args.work_ms)
+        systems = {name: (lambda fn=fn: (fn(), work())[0]) for name, fn in systems.items()}
     turns = {wire_iterate: streaming(wire_iterate, wire)}
     turns[colocated_iterate] = streaming(colocated_iterate, colocated)
     for name, fn in list(systems.items())[:4]:  # warm-up: page cache, channels, readers
@@ -207,6 +221,31 @@ def _measure(args, port: int) -> list[list[str]]:
         ]
         for name in systems
     ]
+
+
+def _work(ms: float) -> Callable[[], object]:
+    """About ``ms`` milliseconds of torch work (products and tanh of 256 x 256 matrices),
+    as a learner's update between batches."""
+    import time
+
+    import torch
+
+    w, x = torch.randn(256, 256), torch.randn(256, 256)
+
+    def step() -> torch.Tensor:
+        return torch.tanh(x @ w)
+
+    started, n = time.perf_counter(), 0
+    while time.perf_counter() - started < 0.3:
+        step()
+        n += 1
+    reps = max(1, round(ms / 1000 / ((time.perf_counter() - started) / n)))
+
+    def work() -> None:
+        for _ in range(reps):
+            step()
+
+    return work
 
 
 if __name__ == "__main__":
