@@ -625,14 +625,7 @@ class MillpondRunner(Runner):
                         dataclasses.replace(packed, episode_ids=packed.episode_ids + off)
                     )
             elif self.write == "chunks":  # one write_segments call per chunk
-                from millpond.segments import Segment
-
-                chunks: dict[int, list[Segment]] = {}
-                for g in wl.segments:
-                    if g.lane in mine:
-                        seg = Segment(g.steps, g.tail, off + g.episode, g.first_step)
-                        chunks.setdefault(g.chunk, []).append(seg)
-                for group in chunks.values():
+                for group in self._chunks(mine, off):
                     writer.write_segments(group)
             else:
                 for g in wl.segments:
@@ -650,18 +643,23 @@ class MillpondRunner(Runner):
         """Each writer's chunks as the columns an env actor hands its writer
         (:func:`millpond.segmenting.pack_batch`: one contiguous block per chunk), built
         once, before any pass is timed."""
-        from millpond.segments import Segment, pack
+        from millpond.segments import pack
 
         self.packed = getattr(self, "packed", {})
         for writer, mine in zip(writers, lanes):
-            if id(writer) in self.packed:
-                continue
-            chunks: dict[int, list[Segment]] = {}
-            for g in self.wl.segments:
-                if g.lane in set(mine):
-                    seg = Segment(g.steps, g.tail, g.episode, g.first_step)
-                    chunks.setdefault(g.chunk, []).append(seg)
-            self.packed[id(writer)] = [pack(group) for group in chunks.values()]
+            if id(writer) not in self.packed:
+                self.packed[id(writer)] = [pack(group) for group in self._chunks(set(mine), 0)]
+
+    def _chunks(self, lanes: set[int], episode_offset: int) -> list[list]:
+        """The segments of ``lanes``, chunk by chunk, episode ids moved by ``episode_offset``."""
+        from millpond.segments import Segment
+
+        chunks: dict[int, list[Segment]] = {}
+        for g in self.wl.segments:
+            if g.lane in lanes:
+                seg = Segment(g.steps, g.tail, episode_offset + g.episode, g.first_step)
+                chunks.setdefault(g.chunk, []).append(seg)
+        return list(chunks.values())
 
     def sample_bytes(self) -> int:
         """The bytes of one sample response (a batch of 256 split over the shards)."""
