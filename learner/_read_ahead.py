@@ -14,9 +14,6 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-#: How often a waiting producer looks whether its consumer has gone.
-_POLL_S = 0.05
-
 
 def read_ahead(source: Iterator[T], cancel: Callable[[], None], name: str) -> Iterator[T]:
     """The items of ``source``, each made on a thread of its own while the consumer holds
@@ -33,9 +30,7 @@ def read_ahead(source: Iterator[T], cancel: Callable[[], None], name: str) -> It
     def produce() -> None:
         try:
             while True:
-                while not room.acquire(timeout=_POLL_S):
-                    if gone.is_set():
-                        return
+                room.acquire()
                 if gone.is_set():
                     return
                 try:
@@ -65,5 +60,6 @@ def read_ahead(source: Iterator[T], cancel: Callable[[], None], name: str) -> It
                 raise value
     finally:
         gone.set()
+        room.release()  # a producer waiting for room wakes, sees the consumer gone
         cancel()
         thread.join()

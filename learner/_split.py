@@ -186,8 +186,8 @@ class SplitSampler:
                     for response in call:
                         received += 1
                         if received == prefetch:
-                            # The next call is asked for while this one's last batch is read: the
-                            # shard samples meanwhile, not after (no more drawn ahead).
+                            # The next call is asked for while this one's last batch is read:
+                            # the shard samples meanwhile, not after.
                             upcoming = open_call()
                         self._masses.set_mass(shard, table, response.mass)
                         if response.HasField("colocated_rows"):
