@@ -40,6 +40,29 @@ def settle() -> None:
     os.sync()
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` and of the processes under it, so far
+    (Linux ``/proc``; 0 where it cannot be read): what a timed pass costs a server whose
+    shards run in child processes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo, seen = 0.0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def calibrate(fn: Callable[[], object], rep_seconds: float, at_least: int = 3) -> int:
     """Warm ``fn`` up and return how many calls make one repetition of ~``rep_seconds``."""
     t0 = time.perf_counter()

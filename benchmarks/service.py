@@ -64,6 +64,7 @@ from _common import (
     calibrate,
     code_version,
     collector_batch,
+    cpu_seconds,
     emit_report,
     episode_layout,
     load_average,
@@ -469,6 +470,8 @@ class Runner:
     def __init__(self, streams: list[int]) -> None:
         self.streams = streams
         self.times: dict[int, list[float]] = {n: [] for n in streams}
+        # CPU seconds of each timed pass: this (the writers') process, the server processes.
+        self.cpu: dict[int, list[tuple[float, float]]] = {n: [] for n in streams}
         self.first_fill_tps: float | None = None
         self.samplers_made: list[Sampler] = []
 
@@ -478,6 +481,20 @@ class Runner:
     def insert(self, streams: int) -> float:
         """One insert pass of the workload with ``streams`` writers; returns its wall time."""
         raise NotImplementedError
+
+    def server_pids(self) -> list[int]:
+        """The processes serving this system (their CPU time is the server's share)."""
+        return []
+
+    def timed_insert(self, streams: int) -> float:
+        """:meth:`insert`, its CPU time kept (writers' process, servers); returns its wall time."""
+        pids = self.server_pids()
+        mine, theirs = cpu_seconds(os.getpid()), sum(cpu_seconds(p) for p in pids)
+        dt = self.insert(streams)
+        self.cpu[streams].append(
+            (cpu_seconds(os.getpid()) - mine, sum(cpu_seconds(p) for p in pids) - theirs)
+        )
+        return dt
 
     def first_fill(self) -> None:
         dt = self.insert(self.streams[0])
@@ -516,6 +533,11 @@ class Runner:
                 "insert_rates": [self.wl.num_steps / t for t in self.times[n]],
                 **extra,
             }
+            if self.cpu[n] and self.server_pids():
+                mb = self.payload / 1e6
+                r["insert_cpu_ms_per_mb"] = tuple(
+                    statistics.median(c[i] for c in self.cpu[n]) / mb * 1e3 for i in (0, 1)
+                )
             if n == self.streams[0] and self.first_fill_tps is not None:
                 r["first_fill_tps"] = self.first_fill_tps
             out.append(r)
@@ -530,8 +552,11 @@ class RawRunner(Runner):
 
     system = "raw-grpc"
 
-    def __init__(self, client: RawClient, shards: int, writers: list[int]) -> None:
+    def __init__(
+        self, client: RawClient, shards: int, writers: list[int], pids: Sequence[int] = ()
+    ) -> None:
         super().__init__([shards * w for w in writers])
+        self.pids = list(pids)
         self.client = client
         self.shards = shards
         self.label = f"raw gRPC, {shards} server(s)"
@@ -550,6 +575,9 @@ class RawRunner(Runner):
 
     def insert(self, streams: int) -> float:
         return run_parallel(self.jobs[streams])
+
+    def server_pids(self) -> list[int]:
+        return self.pids
 
     def first_fill(self) -> None:
         self.insert(self.streams[0])  # warm-up: connections, allocator
@@ -638,6 +666,9 @@ class MillpondRunner(Runner):
         if self.write == "packed":
             self._pack_chunks(writers, lanes)
         return run_parallel([functools.partial(job, w, set(ls)) for w, ls in zip(writers, lanes)])
+
+    def server_pids(self) -> list[int]:
+        return [self.server.proc.pid]
 
     def _pack_chunks(self, writers: list, lanes: list[list[int]]) -> None:
         """Each writer's chunks as the columns an env actor hands its writer
@@ -783,7 +814,7 @@ def run_shape(wl: Workload, runners: list[Runner], s: Settings) -> list[dict]:
             for r in runners:
                 for n in r.streams:
                     settle()
-                    dt = r.insert(n)
+                    dt = r.timed_insert(n)
                     r.times[n].append(dt)
                     line.append(f"{r.label} x{n} {wl.num_steps / dt:,.0f}")
             log(f"[{name}] insert rep {rep + 1}/{s.insert_reps}: " + " | ".join(line) + " tr/s")
@@ -856,9 +887,10 @@ def render(
     lines.append("")
     lines.append(
         "| shape | system | shards | writers | insert tr/s | insert MB/s | vs raw ceiling "
+        "| insert CPU ms/MB, writers / server "
         "| sample(256) tr/s | sample p50 / p99 ms | iterate tr/s | iterate p50 / p99 ms |"
     )
-    lines.append("|" + "---|" * 11)
+    lines.append("|" + "---|" * 12)
     raw = {(r["shape"], r["shards"], r["streams"]): r for r in results if r["system"] == "raw-grpc"}
     for shape in workloads:
         for r in results:
@@ -876,10 +908,12 @@ def render(
                 if "iterate_p50" in r
                 else "-"
             )
+            cpu = r.get("insert_cpu_ms_per_mb")
+            cpu_text = f"{cpu[0]:.2f} / {cpu[1]:.2f}" if cpu else "-"
             lines.append(
                 f"| {shape} | {system} | {r['shards']} | {r['streams']} "
                 f"| {_f(r.get('insert_tps'))} | {_f(r.get('insert_mbps'), ',.1f')} | {vs} "
-                f"| {_f(r.get('sample_tps'))} "
+                f"| {cpu_text} | {_f(r.get('sample_tps'))} "
                 f"| {_f(r.get('sample_p50'), '.1f')} / {_f(r.get('sample_p99'), '.1f')} "
                 f"| {_f(r.get('iterate_tps'))} | {it} |"
             )
@@ -887,6 +921,8 @@ def render(
     lines.append(
         "Writers: millpond writers (one thread each, each owning whole env lanes) in all; "
         "for TorchRL the number of threads calling `extend`; for the ceiling, client streams. "
+        "Insert CPU: the median pass's CPU time per MB moved, of this process (the writers) "
+        "and of the server processes (TorchRL's run in Ray: not counted). "
         "The raw ceiling's sample columns read one message per call of the size of millpond's "
         "sample response (split over the servers), not a sample. TorchRL has no iterate."
     )
@@ -1034,7 +1070,10 @@ def run_all(
         for wl in workloads.values():
             runners: list[Runner] = []
             if raw_client is not None:
-                runners += [RawRunner(raw_client, n, s.writers) for n in s.shards]
+                runners += [
+                    RawRunner(raw_client, n, s.writers, [p.proc.pid for p in servers[:n]])
+                    for n in s.shards
+                ]
             for shards, server in mp_servers.items():
                 runners.append(MillpondRunner(server, shards, s.writers, s.write))
                 stack.callback(runners[-1].close)

@@ -4,7 +4,8 @@ A :class:`Writer` validates each segment in the caller's thread (the same checks
 server, so bad data raises at once), gives it the next sequence number and queues it.
 Segments travel as ``PackedSegments`` messages: those written together (a collector's
 chunk, :meth:`Writer.write_packed`) as one message with one tensor per key, not one per
-segment. A background thread owns the bidirectional ``Insert`` stream: it sends queued messages
+segment, as large as the shard's message limit allows (up to :data:`REQUEST_BYTES_MAX`;
+:data:`REQUEST_BYTES` until the shard has said its limit). A background thread owns the bidirectional ``Insert`` stream: it sends queued messages
 (several per request when many wait), reads the acknowledgements, and drops acknowledged
 segments from its buffer. When the shard goes away it reconnects with exponential backoff
 and re-sends every unacknowledged segment in sequence order; the shard stores a
@@ -46,9 +47,9 @@ from millpond.errors import (
 from millpond.frame_stacks import compact_stacks, stack_examples
 from millpond.learner._errors import from_rpc_error, is_retryable
 from millpond.learner._shards import ShardGoneError, ShardHandle
-from millpond.protos import wire
+from millpond.protos import codec, wire
 from millpond.routing import writer_hash
-from millpond.segments import PackedSegments, Segment, pack
+from millpond.segments import PackedSegments, Segment, pack, pack_columns
 from millpond.spec import OBSERVATION, STEP, TERMINATED, TRUNCATED, TableSpec
 
 logger = logging.getLogger("millpond.client")
@@ -57,10 +58,18 @@ logger = logging.getLogger("millpond.client")
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 2.0
 _MESSAGE_OVERHEAD = 64 * 1024
-#: Queued segments are batched into one InsertRequest up to about this many bytes: under the
-#: smallest message limit a server takes (1 MiB), so batching never makes a request that a
-#: server refuses when each segment alone would pass. A larger segment goes alone.
+#: Queued segments are batched into one InsertRequest up to about this many bytes until the
+#: shard says how large a message it takes: under the smallest message limit a server takes
+#: (1 MiB), so batching never makes a request that a server refuses when each segment alone
+#: would pass. A larger segment goes alone.
 REQUEST_BYTES = 1024 * 1024 - _MESSAGE_OVERHEAD
+#: Once the shard has said its message limit (the answer that opens every stream does),
+#: segments written together travel in messages up to this size or that limit, whichever is
+#: smaller: a collector's chunk of image observations (4 lanes x 128 steps of
+#: ``uint8[4, 84, 84]``, 14.5 MB) goes as one message, which the shard decodes and stores in
+#: one pass instead of one per segment. Larger messages would leave glibc's reused heap
+#: (:mod:`millpond.allocator`) for fresh mappings, faulted in page by page.
+REQUEST_BYTES_MAX = 16 * 1024 * 1024 - _MESSAGE_OVERHEAD
 #: Insert requests sent and not answered yet, at most. Segments written meanwhile wait and go
 #: together in the next request, so batching follows the shard's pace: small segments no
 #: longer travel one per request (each request costs the shard and the client far more than
@@ -171,6 +180,10 @@ class Writer:
         # Sequences are renumbered once, on the first connection, to follow what the shard
         # already stored from this writer id (an actor restarted under the same id).
         self._numbering_known = False
+        # The shard's message limit (0: not said yet, or a shard that does not say), and the
+        # last stream whose opening request the shard answered.
+        self._shard_message_bytes = 0
+        self._answered_stream = 0
         self._max_sent = 0
         self._acked = 0
         self._error: MillpondError | None = None
@@ -451,7 +464,7 @@ class Writer:
     def _encode_packed(self, packed: PackedSegments) -> list[_Queued]:
         """``packed`` as ``PackedSegments`` messages of consecutive segments, each within
         the request size (so a shard that takes each segment alone takes them batched)."""
-        limit = min(REQUEST_BYTES, self._max_message_bytes - _MESSAGE_OVERHEAD)
+        limit = self._request_limit()
         row_bytes = sum(v[0].numel() * v.element_size() for v in packed.steps.values())
         tail_bytes = sum(v[0].numel() * v.element_size() for v in packed.tails.values())
         for key, v in packed.frames.items():  # L + k frames per segment
@@ -467,6 +480,57 @@ class Writer:
             messages.append(self._encode_group(packed.group(i, j)))
             i = j
         return messages
+
+    def _request_limit(self) -> int:
+        """The most bytes of segments one request, and one queued message, carries."""
+        own = self._max_message_bytes - _MESSAGE_OVERHEAD
+        shard = self._shard_message_bytes - _MESSAGE_OVERHEAD
+        if shard <= 0:
+            return min(REQUEST_BYTES, own)
+        return min(REQUEST_BYTES_MAX, own, shard)
+
+    def _fit_queued_locked(self) -> None:
+        """Cut queued messages of several segments that the request size no longer admits
+        (the shard restarted with a lower message limit, or a shard that does not say took
+        over) into messages that it does, numbered as before: a request the shard would
+        refuse is never sent where each segment alone would pass."""
+        limit = self._request_limit()
+        if all(q.size <= limit or q.count == 1 for q in self._unacked.values()):
+            return
+        fitted: dict[int, _Queued] = {}
+        for queued in self._unacked.values():
+            if queued.size <= limit or queued.count == 1:
+                fitted[queued.last] = queued
+                continue
+            first = queued.first
+            for part in self._encode_packed(self._decode_queued(queued)):
+                part.number(first)
+                first += part.count
+                fitted[part.last] = part
+            assert first == queued.last + 1
+        self._unacked = fitted
+
+    def _decode_queued(self, queued: _Queued) -> PackedSegments:
+        """The segments of a queued message, as columns again (views of its bytes)."""
+        view = wire.parse_packed(queued.body)
+        steps, _ = codec.from_tensor_map_flat(view.steps, copy=False)
+        tails, _ = codec.from_tensor_map_flat(view.tails, copy=False)
+        frames: dict = {}
+        stacks: dict = {}
+        if view.frames.tensors:
+            frames, _ = codec.from_tensor_map_flat(view.frames, copy=False)
+            config = self._table_config()
+            stacks = {k: config.frame_stacks[k] for k in frames} if config is not None else {}
+        packed = pack_columns(
+            steps,
+            tails,
+            view.fields.lengths,
+            view.fields.episode_ids,
+            view.fields.first_steps,
+            frames=frames,
+        )
+        packed.stacks = stacks
+        return packed
 
     def _encode_group(self, packed: PackedSegments) -> _Queued:
         config = self._table_config()
@@ -584,9 +648,11 @@ class Writer:
                     self._call = call
                     if self._aborted:
                         call.cancel()
+                opened = False
                 for response in call:
-                    if not self._numbering_known:
-                        self._learn_numbering(response.stored_through)
+                    if not opened:  # the answer to the stream's opening request
+                        opened = True
+                        self._on_opened(stream_id, response)
                     self._on_ack(response.sequences)
                     self._on_stored()
                     if failing:
@@ -646,33 +712,41 @@ class Writer:
                 self._cv.wait_for(lambda: self._aborted, timeout=backoff)
             backoff = min(BACKOFF_MAX_S, backoff * 2)
 
-    def _learn_numbering(self, stored_through: int) -> None:
+    def _on_opened(self, stream_id: int, response: Any) -> None:
+        """The shard answered a stream's opening request: learn how large a request it
+        takes (fitting the queued messages to it) and, on the first stream, where this
+        writer id's numbering stands; then the stream's requests go."""
         with self._cv:
-            if stored_through:
-                for queued in self._unacked.values():
-                    queued.number(queued.first + stored_through)
-                self._unacked = {q.last: q for q in self._unacked.values()}
-                self._next_sequence += stored_through
-            self._numbering_known = True
+            self._shard_message_bytes = max(0, int(response.max_message_bytes))
+            stored_through = response.stored_through
+            if not self._numbering_known:
+                if stored_through:
+                    for queued in self._unacked.values():
+                        queued.number(queued.first + stored_through)
+                    self._unacked = {q.last: q for q in self._unacked.values()}
+                    self._next_sequence += stored_through
+                self._numbering_known = True
+            self._fit_queued_locked()
+            self._answered_stream = stream_id
             self._cv.notify_all()
 
     def _requests(self, stream_id: int) -> Iterator[bytes]:
         """The requests of one stream: every unacknowledged segment in order, then new ones.
 
-        The first stream opens with a request without segments, whose answer tells where
-        this writer id's numbering stands on the shard; nothing is sent before it arrives.
+        Each stream opens with a request without segments, whose answer tells how large a
+        request the shard takes and (on the first stream) where this writer id's numbering
+        stands on the shard; nothing is sent before it arrives.
         """
         sent_up_to = 0
         idle_since: float | None = None
-        if not self._numbering_known:
-            with self._cv:
-                self._requests_in_flight += 1
-            yield wire.insert_request(self._writer_id, self._table, [])
-            with self._cv:
-                while not self._numbering_known:
-                    if self._stream_id != stream_id or self._aborted:
-                        return
-                    self._cv.wait()
+        with self._cv:
+            self._requests_in_flight += 1
+        yield wire.insert_request(self._writer_id, self._table, [])
+        with self._cv:
+            while self._answered_stream != stream_id:
+                if self._stream_id != stream_id or self._aborted:
+                    return
+                self._cv.wait()
         while True:
             with self._cv:
                 while True:
@@ -680,7 +754,7 @@ class Writer:
                         return
                     batch: list[_Queued] = []
                     size = 0
-                    limit = min(REQUEST_BYTES, self._max_message_bytes - _MESSAGE_OVERHEAD)
+                    limit = self._request_limit()
                     if self._requests_in_flight < REQUESTS_IN_FLIGHT:
                         for last, queued in self._unacked.items():
                             if last <= sent_up_to:

@@ -151,12 +151,14 @@ class InsertRequest(_message.Message):
     def __init__(self, writer_id: _Optional[str] = ..., table: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., packed: _Optional[_Iterable[_Union[PackedSegments, _Mapping]]] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
-    __slots__ = ("sequences", "stored_through")
+    __slots__ = ("sequences", "stored_through", "max_message_bytes")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     STORED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedScalarFieldContainer[int]
     stored_through: int
-    def __init__(self, sequences: _Optional[_Iterable[int]] = ..., stored_through: _Optional[int] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, sequences: _Optional[_Iterable[int]] = ..., stored_through: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("table", "batch_size", "num_batches", "timeout_ms", "colocated", "redraw")

@@ -173,6 +173,12 @@ def parse_framed_insert(buf: bytes) -> InsertView:
     return InsertView(parse_rest(pb.InsertRequest, rest, "InsertRequest"), packed)
 
 
+def parse_packed(buf: bytes) -> PackedView:
+    """Parse the bytes of a ``PackedSegments`` (what :func:`encode_packed` made), its
+    tensors as views of ``buf``."""
+    return _packed(buf, memoryview(buf), 0, len(buf))
+
+
 def _packed(buf: bytes, view: memoryview, start: int, stop: int) -> PackedView:
     rest: list[bytes] = []
     maps = {5: TensorMapView(), 6: TensorMapView(), 7: TensorMapView()}  # steps, tails, frames

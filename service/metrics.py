@@ -60,6 +60,12 @@ class ServiceMetrics:
             ["method", "direction"],
             registry=self.registry,
         )
+        self.wire_messages = Counter(
+            "millpond_wire_messages",
+            "Insert requests received and sample responses sent (with the bytes: their mean size).",
+            ["method", "direction"],
+            registry=self.registry,
+        )
         self.rpc_errors = Counter(
             "millpond_rpc_errors",
             "Calls answered with an error, by method and gRPC status code.",
@@ -72,9 +78,12 @@ class ServiceMetrics:
         self.sample_seconds.labels(table).observe(seconds)
         self.batch_steps.labels(table).observe(steps)
         self.wire_bytes.labels("Sample", "out").inc(nbytes)
+        self.wire_messages.labels("Sample", "out").inc()
 
     def received(self, method: str, nbytes: int) -> None:
+        """One request of ``nbytes`` received."""
         self.wire_bytes.labels(method, "in").inc(nbytes)
+        self.wire_messages.labels(method, "in").inc()
 
     def error(self, method: str, code: str) -> None:
         self.rpc_errors.labels(method, code).inc()

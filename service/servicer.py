@@ -267,6 +267,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 yield pb.InsertResponse(
                     sequences=sequences,
                     stored_through=table.writer_sequence(writer_id) if writer_id else 0,
+                    max_message_bytes=self.max_message_bytes,
                 )
         finally:
             if streaming_to is not None:

@@ -183,3 +183,29 @@ def test_restarted_writer_with_the_same_id_is_stored(server, table_name, pattern
     assert set(range(50)) | set(range(100, 140)) <= eps
     assert eps <= set(range(80)) | set(range(100, 140))
     second.close()
+
+
+def test_queued_messages_are_cut_to_a_shard_restarted_with_a_lower_message_limit(
+    server_process, patterned
+):
+    """A writer sends segments written together as one message, as large as the shard's
+    limit allows; a shard that comes back with a lower limit gets them cut to fit, each
+    segment stored once."""
+    server = server_process()
+    client = ReplayClient(server.address, timeout_s=30)
+    client.create_table(TableConfig.queue("cut", capacity=100_000))
+    length = 9_000  # ~340 kB per segment
+    w = client.writer("cut", writer_id="cut-writer")
+    w.write_segments([Segment(*patterned.segment(0, 0, length), 0, 0)])
+    w.flush()  # the shard has said its limit (256 MiB)
+    server.stop()
+    # Queued while the shard is down: one message of ~1.3 MB, more than 1 MiB.
+    w.write_segments([Segment(*patterned.segment(ep, 0, length), ep, 0) for ep in range(1, 5)])
+    server.args += ["--max-message-mb", "1"]
+    server.restart()
+    w.flush(timeout_s=60)
+    w.close()
+    assert w.acked == 5
+    got = patterned.drain(client, "cut", 5 * length)
+    assert sorted(got) == [(ep, s) for ep in range(5) for s in range(length)]
+    client.close()

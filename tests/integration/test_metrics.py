@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import MillpondError
+from millpond.segments import Segment
 from millpond.service.server import ServerConfig, create_server
 from millpond.testing import constant_segment
 
@@ -108,3 +109,41 @@ def test_a_taken_metrics_port_is_refused_by_name(tmp_path, served):
     taken = running.metrics_port
     with pytest.raises(InvalidConfigError, match=f"cannot serve metrics on 127.0.0.1:{taken}"):
         create_server(ServerConfig(dir=str(tmp_path / "other"), metrics_port=taken))
+
+
+def test_a_chunk_written_together_reaches_the_shard_as_one_message(served, patterned):
+    """Once the shard has said its message limit, segments written together travel as one
+    message past the 1 MiB a writer keeps to before (four ~340 kB segments here)."""
+    running, address = served
+    port = running.metrics_port
+    length = 9_000
+
+    def messages() -> float:
+        return value(scrape(port), "millpond_wire_messages_total", method="Insert", direction="in")
+
+    def chunk(first_episode: int) -> list[Segment]:
+        return [
+            Segment(*patterned.segment(ep, 0, length), ep, 0)
+            for ep in range(first_episode, first_episode + 4)
+        ]
+
+    with ReplayClient([address], colocated=False) as client:
+        client.create_table(TableConfig.queue("chunks", capacity=100_000))
+        with client.writer("chunks", "w") as writer:
+            writer.write_segments(chunk(0))  # opens the stream: the shard says its limit
+            writer.flush()
+            before = messages()
+            bytes_before = value(
+                scrape(port), "millpond_wire_bytes_total", method="Insert", direction="in"
+            )
+            writer.write_segments(chunk(4))
+            writer.flush()
+            sent = messages() - before
+            sent_bytes = (
+                value(scrape(port), "millpond_wire_bytes_total", method="Insert", direction="in")
+                - bytes_before
+            )
+        assert sent_bytes > 1 << 20, "the chunk must pass the 1 MiB a writer used to keep to"
+        assert sent == 1
+        got = patterned.drain(client, "chunks", 8 * length)
+    assert sorted(got) == [(ep, s) for ep in range(8) for s in range(length)]
