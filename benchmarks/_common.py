@@ -40,10 +40,10 @@ def settle() -> None:
     os.sync()
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of process ``pid`` and of the processes under it, so far
-    (Linux ``/proc``; 0 where it cannot be read): what a timed pass costs a server whose
-    shards run in child processes."""
+def cpu_seconds(pid: int, children: bool = True) -> float:
+    """CPU time (user + system) of process ``pid`` so far, with the processes under it
+    unless ``children`` is false (Linux ``/proc``; 0 where it cannot be read): what a timed
+    pass costs a server whose shards run in child processes."""
     tick = os.sysconf("SC_CLK_TCK")
     total, todo, seen = 0.0, [pid], set()
     while todo:
@@ -55,6 +55,8 @@ def cpu_seconds(pid: int) -> float:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
+            if not children:
+                break
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]

@@ -489,11 +489,14 @@ class Runner:
     def timed_insert(self, streams: int) -> float:
         """:meth:`insert`, its CPU time kept (writers' process, servers); returns its wall time."""
         pids = self.server_pids()
-        mine, theirs = cpu_seconds(os.getpid()), sum(cpu_seconds(p) for p in pids)
+
+        def now() -> tuple[float, float]:  # the servers are this process's children
+            return cpu_seconds(os.getpid(), children=False), sum(cpu_seconds(p) for p in pids)
+
+        before = now()
         dt = self.insert(streams)
-        self.cpu[streams].append(
-            (cpu_seconds(os.getpid()) - mine, sum(cpu_seconds(p) for p in pids) - theirs)
-        )
+        after = now()
+        self.cpu[streams].append((after[0] - before[0], after[1] - before[1]))
         return dt
 
     def first_fill(self) -> None:
