@@ -108,10 +108,12 @@ def time_in_turns(
     reps: int,
     calls: int,
     turns: Mapping[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
-) -> tuple[dict[str, list[float]], dict[str, float]]:
+    servers: Sequence[int] = (),
+) -> tuple[dict[str, list[float]], dict[str, float], dict[str, tuple[float, float]]]:
     """``calls`` back-to-back calls of each system in turn, ``reps`` times over (so that a
-    shared machine's slow phases fall on all alike): each call's latency and each system's
-    total wall time, in seconds.
+    shared machine's slow phases fall on all alike): each call's latency, each system's
+    total wall time, and the CPU time its calls took in this process and in the processes
+    ``servers`` (their pids), in seconds.
 
     ``turns[name]()``, where given, is entered before that system's turn and left after it,
     untimed: a pipelined system (requests kept in flight) opens its stream there and closes
@@ -119,17 +121,24 @@ def time_in_turns(
     """
     lat: dict[str, list[float]] = {name: [] for name in systems}
     wall: dict[str, float] = {name: 0.0 for name in systems}
+    cpu: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in systems}
     turns = turns or {}
+
+    def cpu_now() -> tuple[float, float]:
+        return cpu_seconds(os.getpid(), children=False), sum(cpu_seconds(p) for p in servers)
+
     for _ in range(reps):
         for name, fn in systems.items():
             with turns[name]() if name in turns else contextlib.nullcontext():
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), cpu_now()
                 for _ in range(calls):
                     t0 = time.perf_counter()
                     fn()
                     lat[name].append(time.perf_counter() - t0)
                 wall[name] += time.perf_counter() - start
-    return lat, wall
+                cpu_end = cpu_now()
+                cpu[name] = tuple(c + e - b for c, b, e in zip(cpu[name], cpu_start, cpu_end))
+    return lat, wall, cpu
 
 
 def start_ray(num_cpus: int = 2) -> None:

@@ -19,7 +19,9 @@ every system in turn, so that the load of a shared machine falls on all alike.
 
 Prints a Markdown table: transitions/s (steps per second of back-to-back calls, or of calls
 each followed by ``--work-ms`` of torch work), the p50/p99 latency of one call (and its
-work) pooled over repetitions, and each system's time over the bare gather's.
+work) pooled over repetitions, each system's time over the bare gather's, and the CPU time
+per call of the client's process and of the shard's (on two cores their sum over two is a
+floor under the time per call).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def main() -> int:
         try:
             line = proc.stdout.readline().split()
             assert line and line[0] == "PORT", line
-            rows = _measure(args, int(line[1]))
+            rows = _measure(args, int(line[1]), proc.pid)
         finally:
             proc.stdin.close()
             proc.wait(30)
@@ -111,14 +113,16 @@ def main() -> int:
         f"{load[0]:.1f}; batch {args.batch} steps of uint8{list(OBS_SHAPE)} with next "
         f"observations; {args.reps} reps x {args.calls} calls\n"
     )
-    print("| system | tr/s | p50 ms | p99 ms | time / bare gather |")
-    print("|---|---|---|---|---|")
+    print(
+        "| system | tr/s | p50 ms | p99 ms | time / bare gather | CPU ms per call, client / shard |"
+    )
+    print("|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     return 0
 
 
-def _measure(args, port: int) -> list[list[str]]:
+def _measure(args, port: int, server_pid: int) -> list[list[str]]:
     import contextlib
     import json
     from collections.abc import Iterator
@@ -205,7 +209,7 @@ def _measure(args, port: int) -> list[list[str]]:
             for _ in range(max(3, args.calls)):
                 fn()
     assert colocated._sampler._colocation._readers, "the colocated client must read the files"
-    lat, wall = time_in_turns(systems, args.reps, args.calls, turns)
+    lat, wall, cpu = time_in_turns(systems, args.reps, args.calls, turns, [server_pid])
     channel.close()
     wire.close()
     colocated.close()
@@ -218,6 +222,7 @@ def _measure(args, port: int) -> list[list[str]]:
             f"{_pct(lat[name], 50):.2f}",
             f"{_pct(lat[name], 99):.2f}",
             f"{wall[name] / floor:.2f}x",
+            f"{cpu[name][0] / calls * 1e3:.2f} / {cpu[name][1] / calls * 1e3:.2f}",
         ]
         for name in systems
     ]

@@ -200,7 +200,7 @@ def _measure(args, tables, slots_port, rows_port, raw_port, ReplayClient, grpc, 
             sizes[label] = size
         for fn in systems.values():  # warm-up
             fn()
-        lat, wall = time_in_turns(systems, args.reps, args.calls)
+        lat, wall, _ = time_in_turns(systems, args.reps, args.calls)
         for name in systems:
             calls = args.reps * args.calls
             out.append(
