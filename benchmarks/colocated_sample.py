@@ -51,7 +51,7 @@ def serve(root: Path) -> int:
     _fill(server.shard, [TABLE])
     print("PORT", port, flush=True)
     sys.stdin.read()
-    server.server.stop(0)
+    server.stop(grace=0)  # waits for the calls to end and closes the shard
     return 0
 
 
