@@ -5,9 +5,9 @@ server, so bad data raises at once), gives it the next sequence number and queue
 Segments travel as ``PackedSegments`` messages: those written together (a collector's
 chunk, :meth:`Writer.write_packed`) as one message with one tensor per key, not one per
 segment, as large as the shard's message limit allows (up to :data:`REQUEST_BYTES_MAX`;
-:data:`REQUEST_BYTES` until the shard has said its limit). A background thread owns the bidirectional ``Insert`` stream: it sends queued messages
-(several per request when many wait), reads the acknowledgements, and drops acknowledged
-segments from its buffer. When the shard goes away it reconnects with exponential backoff
+:data:`REQUEST_BYTES` until the shard has said its limit). A background thread owns the
+bidirectional ``Insert`` stream: it sends queued messages (several per request when many
+wait), reads the acknowledgements, and drops acknowledged segments from its buffer. When the shard goes away it reconnects with exponential backoff
 and re-sends every unacknowledged segment in sequence order; the shard stores a
 ``(writer id, sequence)`` once, so nothing is lost or duplicated. A non-retryable error is
 kept and raised by the next :meth:`~Writer.write_segment`, :meth:`~Writer.flush` or
