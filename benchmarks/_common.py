@@ -65,6 +65,13 @@ def cpu_seconds(pid: int, children: bool = True) -> float:
     return total
 
 
+def cpu_split(servers: Sequence[int]) -> tuple[float, float]:
+    """CPU seconds so far of this process alone and of the processes ``servers`` (their
+    pids) with theirs: a client's and its servers' shares, the servers being this process's
+    children."""
+    return cpu_seconds(os.getpid(), children=False), sum(cpu_seconds(p) for p in servers)
+
+
 def calibrate(fn: Callable[[], object], rep_seconds: float, at_least: int = 3) -> int:
     """Warm ``fn`` up and return how many calls make one repetition of ~``rep_seconds``."""
     t0 = time.perf_counter()
@@ -123,20 +130,16 @@ def time_in_turns(
     wall: dict[str, float] = {name: 0.0 for name in systems}
     cpu: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in systems}
     turns = turns or {}
-
-    def cpu_now() -> tuple[float, float]:
-        return cpu_seconds(os.getpid(), children=False), sum(cpu_seconds(p) for p in servers)
-
     for _ in range(reps):
         for name, fn in systems.items():
             with turns[name]() if name in turns else contextlib.nullcontext():
-                start, cpu_start = time.perf_counter(), cpu_now()
+                start, cpu_start = time.perf_counter(), cpu_split(servers)
                 for _ in range(calls):
                     t0 = time.perf_counter()
                     fn()
                     lat[name].append(time.perf_counter() - t0)
                 wall[name] += time.perf_counter() - start
-                cpu_end = cpu_now()
+                cpu_end = cpu_split(servers)
                 cpu[name] = tuple(c + e - b for c, b, e in zip(cpu[name], cpu_start, cpu_end))
     return lat, wall, cpu
 

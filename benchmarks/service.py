@@ -64,7 +64,7 @@ from _common import (
     calibrate,
     code_version,
     collector_batch,
-    cpu_seconds,
+    cpu_split,
     emit_report,
     episode_layout,
     load_average,
@@ -489,13 +489,9 @@ class Runner:
     def timed_insert(self, streams: int) -> float:
         """:meth:`insert`, its CPU time kept (writers' process, servers); returns its wall time."""
         pids = self.server_pids()
-
-        def now() -> tuple[float, float]:  # the servers are this process's children
-            return cpu_seconds(os.getpid(), children=False), sum(cpu_seconds(p) for p in pids)
-
-        before = now()
+        before = cpu_split(pids)
         dt = self.insert(streams)
-        after = now()
+        after = cpu_split(pids)
         self.cpu[streams].append((after[0] - before[0], after[1] - before[1]))
         return dt
 
