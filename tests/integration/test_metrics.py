@@ -118,8 +118,13 @@ def test_a_chunk_written_together_reaches_the_shard_as_one_message(served, patte
     port = running.metrics_port
     length = 9_000
 
-    def messages() -> float:
-        return value(scrape(port), "millpond_wire_messages_total", method="Insert", direction="in")
+    def inserts() -> tuple[float, float]:
+        """Insert messages and bytes received so far."""
+        samples = scrape(port)
+        return tuple(
+            value(samples, name, method="Insert", direction="in")
+            for name in ("millpond_wire_messages_total", "millpond_wire_bytes_total")
+        )
 
     def chunk(first_episode: int) -> list[Segment]:
         return [
@@ -132,17 +137,10 @@ def test_a_chunk_written_together_reaches_the_shard_as_one_message(served, patte
         with client.writer("chunks", "w") as writer:
             writer.write_segments(chunk(0))  # opens the stream: the shard says its limit
             writer.flush()
-            before = messages()
-            bytes_before = value(
-                scrape(port), "millpond_wire_bytes_total", method="Insert", direction="in"
-            )
+            before = inserts()
             writer.write_segments(chunk(4))
             writer.flush()
-            sent = messages() - before
-            sent_bytes = (
-                value(scrape(port), "millpond_wire_bytes_total", method="Insert", direction="in")
-                - bytes_before
-            )
+            sent, sent_bytes = (a - b for a, b in zip(inserts(), before))
         assert sent_bytes > 1 << 20, "the chunk must pass the 1 MiB a writer used to keep to"
         assert sent == 1
         got = patterned.drain(client, "chunks", 8 * length)
