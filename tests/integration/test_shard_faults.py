@@ -143,6 +143,13 @@ def test_losing_shard_0s_node_leaves_the_job_going_on_with_fewer_shards(cluster,
     frames_then = launch._fleet.status.frames
     version_then = launch.version
     cluster.remove_node(victim)  # shard 0 goes with its node, and the rendezvous to shard 1
+    # The last version the job knew of when it saw shard 0 lost (seconds after the node went):
+    # every later one was published with shard 0 gone, so on shard 1.
+    deadline = time.monotonic() + 120
+    while "is lost for good" not in out.getvalue() and job.is_alive():
+        assert time.monotonic() < deadline, out.getvalue()[-3000:]
+        time.sleep(0.1)
+    version_lost = launch.version
 
     job.join(timeout=220)
     assert not job.is_alive(), out.getvalue()[-3000:]
@@ -159,7 +166,10 @@ def test_losing_shard_0s_node_leaves_the_job_going_on_with_fewer_shards(cluster,
     assert actors[0]["lost_shards"] == [0] and actors[0]["shard"] == 1, actors[0]
     assert actors[1]["lost_shards"] == [] and actors[1]["shard"] == 1
     # The learner went on publishing, on shard 1 (shard 0 was gone), and the actors fetched
-    # those weights from there: both end within the policy-lag guard of the last version.
+    # those weights from there: both acted with a version published after the loss. (How
+    # close they end to the last version depends on the learner's pace as the job drains:
+    # max_policy_lag bounds what the learner trains on, not what an actor holds.)
     assert result["weights_version"] >= version_then + 10, (version_then, result)
+    assert version_lost is not None and result["weights_version"] > version_lost
     for a in (actors[0], actors[1]):
-        assert a["policy_version"] >= result["weights_version"] - 8, (a, result)
+        assert a["policy_version"] > version_lost, (version_lost, a, result)
