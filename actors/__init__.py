@@ -9,6 +9,7 @@ return to a sink (a :class:`millpond.Writer`, or an in-process
 :class:`millpond.ReplayClient`.
 """
 
+from millpond.roles import SegmentSink, WeightSource
 from millpond.segmenting import cut_batch, ends_episode, from_ted, join, to_ted
 from millpond.ted import observation_keys
 
@@ -28,7 +29,6 @@ from .policies import (
     ModulePolicy,
     PolicySpec,
     RandomPolicy,
-    WeightSource,
     load_factory,
     make_policy,
 )
@@ -42,7 +42,6 @@ from .processors import (
     ProcessorChain,
     StepFilter,
 )
-from .sink import SegmentSink
 
 __all__ = [
     "EPISODES_PER_INCARNATION",

@@ -71,6 +71,7 @@ from tensordict import TensorDict
 
 from millpond.checks import check_int
 from millpond.errors import InvalidConfigError, MillpondError, ShardUnavailableError
+from millpond.roles import SegmentSink, WeightSource
 from millpond.segmenting import cut_batch, pack_batch
 from millpond.segments import Segment
 from millpond.spec import Key
@@ -85,9 +86,8 @@ from .envs import (
 )
 from .episode_ids import EPISODES_PER_INCARNATION
 from .lanes import LaneBuffer
-from .policies import EpsilonGreedy, PolicySpec, WeightSource, make_policy
+from .policies import EpsilonGreedy, PolicySpec, make_policy
 from .processors import ExperienceProcessor, PassThrough, ProcessorChain
-from .sink import SegmentSink
 
 __all__ = ["Collector"]
 

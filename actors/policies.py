@@ -49,7 +49,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -66,7 +66,6 @@ __all__ = [
     "ModulePolicy",
     "PolicySpec",
     "RandomPolicy",
-    "WeightSource",
     "load_factory",
     "make_policy",
 ]
@@ -75,18 +74,6 @@ __all__ = [
 PolicySpec = str | Callable[..., nn.Module] | nn.Module | None
 
 _LOG_PROB_KEYS = ("sample_log_prob", "action_log_prob")
-
-
-class WeightSource(Protocol):
-    """Where new policy weights come from (:meth:`millpond.ReplayClient.get_weights`).
-
-    ``get_weights(min_version, timeout_s)`` returns ``(state_dict, version)`` when a version
-    ``>= min_version`` is published, else ``(None, latest version)``.
-    """
-
-    def get_weights(
-        self, min_version: int = 0, timeout_s: float = 0
-    ) -> tuple[Mapping[str, torch.Tensor] | None, int]: ...
 
 
 @dataclass(frozen=True)
@@ -131,6 +118,7 @@ class ActorPolicy:
 
     The result holds ``"action"`` (in the action space's dtype) and optionally
     ``"sample_log_prob"`` and ``"state_value"``. ``version`` is the weight version that acts.
+    Implements :class:`millpond.roles.Policy`.
     """
 
     version: int = -1

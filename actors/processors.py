@@ -65,7 +65,10 @@ __all__ = [
 
 
 class ExperienceProcessor(ABC):
-    """Turns each segment into the segments to store (possibly none, possibly more)."""
+    """Turns each segment into the segments to store (possibly none, possibly more).
+
+    Implements :class:`millpond.roles.Processor`.
+    """
 
     @abstractmethod
     def process(self, segment: Segment) -> list[Segment]:

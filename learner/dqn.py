@@ -145,6 +145,8 @@ class DQNConfig:
 class DQNLearner:
     """DQN with a target network, n-step targets, Double DQN and prioritized replay.
 
+    Implements :class:`millpond.roles.Learner`.
+
     Args:
         client: the replay client.
         table: a uniform or prioritized table (``n_step=1``), or a slices table with

@@ -127,6 +127,8 @@ class PPOConfig:
 class PPOLearner:
     """Clipped-surrogate PPO over a queue table (see the module docstring).
 
+    Implements :class:`millpond.roles.Learner`.
+
     Args:
         client: the replay client.
         table: a queue table the actors write into.

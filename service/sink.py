@@ -20,6 +20,8 @@ __all__ = ["TableSink"]
 class TableSink:
     """Inserts each segment into an in-process :class:`~millpond.Table`.
 
+    Implements :class:`millpond.roles.SegmentSink`.
+
     Args:
         table: the table to insert into.
         timeout: seconds an insert may wait for the table's rate limiter before raising

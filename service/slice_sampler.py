@@ -38,6 +38,7 @@ class SliceSampler(Sampler):
     last ``slice_len - 1`` steps of an episode begin slices too and episodes shorter than
     ``slice_len`` are sampled: such a slice holds the steps left, then repeats its last
     slot, and its ``mask`` is false on the repeats (TorchRL's ``strict_length=False``).
+    Implements :class:`millpond.roles.SlotSampler`.
     """
 
     def __init__(
