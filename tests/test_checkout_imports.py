@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 # Drop any editable-install finder so that only sys.path can resolve millpond, as on a Ray
 # worker whose working directory is a copy of the checkout and whose millpond is a

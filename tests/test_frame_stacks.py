@@ -343,7 +343,7 @@ def test_bytes_on_disk_per_transition(make_table, ted):
 def test_job_configs_declare_stacks(tmp_path):
     from millpond.deploy.launch_config import load_config
 
-    configs = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+    configs = Path(__file__).resolve().parents[1] / "deploy" / "configs"
     config = load_config(configs / "atari-dqn.yaml", ["replay.table.frame_stacks={observation: 4}"])
     assert config.replay.table_config().frame_stacks == {("observation",): K}
     path = tmp_path / "job.yaml"
