@@ -1,18 +1,29 @@
 """TLS files that are not PEM: the server says which file and why, before binding."""
 
+import contextlib
 import subprocess
 import sys
 
 import pytest
 
-from millpond import InvalidConfigError
+from millpond import InvalidConfigError, ReplayClient, TableConfig
 from millpond.service.server import ServerConfig, create_server
 
 
-def start(tmp_path, cert, key):
+@contextlib.contextmanager
+def serving(tmp_path, cert, key):
+    """A server with these TLS files, for the ``with`` block; yields its port."""
     config = ServerConfig(dir=str(tmp_path / "s"), tls_cert=str(cert), tls_key=str(key))
-    server, _ = create_server(config)
-    server.stop(grace=0)
+    server, port = create_server(config)
+    try:
+        yield port
+    finally:
+        server.stop(grace=0)
+
+
+def start(tmp_path, cert, key):
+    with serving(tmp_path, cert, key):
+        pass
 
 
 @pytest.mark.parametrize(
@@ -63,8 +74,19 @@ def test_key_that_does_not_fit_its_certificate(tmp_path, certificate):
         start(tmp_path, cert, other)
 
 
-def test_valid_files_still_serve(tmp_path, certificate):
-    start(tmp_path, *certificate)
+def test_valid_files_still_serve(tmp_path, certificate, patterned):
+    cert, key = certificate
+    with (
+        serving(tmp_path, cert, key) as port,
+        ReplayClient(f"127.0.0.1:{port}", tls=str(cert), timeout_s=10) as client,
+    ):
+        client.create_table(TableConfig.queue("t", 64))
+        with client.writer("t") as writer:
+            for episode in range(3):
+                writer.write_segment(*patterned.segment(episode), episode_id=episode)
+            writer.flush(timeout_s=10)
+        got = patterned.drain(client, "t", 3 * patterned.L)
+    assert sorted(got) == [(e, s) for e in range(3) for s in range(patterned.L)]
 
 
 def test_serve_says_it_in_one_line_and_exits_nonzero(tmp_path, certificate):
