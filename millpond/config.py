@@ -16,7 +16,6 @@ __all__ = [
     "MAX_NAME_BYTES",
     "MAX_ROW_BYTES",
     "MAX_SEED",
-    "MAX_STEP",
     "MAX_TABLE_BYTES",
     "MAX_TIMEOUT_MS",
     "SAMPLERS",
@@ -47,9 +46,6 @@ MAX_SEED = 2**63 - 1
 #: The longest wait a request may ask for (``timeout_ms``), in milliseconds: 30 days. Longer
 #: waits overflow thread waits; 0 already means "wait forever".
 MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
-#: The largest step index: a segment's steps, its tail's (``first_step + length``)
-#: included, are int64.
-MAX_STEP = 2**63 - 1
 
 
 #: The settings of a table that may change while it runs (``TableConfig.configured``).

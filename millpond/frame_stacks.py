@@ -30,7 +30,7 @@ import torch
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.spec import OBSERVATION, Key, TableSpec, check_key, format_key
 
-if TYPE_CHECKING:  # the table config imports this module, and segments import the config
+if TYPE_CHECKING:  # annotations only: whoever passes packed segments has them imported
     from millpond.segments import PackedSegments
 
 __all__ = [

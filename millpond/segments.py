@@ -15,9 +15,12 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from millpond.config import MAX_STEP
 from millpond.errors import InvalidDataError
 from millpond.spec import DONE, TERMINATED, TRUNCATED, Key, format_key, is_reserved
+
+#: The largest step index: a segment's steps, its tail's (``first_step + length``)
+#: included, are int64.
+MAX_STEP = 2**63 - 1
 
 
 @dataclass

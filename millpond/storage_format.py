@@ -3,6 +3,10 @@
 The shard's storage (``millpond.service.storage``) writes these files; a learner on the same
 host reads them (:mod:`millpond.colocated`). Both take the names and layouts from here, so
 the two can never disagree. See the storage module for what each file holds.
+
+A slot's metadata is derived from its segment's record: :class:`SlotColumn` names the
+fields a slot decodes to (the storage's ``slot_info`` rows), which tables, exports and the
+test helpers read alike.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ __all__ = [
     "RECORD_WIDTH",
     "SEGMENTS_FILE",
     "SLOTS_FILE",
+    "SLOT_EMPTY",
+    "SLOT_STEP",
+    "SLOT_TAIL",
     "TOKEN_FILE",
     "RecordField",
+    "SlotColumn",
     "column_filename",
     "ensure_token",
     "num_records",
@@ -61,6 +69,22 @@ class RecordField(IntEnum):
 
 
 RECORD_WIDTH = len(RecordField)
+
+#: Values of the :attr:`SlotColumn.KIND` column.
+SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
+
+
+class SlotColumn(IntEnum):
+    """The fields of a decoded slot (``slot_info`` rows; derived, not stored per slot)."""
+
+    GENERATION = 0  # the segment's publication number, 0 if none
+    EPISODE_ID = 1
+    STEP = 2  # index within its episode (a tail slot: one past the segment's last step)
+    SEGMENT_START = 3
+    SEGMENT_LENGTH = 4
+    KIND = 5  # SLOT_STEP or SLOT_TAIL (SLOT_EMPTY: no published segment)
+    WRITER = 6  # hash of the writer that sent the segment (0: anonymous)
+    SEQUENCE = 7  # the segment's number in its writer's stream
 
 
 def num_records(capacity: int, stacked: bool = False) -> int:

@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from millpond.segments import Segment
-from millpond.service.storage import SLOT_STEP, SLOT_TAIL, SlotColumn
+from millpond.storage_format import SLOT_STEP, SLOT_TAIL, SlotColumn
 from millpond.ted import observation_keys
 
 __all__ = [

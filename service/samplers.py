@@ -21,7 +21,7 @@ from millpond.errors import InvalidDataError
 from millpond.service._sum_tree import SumMinTree
 from millpond.service.disk_space import Reservation, create_sparse, reserve
 from millpond.service.segment_batch import SegmentBatch, ranges
-from millpond.service.table_files import COUNTERS_FILE, Counter
+from millpond.service.table_counters import COUNTERS_FILE, Counter
 
 #: Where a prioritized sampler keeps its raw priorities, under the table's directory.
 PRIORITIES_FILE = "priorities.bin"

@@ -5,7 +5,7 @@ Layout of one table's directory::
     meta.json       format, config (and its SHA-256), a copy of the counters (rewritten
                     atomically)
     writers.json    highest stored sequence of each writer, for idempotent re-sends
-    counters.bin    int64[8], see :class:`Counter`
+    counters.bin    int64[8], see :class:`~.table_counters.Counter`
     priorities.bin  prioritized tables: raw priorities (the sampler's own file)
     data/           the segments (:class:`~millpond.service.storage.SegmentStorage`):
                     columns/, slots.bin (4 bytes per slot), segments.bin (a record per segment),
@@ -31,9 +31,8 @@ import hashlib
 import json
 import os
 import shutil
-from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +46,7 @@ from millpond.errors import (
 )
 from millpond.frame_stacks import PREFIX_DIR
 from millpond.service.atomic_json import atomic_write_json
+from millpond.service.samplers import PRIORITIES_FILE, Sampler
 from millpond.service.segment_batch import SegmentBatch
 from millpond.service.storage import (
     CHECKSUMS_FILE,
@@ -56,31 +56,18 @@ from millpond.service.storage import (
     SegmentStorage,
     column_filename,
 )
+from millpond.service.table_counters import COUNTERS_FILE, N_COUNTERS, Counter
 from millpond.spec import OBSERVATION, TERMINATED, TRUNCATED, TableSpec
-
-if TYPE_CHECKING:
-    from millpond.service.samplers import Sampler
 
 #: The on-disk format. 2: slot metadata is an int32 record pointer per slot plus one record
 #: per segment (``slots.bin``, ``segments.bin``); 1 had eight int64 fields per slot.
 FORMAT = 2
 META_FILE = "meta.json"
 WRITERS_FILE = "writers.json"
-COUNTERS_FILE = "counters.bin"
 COLUMN_INDEX = "data/columns/index.json"
 CONFIG_COPY = "data/config.json"
 #: The key of ``meta.json`` that holds the SHA-256 of its config (see :func:`config_digest`).
 CONFIG_DIGEST = "config_sha256"
-_N_COUNTERS = 8  # room for more counters without a new format
-
-
-class Counter(IntEnum):
-    """The entries of ``counters.bin`` (memory-mapped, so the counts survive a killed process)."""
-
-    INSERTS = 0  # the rate limiter's
-    SAMPLES = 1  # the rate limiter's
-    NEXT_GENERATION = 2
-    QUEUE_CURSOR = 3  # the queue sampler's: the last delivered generation
 
 
 def holds_table(path: Path) -> bool:
@@ -242,8 +229,6 @@ def _parse_meta(meta_file: Path, fix: str, name: str | None) -> TableConfig:
 def check_files(path: Path, config: TableConfig) -> None:
     """Refuse (:class:`StorageCorruptedError`, naming the file) table files that are not the
     ones ``config`` describes, before anything opens (and so creates or rewrites) them."""
-    from millpond.service.samplers import PRIORITIES_FILE  # imports this module
-
     fix = _restore_or_move(path, "it")
     for d in (path, path / "data"):
         if not d.is_dir():
@@ -258,9 +243,9 @@ def check_files(path: Path, config: TableConfig) -> None:
         raise StorageCorruptedError(
             f"{counters} is missing (the table's generation and rate-limiter counters): {fix}"
         )
-    if counters.stat().st_size != _N_COUNTERS * 8:
+    if counters.stat().st_size != N_COUNTERS * 8:
         raise StorageCorruptedError(
-            f"{counters} has {counters.stat().st_size} bytes, expected {_N_COUNTERS * 8}: {fix}"
+            f"{counters} has {counters.stat().st_size} bytes, expected {N_COUNTERS * 8}: {fix}"
         )
     priorities = path / PRIORITIES_FILE
     if config.sampler == "prioritized":
@@ -356,8 +341,6 @@ DISK_PARTS = (
 def disk_usage(path: str | os.PathLike, spec: TableSpec | None) -> dict[str, int]:
     """Bytes on disk (``st_blocks * 512``: sparse regions never written count nothing) of
     every file under the table directory ``path``, by part (see :data:`DISK_PARTS`)."""
-    from millpond.service.samplers import PRIORITIES_FILE  # imports this module
-
     path = Path(path)
     data = path / "data"
     observation_files = set()
@@ -402,7 +385,7 @@ class TableFiles:
         self.path = path
         self._copy_digest: str | None = None  # of the config in CONFIG_COPY, once written
         self._counters = np.memmap(
-            path / COUNTERS_FILE, dtype=np.int64, mode="w+" if fresh else "r+", shape=(_N_COUNTERS,)
+            path / COUNTERS_FILE, dtype=np.int64, mode="w+" if fresh else "r+", shape=(N_COUNTERS,)
         )
         if fresh:
             self._counters[Counter.NEXT_GENERATION] = 1

@@ -8,6 +8,7 @@ as Python sees it. Run this file as a script to print the full contract report
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -80,6 +81,7 @@ def test_every_ground_floor_module_is_under_the_contracts() -> None:
         ("actors/_reach_over.py", "from millpond.service import table", "not service"),
         ("millpond/routing.py", "import millpond.protos.codec", "ground floor"),
         ("learner/_test_helper.py", "import millpond.testing", "below deploy"),
+        ("millpond/testing.py", "import millpond.service.storage", "test helpers"),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(
@@ -93,6 +95,72 @@ def test_a_forbidden_import_breaks_a_contract(
     assert result.returncode != 0
     broken = [ln for ln in result.stdout.splitlines() if "BROKEN" in ln]
     assert any(contract in ln for ln in broken), result.stdout
+
+
+_GRAPH = (
+    "import json, grimp; g = grimp.build_graph('millpond'); "
+    "print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) for m in g.modules}))"
+)
+
+
+def import_graph(tree: Path) -> dict[str, list[str]]:
+    """Each module of a mirrored package and the modules of the package it imports (at its
+    top, inside functions and for type checking alike), as grimp reads them."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    result = subprocess.run(
+        [sys.executable, "-c", _GRAPH],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(result.stdout)
+
+
+def circles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected sets of two modules or more
+    (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in graph.get(module, []):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            members = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_module_imports_itself_around_a_circle(tmp_path: Path) -> None:
+    """No import circle among millpond's modules, imports inside functions included."""
+    found = circles(import_graph(mirror(tmp_path)))
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_an_import_that_closes_a_circle_is_found(tmp_path: Path) -> None:
+    tree = mirror(tmp_path)
+    with (tree / "millpond" / "routing.py").open("a") as f:
+        f.write("def _late():\n    import millpond.allocator\n")
+    with (tree / "millpond" / "allocator.py").open("a") as f:
+        f.write("import millpond.routing\n")
+    assert circles(import_graph(tree)) == [["millpond.allocator", "millpond.routing"]]
 
 
 if __name__ == "__main__":

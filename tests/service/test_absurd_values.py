@@ -20,7 +20,6 @@ from millpond import TableConfig
 from millpond.config import (
     MAX_CAPACITY,
     MAX_NAME_BYTES,
-    MAX_STEP,
     MAX_TABLE_BYTES,
     MAX_TIMEOUT_MS,
 )
@@ -29,6 +28,7 @@ from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_to_proto
+from millpond.segments import MAX_STEP
 from millpond.service.server import ServerConfig, create_server
 from millpond.spec import MAX_KEY_BYTES, MAX_KEY_DEPTH, MAX_ROW_BYTES
 from tests.service._wire import segment_proto

@@ -1,0 +1,147 @@
+"""Recovery and verification: which stored segments are complete and intact.
+
+:meth:`Recovery.recover` runs when a table opens: it keeps the published segments whose
+record, slot pointers and checksum hold up and unpublishes the others (a killed process
+leaves only unpublished ones; damaged files are counted in ``corrupted`` and logged).
+:meth:`Recovery.verify` checks sampled segments against their checksums while the table
+runs (``verify_reads``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from millpond.service import checksums as cks
+from millpond.service.segment_batch import SegmentBatch, ranges
+from millpond.service.slot_records import SlotRecords
+from millpond.storage_format import RecordField
+
+# The storage's log, whichever of its parts writes to it.
+log = logging.getLogger("millpond.service.storage")
+
+_MAX_STEP = np.iinfo(np.int64).max
+
+
+class Recovery(SlotRecords):
+    """Recovery on open and verification of reads (a base of the storage)."""
+
+    corrupted: list[tuple[int, int, int]]
+    _unchecked: bool
+
+    def recover(self) -> SegmentBatch:
+        """Find the complete, intact published segments (oldest first); clear the others.
+
+        A segment is complete when its record has a generation, sane fields (a range inside
+        the ring, its tail at its end, an episode id and steps >= 0), and each of its L+1
+        slots points at it; intact when its checksum matches its data and record. A
+        published segment that is not both (never the remains of a killed process, which
+        publishes the generation last and clears it first) has had its files damaged: it is
+        unpublished, counted in :attr:`corrupted` and logged, never served. Slot pointers to
+        anything but a kept segment are cleared.
+
+        A table without ``checksums.bin`` (written before checksums) gets its checksums
+        computed from its data as it is, and a log line says so.
+        """
+        n_records, n_slots = self._record_bound(), self._slot_bound()
+        if n_records and self.records[0].any():  # the zero record, read through pointer 0
+            self.records[0] = 0
+        live = np.flatnonzero(self._generation[:n_records] > 0)
+        r = self.records[live]
+        f = RecordField
+        start, length = r[:, f.START], r[:, f.LENGTH]
+        good = (length > 0) & (start >= 0) & (start + length < n_slots)
+        good &= r[:, f.TAIL] == start + length
+        good &= r[:, f.EPISODE_ID] >= 0
+        # first step = STEP_BASE + START >= 0, and its segment's steps within int64
+        good &= (r[:, f.STEP_BASE] >= -start) & (r[:, f.STEP_BASE] <= _MAX_STEP - start - length)
+        slots = ranges(start[good], length[good] + 1)
+        pointers = np.repeat(live[good], length[good] + 1)
+        if len(slots):
+            match = self.slot_records[slots] == pointers
+            # A tail slot may be its successor's first step (see .regions) and point at it.
+            tails = np.cumsum(length[good] + 1) - 1
+            held = self.slot_records[slots[tails]].astype(np.int64)
+            shared = ~match[tails] & (held > 0) & (held < len(self.records))
+            shared[shared] &= self._generation[held[shared]] > 0
+            shared[shared] &= self.records[held[shared], f.START] == slots[tails][shared]
+            match[tails] |= shared
+            offsets = np.cumsum(length[good] + 1) - (length[good] + 1)
+            good[good] = np.logical_and.reduceat(match, offsets)
+        if self._column_bytes and good.any():
+            kept = np.flatnonzero(good)
+            sums = cks.combine(self._data_sums(start[kept], length[kept], live[kept]), r[kept])
+            if self._unchecked:
+                self._record_space.ensure(int(live[kept].max()) + 1)
+                self.checksums[live[kept]] = sums
+                log.warning(
+                    "table dir %s has no %s (written before checksums): computed the "
+                    "checksums of its %d segments from the data as it is",
+                    self.table_dir,
+                    cks.CHECKSUMS_FILE,
+                    len(kept),
+                )
+            else:
+                good[kept] = self.checksums[live[kept]] == sums
+        self._unchecked = False
+        self._drop_corrupted(live[~good], r[~good])
+        # Slot pointers: exactly the slots of the kept segments.
+        start, length, live = start[good], length[good], live[good]
+        expected = np.zeros(self.capacity, dtype=np.int32)
+        expected[ranges(start, length + 1)] = np.repeat(live, length + 1)
+        expected[start] = live  # a shared slot is its step's (a kept successor's)
+        stale = np.flatnonzero(self.slot_records[:n_slots] != expected[:n_slots])
+        if len(stale):
+            self.slot_records[stale] = expected[stale]
+        self._rebuild_free()
+        order = np.argsort(self._generation[live], kind="stable")
+        segments = self._segments_of(live[order])
+        saved = self._saved_cursor()
+        if saved is not None:
+            self.cursor = saved
+        else:  # a table made before the cursor was kept (and so before regions)
+            self.cursor = (
+                int(segments.starts[-1] + segments.lengths[-1] + 1) if len(segments) else 0
+            )
+        return segments
+
+    def _drop_corrupted(self, records: np.ndarray, rows: np.ndarray) -> None:
+        """Unpublish damaged segments, count and log them."""
+        if not len(records):
+            return
+        self._generation[records] = 0
+        f = RecordField
+        dropped = list(zip(*(rows[:, c].tolist() for c in (f.EPISODE_ID, f.START, f.LENGTH))))
+        self.corrupted.extend(dropped)
+        cks.log_dropped(log, self.table_dir, dropped)
+
+    def verify(self, slots: np.ndarray) -> np.ndarray:
+        """Whether the data of each slot's segment still matches its checksum.
+
+        ``slots``: any shape, slots of published segments (sampled ones, say). Returns a
+        bool array of the same shape, ``False`` where the segment's rows or record changed
+        since it was published, or where the slot holds no published segment. Reads every
+        row of each distinct segment, so it costs what reading those segments whole costs.
+        Call it under the table's lock, or check the generations afterwards (a segment
+        overwritten meanwhile fails).
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        pointers = self._pointers(slots.reshape(-1)).astype(np.int64)
+        records, inverse = np.unique(pointers, return_inverse=True)
+        rows = self.records[records]
+        ok = (records > 0) & (rows[:, RecordField.GENERATION] > 0)
+        if ok.any():
+            r = rows[ok]
+            sums = self._data_sums(r[:, RecordField.START], r[:, RecordField.LENGTH], records[ok])
+            ok[ok] = self.checksums[records[ok]] == cks.combine(sums, r)
+        return ok[inverse].reshape(slots.shape)
+
+    def count_dropped(self, segments: SegmentBatch) -> None:
+        """Count and log ``segments`` as damaged (found so by :meth:`verify`, after the table
+        unpublished them)."""
+        dropped = list(
+            zip(segments.episode_ids.tolist(), segments.starts.tolist(), segments.lengths.tolist())
+        )
+        self.corrupted.extend(dropped)
+        cks.log_dropped(log, self.table_dir, dropped)
