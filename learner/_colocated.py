@@ -5,8 +5,9 @@ A shard reports, per table, its host identity, the table's storage directory and
 written in it (``TableInfo``). :class:`Colocation` decides from that whether this client
 asks a shard for the slots only (``SampleRequest.colocated``) and reads the observation rows
 itself (:class:`~millpond.colocated.ColocatedReader`), and keeps the opened readers.
-:func:`decode_colocated` turns such an answer into the TED batch the wire would have sent,
-with the rows whose slots were overwritten while they were read marked for a redraw.
+:func:`~millpond.protos.samples.decode_colocated` turns such an answer into the TED batch
+the wire would have sent, with the rows whose slots were overwritten while they were read
+marked for a redraw.
 """
 
 from __future__ import annotations
@@ -18,17 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-import numpy as np
-import torch
-from tensordict import TensorDict
 
 from millpond.colocated import ColocatedReader, ColocationError, host_id
-from millpond.errors import InvalidDataError, MillpondError
+from millpond.errors import MillpondError
 from millpond.learner._channels import TLS, open_channel
 from millpond.learner._masses import ShardMasses
 from millpond.learner._shards import ShardHandle
-from millpond.protos import codec
-from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 
 #: A table whose files could not be opened is tried again after this many seconds (or as
@@ -178,43 +174,3 @@ class Colocation:
             self._readers[key] = reader
             self._refused.pop(key, None)
         return None
-
-
-def decode_colocated(
-    msg: pb.SampleResponse, reader: ColocatedReader
-) -> tuple[TensorDict, np.ndarray]:
-    """The TED batch of a colocated answer, its observations read through ``reader``, and
-    the indices (along the batch's first dimension) of the rows to draw again: those that
-    read a slot overwritten meanwhile."""
-    flat, batch = codec.from_tensor_map_flat(msg.batch)
-    part = msg.colocated_rows
-    tensors = []
-    for name, t, dtype, shape in (
-        ("slots", part.slots, torch.int64, None),
-        ("generations", part.generations, torch.int64, None),
-        ("rows", part.rows, torch.int32, batch),
-        ("next_rows", part.next_rows, torch.int32, batch),
-    ):
-        _, value = codec.proto_to_tensor(t)
-        if value.dtype != dtype or (shape is not None and list(value.shape) != shape):
-            expected = f"{dtype}{shape}" if shape is not None else f"{dtype}[U]"
-            raise InvalidDataError(
-                f"sample: colocated {name} is {value.dtype}{list(value.shape)}, expected {expected}"
-            )
-        tensors.append(value)
-    slots, generations, rows, next_rows = tensors
-    distinct = len(slots)
-    if slots.dim() != 1 or generations.shape != slots.shape:
-        raise InvalidDataError("sample: colocated slots and generations differ in shape")
-    for name, r in (("rows", rows), ("next_rows", next_rows)):
-        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= distinct):
-            raise InvalidDataError(f"sample: colocated {name} point outside the {distinct} slots")
-    obs, nxt, stale = reader.read(slots, generations, rows, next_rows)
-    td = codec.nest(flat, batch)
-    for key, value in obs.items():
-        td.set(key, value)
-        td.set(("next", *key), nxt[key])
-    bad = (stale[rows.long()] | stale[next_rows.long()]).numpy()
-    if bad.ndim > 1:
-        bad = bad.reshape(bad.shape[0], -1).any(axis=1)
-    return td, np.flatnonzero(bad)

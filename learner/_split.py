@@ -22,13 +22,13 @@ from tensordict import TensorDict
 from millpond.errors import MillpondError, RateLimiterTimeoutError, ShardBusyError
 from millpond.learner._calls import CallSet, Cancelled
 from millpond.learner._channels import TLS
-from millpond.learner._colocated import Colocation, decode_colocated
+from millpond.learner._colocated import Colocation
 from millpond.learner._errors import ShardUnavailableError, from_rpc_error, is_connect_failure
 from millpond.learner._masses import ShardMasses
 from millpond.learner._shards import ShardHandle, ShardSet
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import wire
-from millpond.protos.codec import decode_sample
+from millpond.protos.samples import decode_colocated, decode_sample
 
 T = TypeVar("T")
 

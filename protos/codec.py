@@ -1,8 +1,9 @@
-"""The tensor codec: TensorDicts to protos and back (the only place that touches both).
+"""The tensor codec: tensors and TensorDicts to protos and back.
 
 Tensors travel as raw little-endian bytes in C order with dtype and shape; they are never
 pickled. Decoding checks every field before trusting it, so a malformed message raises
 :class:`~millpond.errors.InvalidDataError` naming the key instead of crashing a server.
+The sampled batches built from these are :mod:`.samples`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from tensordict import TensorDict, TensorDictBase
 
 from millpond.errors import InvalidDataError, ResourceExhaustedError
 from millpond.protos import millpond_pb2 as pb
-from millpond.sample_format import SlotSample, expand_observations
 from millpond.spec import FieldSpec, Key, check_key_size, dtype_name, format_key, parse_dtype
 
 _LITTLE = sys.byteorder == "little"
@@ -52,11 +52,11 @@ def _decompressor():
 def tensor_to_proto(key: Key, t: torch.Tensor, compress: bool = False) -> pb.Tensor:
     """One tensor as a :class:`pb.Tensor` (zstd-compressed if ``compress``)."""
     msg = pb.Tensor()
-    _fill_tensor(msg, key, t, compress)
+    fill_tensor(msg, key, t, compress)
     return msg
 
 
-def _fill_tensor(msg: pb.Tensor, key: Key, t: torch.Tensor, compress: bool) -> None:
+def fill_tensor(msg: pb.Tensor, key: Key, t: torch.Tensor, compress: bool) -> None:
     """Write one tensor into the empty ``msg`` (in place: a field of the message being built)."""
     dtype, shape, data, compression = tensor_payload(t, compress)
     msg.key.extend(key)
@@ -245,7 +245,7 @@ def to_tensor_map(
     msg.batch_size.extend(batch)
     for k, v in items:
         if k not in exclude:
-            _fill_tensor(msg.tensors.add(), k, v, k in compress_keys)
+            fill_tensor(msg.tensors.add(), k, v, k in compress_keys)
     return msg
 
 
@@ -313,165 +313,3 @@ def nest(flat: Mapping[Key, torch.Tensor], batch_size: Iterable[int]) -> TensorD
         return TensorDict(root, batch_size=list(batch_size))
     except RuntimeError as e:
         raise InvalidDataError(f"inconsistent batch size: {e}") from None
-
-
-# -- samples ------------------------------------------------------------------------------
-
-
-def encode_sample(
-    td: TensorDictBase, observation_keys: Iterable[Key], compress: bool = False
-) -> pb.SampleResponse:
-    """A sampled TED batch, sending ``("next", obs)`` only where the next row does not hold it.
-
-    Rows are taken flat (a ``[B, K]`` slice batch is ``B*K`` rows). For slices and queue
-    batches most next observations are the following row's observation and are not sent.
-    """
-    obs_keys = list(observation_keys)
-    batch = list(td.batch_size)
-    n = int(np.prod(batch)) if batch else 1
-    same = torch.ones(n, dtype=torch.bool)
-    same[-1] = False
-    for key in obs_keys:
-        # bitwise, so that NaN payloads and -0.0 survive
-        now = _wide_rows(td.get(key), n)
-        nxt = _wide_rows(td.get(("next", *key)), n)
-        if now.shape[1] == 0:
-            continue
-        same[:-1] &= (nxt[:-1] == now[1:]).all(dim=1)
-    next_rows = torch.nonzero(~same).squeeze(-1)
-    next_obs = {}
-    for key in obs_keys:
-        value = td.get(("next", *key))
-        feature = value.shape[len(batch) :]
-        rows = _wide_rows(value, n).index_select(0, next_rows)
-        next_obs[key] = rows.view(value.dtype).reshape(len(next_rows), *feature)
-    compress_keys = set(obs_keys) if compress else set()
-    response = pb.SampleResponse(next_rows=next_rows.tolist())
-    to_tensor_map(
-        td,
-        compress_keys=compress_keys,
-        exclude={("next", *k) for k in obs_keys},
-        out=response.batch,
-    )
-    to_tensor_map(
-        next_obs,
-        batch_size=[len(next_rows)],
-        compress_keys=compress_keys,
-        out=response.next_observations,
-    )
-    return response
-
-
-def encode_slot_sample(sample: SlotSample, compress: bool = False) -> pb.SampleResponse:
-    """A sampled batch as the shard read it: the step keys, each distinct observation slot
-    once (zstd-compressed if ``compress``), and the int32 rows that rebuild ``obs`` and
-    ``("next", obs)``. Nothing is compared or expanded here: the shard knows which slots
-    follow one another."""
-    response = pb.SampleResponse()
-    to_tensor_map(sample.ted, out=response.batch)
-    part = response.slot_observations
-    to_tensor_map(
-        sample.observations,
-        batch_size=[_distinct(sample)],
-        compress_keys=set(sample.observations) if compress else set(),
-        out=part.observations,
-    )
-    _fill_tensor(part.rows, ("rows",), sample.rows, False)
-    _fill_tensor(part.next_rows, ("next_rows",), sample.next_rows, False)
-    return response
-
-
-def _distinct(sample: SlotSample) -> int:
-    """U: every distinct slot is some step's row, so one past the largest row."""
-    if sample.rows.numel() == 0:
-        return 0
-    return int(torch.maximum(sample.rows.max(), sample.next_rows.max())) + 1
-
-
-def decode_sample(msg: pb.SampleResponse) -> TensorDict:
-    """Rebuild the TED batch of :func:`encode_sample` or :func:`encode_slot_sample`,
-    ``("next", obs)`` included."""
-    if msg.HasField("slot_observations"):
-        return _decode_slot_sample(msg)
-    flat, batch = from_tensor_map_flat(msg.batch)
-    next_obs, next_batch = from_tensor_map_flat(msg.next_observations)
-    n = int(np.prod(batch)) if batch else 1
-    rows = torch.tensor(list(msg.next_rows), dtype=torch.int64)
-    if len(rows) != (next_batch[0] if next_batch else 0) or (
-        len(rows) and (rows.min() < 0 or rows.max() >= n)
-    ):
-        raise InvalidDataError("sample: next_rows do not match the next observations")
-    if not bool((rows == n - 1).any()) and n > 0:
-        raise InvalidDataError("sample: the last row's next observation is missing")
-    for key, values in next_obs.items():
-        if key not in flat:
-            raise InvalidDataError(f"sample: next observation {format_key(key)} has no observation")
-        now = flat[key]
-        feature = now.shape[len(batch) :]
-        if values.dtype != now.dtype or values.shape[1:] != feature:
-            raise InvalidDataError(
-                f"sample: next observation {format_key(key)} is {values.dtype}"
-                f"{list(values.shape[1:])}, the observation {now.dtype}{list(feature)}"
-            )
-        nxt = torch.empty((n, *feature), dtype=now.dtype)
-        nxt[:-1] = now.reshape(n, *feature)[1:]
-        if len(rows):
-            _wide_rows(nxt, n).index_copy_(0, rows, _wide_rows(values, len(rows)))
-        flat[("next", *key)] = nxt.reshape(*batch, *feature)
-    return nest(flat, batch)
-
-
-def _decode_slot_sample(msg: pb.SampleResponse) -> TensorDict:
-    """The new form: observations indexed straight out of the received bytes."""
-    flat, batch = from_tensor_map_flat(msg.batch)
-    if msg.next_rows or msg.next_observations.tensors:
-        raise InvalidDataError("sample: next_rows and slot_observations both set")
-    part = msg.slot_observations
-    obs_batch = list(part.observations.batch_size)
-    if len(obs_batch) != 1 or obs_batch[0] < 0:
-        raise InvalidDataError(
-            f"sample: slot observations must have batch size [U], received {obs_batch}"
-        )
-    distinct = obs_batch[0]
-    observations: dict[Key, torch.Tensor] = {}
-    for t in part.observations.tensors:
-        key, value = proto_to_tensor(t, copy=False)
-        if key in observations or key in flat:
-            raise InvalidDataError(f"sample: observation {format_key(key)} appears twice")
-        if value.shape[:1] != (distinct,):
-            raise InvalidDataError(
-                f"sample: observation {format_key(key)} has shape {list(value.shape)}, "
-                f"expected {distinct} rows"
-            )
-        observations[key] = value
-    index = []
-    for name, t in (("rows", part.rows), ("next_rows", part.next_rows)):
-        _, rows = proto_to_tensor(t)
-        if rows.dtype != torch.int32 or list(rows.shape) != batch:
-            raise InvalidDataError(
-                f"sample: {name} is {rows.dtype}{list(rows.shape)}, expected int32{batch}"
-            )
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= distinct):
-            raise InvalidDataError(f"sample: {name} point outside the {distinct} observations")
-        index.append(rows)
-    td = nest(flat, batch)
-    return expand_observations(td, observations, index[0], index[1])
-
-
-def _wide_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """The bytes of ``t`` (``n`` rows) as ``[n, k]`` of the widest integer type dividing a row.
-
-    For bitwise row work (compare, gather, scatter): torch's indexing kernels move one
-    element at a time, so on image rows an int64 view is 4-8x faster than the uint8 one.
-    """
-    raw = t.reshape(n, -1)
-    if raw.dtype.itemsize == 0 or raw.shape[1] == 0:
-        return raw
-    raw = raw.contiguous()
-    if raw.dtype != torch.uint8:
-        raw = raw.view(torch.uint8)
-    width = raw.shape[1]
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if width % dtype.itemsize == 0:
-            return raw.view(dtype)
-    return raw

@@ -195,7 +195,7 @@ def _packed(buf: bytes, view: memoryview, start: int, stop: int) -> PackedView:
 # -- sample --------------------------------------------------------------------------------
 def encode_slot_sample(sample: SlotSample, mass: float, compress: bool = False) -> bytes:
     """The bytes of a ``SampleResponse`` in the slot layout (what
-    :func:`~millpond.protos.codec.encode_slot_sample` builds with protobuf, with ``mass``):
+    :func:`~millpond.protos.samples.encode_slot_sample` builds with protobuf, with ``mass``):
     the gathered rows are copied once, into the response."""
     ted = sample.ted
     steps = {

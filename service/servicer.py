@@ -1,4 +1,8 @@
-"""The gRPC edge of a shard: decode requests, call the shard, map errors to status codes.
+"""The gRPC servicer of a shard: decode requests, call the shard, map errors to status codes.
+
+:class:`ReplayServicer` serves the table and insert RPCs itself; its Sample RPC is
+:mod:`.sample_rpc`, its weights RPCs :mod:`.weights_rpc`, and the edge they share (status
+codes, waits in slices, request bounds) :mod:`.rpc_edge`.
 
 Nothing here decides anything about data: every rule lives in :class:`Table`. A bad
 request is answered with a status (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED,
@@ -15,56 +19,33 @@ limit.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
-
-import grpc
-import torch
+from collections.abc import Iterator
 
 from millpond.colocated import host_id
-from millpond.config import MAX_NAME_BYTES, MAX_TIMEOUT_MS
-from millpond.errors import (
-    InvalidDataError,
-    RateLimiterTimeoutError,
-    ResourceExhaustedError,
-)
+from millpond.errors import InvalidDataError, ResourceExhaustedError
 from millpond.protos import codec, wire
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
-from millpond.protos.status import ERROR_KEY, status_of
 from millpond.protos.tables import config_from_proto, config_to_proto, info_to_proto
-from millpond.protos.weights import chunks as weight_chunks
-from millpond.sample_format import ColocatedSample, SlotSample
 from millpond.segments import PackedSegments, Segment, concat, pack, pack_columns
 from millpond.service.metrics import ServiceMetrics
+from millpond.service.rpc_edge import check_name, edge, in_slices, timeout_s
+from millpond.service.sample_rpc import SampleRPC
 from millpond.service.shard import Shard
 from millpond.service.snapshot import pin
 from millpond.service.weights import WeightStore
+from millpond.service.weights_rpc import WeightRPCs
 from millpond.spec import DONE, TERMINATED, TRUNCATED, FieldSpec, Key, TableSpec
 from millpond.storage_format import ensure_token, storage_identity
 
 log = logging.getLogger("millpond.server")
-T = TypeVar("T")
 
-# Blocking waits are cut into slices this long, to notice a cancelled call.
-_POLL_S = 0.5
 #: The largest weights a shard takes by default (``ReplayServicer(max_weights_bytes=)``).
 DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30
-# Error details travel in a header: a message quoting a megabyte name would not arrive.
-_MAX_DETAILS = 2000
-# Bytes every sampled row carries besides the spec's keys, at the least: its slot,
-# generation, episode id and step (int64 each) and the done/terminated/truncated flags.
-_SAMPLED_ROW_BYTES = 36
-# What a colocated answer adds per row instead of its observations: its two row indices
-# (int32 each).
-_COLOCATED_ROW_BYTES = 8
 #: ReadTable streams one shard serves at once: each holds its snapshot's segment list (40
 #: bytes a segment) and one group of rows.
 MAX_TABLE_READS = 4
@@ -73,115 +54,7 @@ MAX_TABLE_READS = 4
 _FLAG_KEYS = frozenset({DONE, TERMINATED, TRUNCATED})
 
 
-def _edge(method: Callable) -> Callable:
-    """Map exceptions raised by an RPC method (plain or generator) to gRPC statuses."""
-
-    def fail(servicer, exc: BaseException, context: grpc.ServicerContext) -> None:
-        if isinstance(exc, grpc.RpcError) or not context.is_active():
-            return  # the client went away (or the server is stopping): nobody to answer
-        if isinstance(exc, MemoryError):  # what a request asked for does not fit: say so
-            exc = ResourceExhaustedError(f"out of memory serving {method.__name__}: {exc}")
-        code, message, error_name = status_of(exc)
-        servicer.metrics.error(method.__name__, code.name)
-        if len(message) > _MAX_DETAILS:
-            message = f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", method.__name__)
-        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            # a client asking for more than this shard allows: worth an operator's eye, once
-            log.warning("%s refused: %s", method.__name__, message)
-        if error_name is not None:
-            context.set_trailing_metadata(((ERROR_KEY, error_name),))
-        context.abort(code, message)
-
-    if inspect.isgeneratorfunction(method):
-
-        @functools.wraps(method)
-        def stream(self, request, context):
-            try:
-                yield from method(self, request, context)
-            except Exception as exc:
-                fail(self, exc, context)
-
-        return stream
-
-    @functools.wraps(method)
-    def unary(self, request, context):
-        try:
-            return method(self, request, context)
-        except Exception as exc:
-            fail(self, exc, context)
-
-    return unary
-
-
-class _Cancelled(Exception):
-    """The client cancelled the call (or it timed out) while the shard waited for it."""
-
-
-class _NotYet(RateLimiterTimeoutError):
-    """GetWeights: the weights asked for are not published yet (``version`` is)."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(f"weights version {version} is older than asked")
-        self.version = version
-
-
-def _in_slices(attempt: Callable[[float], T], timeout: float | None, context) -> T:
-    """``attempt(wait_s)`` again and again in slices of :data:`_POLL_S`, until it returns.
-
-    A blocking wait (the rate limiter's, or for newer weights) cannot see a cancelled call:
-    cutting it into slices does, so a cancelled call frees its thread within a slice
-    (raising :class:`_Cancelled`). The last :class:`RateLimiterTimeoutError` passes once
-    ``timeout`` (``None``: none) has run out.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        if not context.is_active():
-            raise _Cancelled
-        wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-        try:
-            return attempt(max(0.0, wait))
-        except RateLimiterTimeoutError:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise
-
-
-def _timeout(ms: int) -> float | None:
-    """``timeout_ms`` in seconds (``None``: 0, wait forever), at most :data:`MAX_TIMEOUT_MS`
-    (longer waits overflow the thread waits they end up in)."""
-    if not 0 <= ms <= MAX_TIMEOUT_MS:
-        raise InvalidDataError(
-            f"timeout_ms ({ms}) must be in [0, {MAX_TIMEOUT_MS}] (0: no timeout; the most "
-            "is 30 days)"
-        )
-    return ms / 1000 if ms else None
-
-
-def _check_name(name: str) -> str:
-    """A table name of a request, refused by name when longer than any table's can be."""
-    size = len(name.encode("utf-8", "surrogatepass"))
-    if size > MAX_NAME_BYTES:
-        raise InvalidDataError(
-            f"table name ({name[:64]!r}...) takes {size} bytes, more than the limit "
-            f"({MAX_NAME_BYTES} bytes)"
-        )
-    return name
-
-
-def _size_bound(batch, extra: Sequence[torch.Tensor] = ()) -> int:
-    """An upper bound on the bytes of the SampleResponse that encodes ``batch``.
-
-    The tensors' bytes (every leaf, ``("next", obs)`` whole, so more than is sent), zstd's
-    worst case for incompressible data (+1/256, +64 per tensor), and generous room for keys,
-    dtypes, shapes, ``next_rows`` varints and the other fields.
-    """
-    leaves = [*batch.values(include_nested=True, leaves_only=True), *extra]
-    data = sum(t.numel() * t.element_size() for t in leaves)
-    return data + data // 256 + 1024 * (len(leaves) + 1) + 11 * batch.numel()
-
-
-class ReplayServicer(pb_grpc.ReplayServicer):
+class ReplayServicer(SampleRPC, WeightRPCs, pb_grpc.ReplayServicer):
     """Serves one :class:`Shard` and its :class:`WeightStore`."""
 
     def __init__(
@@ -220,9 +93,9 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         self._snapshot_readers = threading.BoundedSemaphore(MAX_TABLE_READS)
 
     def _table(self, name: str):
-        return self.shard.table(_check_name(name))
+        return self.shard.table(check_name(name))
 
-    @_edge
+    @edge
     def CreateTable(self, request: pb.CreateTableRequest, context) -> pb.CreateTableResponse:
         config = config_from_proto(request.config)
         if config.name not in self.shard.tables:
@@ -230,7 +103,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         table = self.shard.create_table(config, exist_ok=request.exist_ok)
         return pb.CreateTableResponse(config=config_to_proto(table.config))
 
-    @_edge
+    @edge
     def Insert(self, request_iterator: Iterator[pb.InsertRequest], context):
         writer_id = table_name = None
         streaming_to = None  # the table this stream counts as a writer of (Info's writers)
@@ -247,7 +120,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 if streaming_to is None:
                     streaming_to = table_name
                     self._count_writer(table_name, 1)
-                timeout = _timeout(request.timeout_ms)
+                timeout = timeout_s(request.timeout_ms)
                 # One budget for the whole message: its declared shapes are what decoding
                 # allocates, so they are held to the message limit before anything is decoded.
                 budget = codec.Budget(self.max_message_bytes, "the message limit")
@@ -291,7 +164,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         if not writer_id:
             table.insert_packed(packed, timeout)
             return
-        _in_slices(lambda wait: table.insert_packed(packed, wait, writer_id), timeout, context)
+        in_slices(lambda wait: table.insert_packed(packed, wait, writer_id), timeout, context)
 
     @staticmethod
     def _packed(
@@ -348,150 +221,6 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             steps, tail, msg.episode_id, msg.first_step, msg.sequence if msg.sequence else None
         )
 
-    @_edge
-    def Sample(self, request: pb.SampleRequest, context):
-        table = self._table(request.table)
-        if request.batch_size < 1:
-            raise InvalidDataError(f"batch_size ({request.batch_size}) must be a positive integer")
-        if request.num_batches < 0:
-            raise InvalidDataError(f"num_batches ({request.num_batches}) must be >= 0")
-        timeout = _timeout(request.timeout_ms)
-        queue = table.config.sampler == "queue"
-        self._check_batch_size(table, request.batch_size, colocated=request.colocated and not queue)
-        if request.redraw and queue:
-            raise InvalidDataError(
-                f"table {table.name!r} is a queue: its batches are never redrawn (redraw is "
-                "for rows a colocated reader found overwritten)"
-            )
-        # A queue's delivered segments may be overwritten at once: its rows go on the wire.
-        form = "colocated" if request.colocated and not queue else None
-        form = form or ("slots" if self.slot_samples else "ted")
-        counted = not request.redraw
-        sent = 0
-        while request.num_batches == 0 or sent < request.num_batches:
-            started = time.monotonic()
-            sampled = self._sample_one(table, request.batch_size, timeout, context, form, counted)
-            if sampled is None:
-                return
-            assert table.spec is not None
-            compress = table.config.compression == "zstd"
-            if isinstance(sampled, ColocatedSample):
-                batch = sampled.ted
-                response = self._colocated_response(table, sampled)
-                size = _size_bound(batch, [sampled.slots, sampled.generations, sampled.rows])
-            elif isinstance(sampled, SlotSample):
-                batch = sampled.ted
-                leaves = [*sampled.observations.values(), sampled.rows, sampled.next_rows]
-                if (
-                    self.framed_samples
-                    and _size_bound(batch, leaves) <= self.max_message_bytes
-                    and context.is_active()
-                ):
-                    # Framed by hand: the gathered rows are copied once, into the response
-                    # (server.py sends these bytes as they are).
-                    framed = wire.encode_slot_sample(sampled, table.sampler.mass, compress)
-                    self.metrics.sampled(
-                        table.name, time.monotonic() - started, batch.numel(), len(framed)
-                    )
-                    yield framed
-                    sent += 1
-                    continue
-                response = codec.encode_slot_sample(sampled, compress=compress)
-                size = _size_bound(batch, leaves)
-            else:
-                batch = sampled
-                response = codec.encode_sample(
-                    batch, table.spec.observation_keys, compress=compress
-                )
-                size = _size_bound(batch)
-            response.mass = table.sampler.mass
-            # upb's ByteSize serializes the whole message (a second copy of every byte, ~10 ms
-            # for an Atari batch): take it only when a cheap upper bound does not settle it.
-            if size > self.max_message_bytes:
-                size = response.ByteSize()
-            if size > self.max_message_bytes or not context.is_active():
-                if counted:  # nobody receives it: not counted, a queue's not lost
-                    table.give_back(batch)
-                if size > self.max_message_bytes:
-                    raise ResourceExhaustedError(
-                        f"a batch of {len(batch)} steps takes {size} bytes, more than the "
-                        f"message limit ({self.max_message_bytes}); sample fewer at a time"
-                    )
-                return
-            self.metrics.sampled(table.name, time.monotonic() - started, batch.numel(), size)
-            yield response
-            sent += 1
-
-    def _check_batch_size(self, table, batch_size: int, colocated: bool = False) -> None:
-        """Refuse a batch that can never be sent, before sampling allocates it.
-
-        Its steps must fit the table (more than its capacity is never a useful batch, and
-        is what would be allocated) and their least bytes on the wire (from the spec) the
-        message limit. Rows of uniform and prioritized batches carry their next observation
-        too; consecutive rows of slices and queue batches carry each other's; a
-        ``colocated`` answer carries no observation, only the slots to read them from.
-        """
-        config = table.config
-        k = config.slice_len or 1
-        steps = batch_size * k
-        what = f"batch_size ({batch_size})" + (
-            f" x slice_len ({k}) = {steps} steps" if k > 1 else ""
-        )
-        if steps > config.capacity:
-            raise InvalidDataError(
-                f"{what} exceeds the capacity of table {config.name!r} ({config.capacity} slots)"
-            )
-        spec = table.spec
-        if spec is None:  # nothing stored yet: the message limit is checked on each batch
-            return
-        obs, row = spec.observation_bytes, spec.slot_bytes + _SAMPLED_ROW_BYTES
-        if colocated:
-            least = steps * (spec.step_bytes + _SAMPLED_ROW_BYTES + _COLOCATED_ROW_BYTES)
-        elif config.sampler in ("uniform", "prioritized"):
-            least = steps * (row + obs)
-        else:
-            least = steps * row + (batch_size if k > 1 else 1) * obs
-        if least > self.max_message_bytes:
-            per_step = -(-least // steps)
-            raise ResourceExhaustedError(
-                f"{what} takes at least {least} bytes ({per_step} per step), more than the "
-                f"message limit ({self.max_message_bytes} bytes): batch_size must be at most "
-                f"{max(1, batch_size * self.max_message_bytes // least)}"
-            )
-
-    @staticmethod
-    def _sample_one(
-        table, batch_size: int, timeout: float | None, context, form: str, counted: bool
-    ):
-        """One batch in ``form`` (``"ted"``, ``"slots"`` or ``"colocated"``), or ``None``
-        when the call was cancelled while it waited."""
-        sample = {
-            "ted": table.sample,
-            "slots": table.sample_slots,
-            "colocated": table.sample_colocated,
-        }[form]
-        try:
-            return _in_slices(
-                lambda wait: sample(batch_size, timeout=wait, counted=counted), timeout, context
-            )
-        except _Cancelled:
-            return None
-
-    def _colocated_response(self, table, sampled: ColocatedSample) -> pb.SampleResponse:
-        """The step keys, and which observation slots a reader on this host reads."""
-        response = pb.SampleResponse()
-        codec.to_tensor_map(sampled.ted, out=response.batch)
-        part = response.colocated_rows
-        for name, field, t in (
-            ("slots", part.slots, sampled.slots),
-            ("generations", part.generations, sampled.generations),
-            ("rows", part.rows, sampled.rows),
-            ("next_rows", part.next_rows, sampled.next_rows),
-        ):
-            field.CopyFrom(codec.tensor_to_proto((name,), t))
-        part.storage_token = self._location(table)[1]
-        return response
-
     def _location(self, table) -> tuple[str, str]:
         """``(storage_dir, storage_token)`` of ``table`` for colocated readers: the token is
         :func:`storage_identity`, its random part written into the directory the first time
@@ -504,7 +233,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             self._locations[table] = found
         return found
 
-    @_edge
+    @edge
     def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context):
         table = self._table(request.table)
         applied = table.update_priorities(
@@ -512,7 +241,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         )
         return pb.UpdatePrioritiesResponse(applied=applied)
 
-    @_edge
+    @edge
     def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         tables = [self._table(request.table)] if request.table else self.shard.tables.values()
         infos = []
@@ -530,7 +259,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             refused_tables=self.shard.refused,
         )
 
-    @_edge
+    @edge
     def ConfigureTable(
         self, request: pb.ConfigureTableRequest, context
     ) -> pb.ConfigureTableResponse:
@@ -550,7 +279,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         log.info("table %r configured: %s", table.name, settings)
         return pb.ConfigureTableResponse(config=config_to_proto(config))
 
-    @_edge
+    @edge
     def ReadTable(self, request: pb.ReadTableRequest, context):
         """A consistent snapshot of a table, streamed whole segments at a time while inserts
         go on (:mod:`millpond.service.snapshot`)."""
@@ -606,62 +335,15 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         finally:
             self._snapshot_readers.release()
 
-    @_edge
+    @edge
     def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointResponse:
         self.shard.checkpoint()
         return pb.CheckpointResponse(path=str(self.shard.path))
 
-    @_edge
+    @edge
     def Reset(self, request: pb.ResetRequest, context) -> pb.ResetResponse:
         self._table(request.table).reset()
         return pb.ResetResponse()
-
-    @_edge
-    def PublishWeights(self, request_iterator, context) -> pb.PublishWeightsResponse:
-        version = total = None
-        chunks: list[bytes] = []
-        received = 0
-        for request in request_iterator:
-            if version is None:
-                version, total = request.version, request.total_size
-                if total < 0:
-                    raise InvalidDataError(f"total_size ({total}) must be >= 0")
-                if total > self.max_weights_bytes:
-                    raise ResourceExhaustedError(
-                        f"total_size ({total}) exceeds the largest weights this shard takes "
-                        f"({self.max_weights_bytes} bytes)"
-                    )
-            received += len(request.chunk)
-            if received > total:
-                raise InvalidDataError(f"weights larger than the announced {total} bytes")
-            chunks.append(request.chunk)
-        if version is None:
-            raise InvalidDataError("PublishWeights received no message")
-        if received != total:
-            raise InvalidDataError(f"weights truncated: {received} of {total} bytes")
-        self.weights.publish(version, b"".join(chunks))
-        return pb.PublishWeightsResponse(version=version)
-
-    @_edge
-    def GetWeights(self, request: pb.GetWeightsRequest, context):
-        def attempt(wait: float) -> tuple[int, bytes]:
-            version, blob = self.weights.get(request.min_version, wait)
-            if blob is None:
-                raise _NotYet(version)
-            return version, blob
-
-        try:  # in slices, as Sample waits, so that an abandoned call frees its thread
-            version, blob = _in_slices(attempt, _timeout(request.timeout_ms) or 0.0, context)
-        except _NotYet as not_yet:  # the timeout ran out first: say which version there is
-            version, blob = not_yet.version, None
-        except _Cancelled:
-            return
-        size = len(blob) if blob is not None else 0
-        yield pb.GetWeightsResponse(version=version, total_size=size)
-        if blob is None:
-            return
-        for chunk in weight_chunks(blob):
-            yield pb.GetWeightsResponse(chunk=chunk)
 
 
 def _wire_spec(spec: TableSpec | None) -> dict[Key, FieldSpec] | None:

@@ -365,7 +365,7 @@ def test_a_missing_prefix_file_refuses_the_table(tmp_path, ted):
 def test_the_shard_checks_declarations_and_frames(tmp_path):
     import grpc
 
-    from millpond.protos import codec
+    from millpond.protos import codec, samples
     from millpond.protos import millpond_pb2 as pb
     from millpond.protos import millpond_pb2_grpc as pb_grpc
     from millpond.service.server import ServerConfig, create_server
@@ -412,7 +412,7 @@ def test_the_shard_checks_declarations_and_frames(tmp_path):
         with pytest.raises(grpc.RpcError) as info:
             insert(5 + K, (3, 2))
         assert "expected uint8[4, 2, 3]" in info.value.details()
-        batch = codec.decode_sample(next(stub.Sample(pb.SampleRequest(table="t", batch_size=5))))
+        batch = samples.decode_sample(next(stub.Sample(pb.SampleRequest(table="t", batch_size=5))))
         frames = torch.arange((5 + K) * 6, dtype=torch.uint8).reshape(5 + K, 2, 3)
         for obs, nxt, step in zip(
             batch["observation"], batch["next", "observation"], batch["step"]

@@ -8,7 +8,7 @@ import torch
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import InvalidDataError
-from millpond.protos import codec, framing, wire
+from millpond.protos import codec, framing, samples, wire
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_to_proto
 from millpond.segments import PackedSegments, pack_columns
@@ -181,13 +181,13 @@ def test_slot_sample_bytes_are_the_protobuf_message(make_table):
         table.insert(seg.steps, seg.tail, episode_id=episode)
     sample = table.sample_slots(32)
     for compress in (False, True):
-        want = codec.encode_slot_sample(sample, compress=compress)
+        want = samples.encode_slot_sample(sample, compress=compress)
         want.mass = 12.5
         raw = wire.encode_slot_sample(sample, 12.5, compress)
         assert pb.SampleResponse.FromString(raw) == want
         view = wire.parse_sample_response(raw)
         assert view.mass == 12.5 and view.HasField("slot_observations")
-        got, expected = codec.decode_sample(view), codec.decode_sample(want)
+        got, expected = samples.decode_sample(view), samples.decode_sample(want)
         for key, value in expected.items(include_nested=True, leaves_only=True):
             assert torch.equal(got.get(key), value), key
 

@@ -24,7 +24,7 @@ from millpond.config import (
     MAX_TIMEOUT_MS,
 )
 from millpond.errors import InvalidConfigError
-from millpond.protos import codec
+from millpond.protos import codec, samples
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_to_proto
@@ -287,7 +287,7 @@ def test_first_step_out_of_range(served, first_step):
     # the last steps that fit (the tail's is 2**63 - 1) are taken, and sampled back unwrapped
     insert(stub, "s", segment(8, first_step=MAX_STEP - 4), writer="edge")
     response = next(stub.Sample(pb.SampleRequest(table="s", batch_size=300, num_batches=1)))
-    batch = codec.decode_sample(response)
+    batch = samples.decode_sample(response)
     steps = batch["step"][batch["episode_id"] == 8]
     assert len(steps) and bool((steps >= MAX_STEP - 4).all()) and bool((steps < MAX_STEP).all())
     assert bool((batch["step"] >= 0).all())

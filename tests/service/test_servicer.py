@@ -8,7 +8,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from millpond import TableConfig
-from millpond.protos import codec
+from millpond.protos import codec, samples
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.protos.tables import config_to_proto
@@ -79,7 +79,7 @@ def test_round_trip_and_idempotent_resend(server):
     insert(stub, make_segment(2), make_segment(3))  # 2 again: acknowledged, not stored twice
     assert size(stub) == 12
     response = next(stub.Sample(pb.SampleRequest(table="t", batch_size=64, num_batches=1)))
-    batch = codec.decode_sample(response)
+    batch = samples.decode_sample(response)
     assert torch.equal(batch["next", "observation"], batch["observation"] + 3)
     assert response.mass == 12
 
@@ -95,7 +95,7 @@ def test_packed_segments_round_trip_and_idempotent_resend(server):
     assert list(acks[0].sequences) == [5, 6, 7, 8] and acks[0].stored_through == 8
     assert size(stub) == 32
     request = pb.SampleRequest(table="t", batch_size=256, num_batches=1)
-    batch = codec.decode_sample(next(stub.Sample(request)))
+    batch = samples.decode_sample(next(stub.Sample(request)))
     assert torch.equal(batch["next", "observation"], batch["observation"] + 3)
     assert set(batch["episode_id"].tolist()) == set(range(1, 9))
 
@@ -168,7 +168,7 @@ def test_bad_requests_get_statuses_and_store_nothing(server):
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert size(stub) == 4  # none of it changed what was stored
-    batch = codec.decode_sample(next(stub.Sample(pb.SampleRequest(table="t", batch_size=8))))
+    batch = samples.decode_sample(next(stub.Sample(pb.SampleRequest(table="t", batch_size=8))))
     assert torch.equal(batch["next", "observation"], batch["observation"] + 3)
 
 
@@ -199,7 +199,7 @@ def test_a_sample_cancelled_while_it_waits_is_not_counted(tmp_path, kind):
     time.sleep(1.0)  # longer than the shard takes to notice a cancelled call
     info = stub.Info(pb.InfoRequest(table="t")).tables[0]
     assert (info.samples, info.size) == (0, 8)
-    taken = codec.decode_sample(next(stub.Sample(request)))
+    taken = samples.decode_sample(next(stub.Sample(request)))
     assert len(taken) == 8 and set(taken["observation"][:, 0].tolist()) <= {
         100.0 + 3 * i for i in range(8)
     }

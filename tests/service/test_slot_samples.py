@@ -16,8 +16,8 @@ from tensordict import TensorDict
 
 from millpond.config import TableConfig
 from millpond.errors import InvalidDataError
-from millpond.protos import codec, wire
 from millpond.protos import millpond_pb2 as pb
+from millpond.protos import samples, wire
 from millpond.service.servicer import ReplayServicer
 from millpond.service.shard import Shard
 from millpond.service.weights import WeightStore
@@ -139,11 +139,11 @@ def test_wire_sample_equals_table_sample(tmp_path, kind: str, compression: str, 
             old = _wire(rows, batch_size)
             assert new.HasField("slot_observations") and not new.next_rows
             assert not old.HasField("slot_observations")
-            _assert_same(codec.decode_sample(new), expected)
+            _assert_same(samples.decode_sample(new), expected)
             # as the client reads it: observations as views of the bytes
             view = wire.parse_sample_response(new.SerializeToString())
-            _assert_same(codec.decode_sample(view), expected)
-            _assert_same(codec.decode_sample(old), expected)
+            _assert_same(samples.decode_sample(view), expected)
+            _assert_same(samples.decode_sample(old), expected)
             if kind.startswith("slices"):
                 # consecutive steps share their slots: fewer observations than 2 per step
                 assert new.slot_observations.observations.batch_size[0] < 2 * expected.numel()
@@ -162,8 +162,8 @@ def test_rows_outside_the_observations_are_refused(tmp_path):
     bad = pb.SampleResponse.FromString(response.SerializeToString())
     bad.slot_observations.observations.batch_size[0] = 1
     with pytest.raises(InvalidDataError, match="rows"):
-        codec.decode_sample(bad)
+        samples.decode_sample(bad)
     bad = pb.SampleResponse.FromString(response.SerializeToString())
     bad.slot_observations.rows.dtype = "int64"
     with pytest.raises(InvalidDataError):
-        codec.decode_sample(bad)
+        samples.decode_sample(bad)
