@@ -36,12 +36,11 @@ _lazy_compiler.install()
 # millpond (a shard, an env actor, the CLI) does not pay for the others' imports (torch,
 # tensordict, grpc: seconds per process on a small machine).
 _PUBLIC = {
-    "ColocationError": "millpond.colocated",
     "TableConfig": "millpond.config",
     **dict.fromkeys(_errors.__all__, "millpond.errors"),
     # The public face: the client and the in-process shard, from the floors above.
     "ReplayClient": "millpond.learner.client",
-    "Writer": "millpond.learner.writer",
+    "Writer": "millpond.learner.client",
     "Segment": "millpond.segments",
     "Shard": "millpond.service.shard",
     "Table": "millpond.service.table",
@@ -83,6 +82,7 @@ __all__ = [
     "Segment",
     "Shard",
     "ShardBusyError",
+    "ShardGoneError",
     "ShardUnavailableError",
     "StorageCorruptedError",
     "Table",

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from millpond.colocated import ColocatedReader, ColocationError, host_id
-from millpond.errors import InvalidDataError, MillpondError
-from millpond.learner._channels import TLS, open_channel
-from millpond.learner._masses import ShardMasses
-from millpond.learner._shards import ShardHandle
+from millpond.colocated import ColocatedReader, host_id
+from millpond.errors import ColocationError, InvalidDataError, MillpondError
+from millpond.learner.client._channels import TLS, open_channel
+from millpond.learner.client._masses import ShardMasses
+from millpond.learner.client._shards import ShardHandle
 from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc

@@ -34,17 +34,17 @@ from tensordict import TensorDict, TensorDictBase
 from millpond.checks import as_int64
 from millpond.config import LIVE_SETTINGS, TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError
-from millpond.learner._calls import CallSet
-from millpond.learner._channels import bearer_metadata, channel_options
-from millpond.learner._errors import from_rpc_error
-from millpond.learner._info import combine_info
-from millpond.learner._masses import ShardMasses
-from millpond.learner._read_ahead import read_ahead
-from millpond.learner._shards import Resolver, ShardSet
-from millpond.learner._split import SplitSampler
-from millpond.learner.table_reader import TableReader
-from millpond.learner.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
-from millpond.learner.writer import Writer
+from millpond.learner.client._calls import CallSet
+from millpond.learner.client._channels import bearer_metadata, channel_options
+from millpond.learner.client._errors import from_rpc_error
+from millpond.learner.client._info import combine_info
+from millpond.learner.client._masses import ShardMasses
+from millpond.learner.client._read_ahead import read_ahead
+from millpond.learner.client._shards import Resolver, ShardSet
+from millpond.learner.client._split import SplitSampler
+from millpond.learner.client.table_reader import TableReader
+from millpond.learner.client.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
+from millpond.learner.client.writer import Writer
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto
 from millpond.protos.weights import publish_requests, state_dict_from_blob, state_dict_to_blob
@@ -81,14 +81,14 @@ class ReplayClient:
             on this host. ``None`` (default): from the table's memory-mapped files when the
             shard reports the same host and its storage directory opens here with the token
             the shard reports, else on the wire; ``True``: from the files, or
-            :class:`~millpond.colocated.ColocationError` naming the shard, the table and
+            :class:`~millpond.errors.ColocationError` naming the shard, the table and
             why not (queue tables never are: their delivered segments may be overwritten
             at once); ``False``: always on the wire. The shard picks and counts the rows
             either way, so batches are the same for the same table and seed.
         resolver: ``resolver(index)`` gives shard ``index``'s current address (``None``:
-            unknown yet) or raises :class:`~millpond.learner._shards.ShardGoneError` when it
+            unknown yet) or raises :class:`~millpond.errors.ShardGoneError` when it
             is lost for good; asked when a shard cannot be reached, so that a shard restarted
-            on another port is found there (see :mod:`millpond.learner._shards`). It must
+            on another port is found there (see :mod:`millpond.learner.client._shards`). It must
             pickle to travel with the client. ``None``: shards stay at their addresses.
 
     Channels are created on first use, so constructing a client never blocks. A client
@@ -189,7 +189,7 @@ class ReplayClient:
     @property
     def lost_shards(self) -> list[int]:
         """Indexes of the shards that the ``resolver`` says are lost for good: never tried
-        again, their mass 0 (see :mod:`millpond.learner._shards`)."""
+        again, their mass 0 (see :mod:`millpond.learner.client._shards`)."""
         return [s.index for s in self._set.shards if s.gone]
 
     def colocated_shards(self, table: str) -> list[int]:
@@ -314,7 +314,7 @@ class ReplayClient:
     def read_table(self, table: str) -> TableReader:
         """A consistent snapshot of ``table`` on every shard, read while inserts go on.
 
-        Iterate the :class:`~millpond.learner.table_reader.TableReader` for the segments each
+        Iterate the :class:`~millpond.learner.client.table_reader.TableReader` for the segments each
         shard had published when the call pinned them (all shards at once), whole, oldest
         first, shard after shard; its ``config``, ``segments`` and ``steps`` say what was
         pinned. Segments overwritten before they are read are left out and counted. Needs
