@@ -8,6 +8,8 @@ first use (PEP 562), so that a process that needs only the client (an env actor)
 load the reference learners (torch.nn, optimizers, torch.distributed).
 """
 
+from millpond._lazy_exports import lazy_exports
+
 _PUBLIC = {
     "DQNConfig": "millpond.learner.dqn",
     "DQNLearner": "millpond.learner.dqn",
@@ -19,20 +21,7 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'millpond.learner' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
-
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())
 
 __all__ = [
     "DQNConfig",

@@ -75,14 +75,9 @@ class InsertStream:
         metadata: tuple[tuple[str, str], ...] | None,
         on_stored: Callable[[], None],
     ) -> None:
-        self._shard = shard
-        self._table = table
-        self._writer_id = writer_id
-        self._packer = packer
-        self._max_in_flight = max_in_flight
-        self._timeout_s = timeout_s
-        self._metadata = metadata
-        self._on_stored = on_stored
+        self._shard, self._table, self._writer_id = shard, table, writer_id
+        self._packer, self._metadata, self._on_stored = packer, metadata, on_stored
+        self._max_in_flight, self._timeout_s = max_in_flight, timeout_s
 
         self._cv = threading.Condition(threading.Lock())
         # Queued messages by their last sequence, in sequence order, and their segments.
@@ -94,8 +89,9 @@ class InsertStream:
         self._numbering_known = False
         # The last stream whose opening request the shard answered.
         self._answered_stream = 0
-        self._max_sent = 0
-        self._acked = 0
+        #: Segments sent at least once (re-sends are not counted again), and acknowledged.
+        self.sent = 0
+        self.acked = 0
         self._error: MillpondError | None = None
         self._closing = False
         self._closed = False
@@ -110,16 +106,6 @@ class InsertStream:
         self._thread.start()
 
     # -- what the writer reads -----------------------------------------------------------
-    @property
-    def sent(self) -> int:
-        """Segments sent to the shard at least once (re-sends are not counted again)."""
-        return self._max_sent
-
-    @property
-    def acked(self) -> int:
-        """Segments the shard acknowledged (stored)."""
-        return self._acked
-
     @property
     def pending(self) -> int:
         """Segments queued but not acknowledged yet."""
@@ -150,13 +136,13 @@ class InsertStream:
         timeout_s = self._timeout_s
         with self._cv:
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            acked = self._acked
+            acked = self.acked
             while True:
                 self._raise_if_unusable_locked()
                 if self._pending < self._max_in_flight:
                     break
-                if self._acked != acked:  # the shard answers: wait again in full
-                    acked = self._acked
+                if self.acked != acked:  # the shard answers: wait again in full
+                    acked = self.acked
                     deadline = None if timeout_s is None else time.monotonic() + timeout_s
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -252,7 +238,7 @@ class InsertStream:
                 self._stream_id += 1
                 stream_id = self._stream_id
                 self._requests_in_flight = 0
-                acked_before = self._acked
+                acked_before = self.acked
             err: BaseException | None = None
             try:
                 call = self._shard.raw_insert(self._requests(stream_id), metadata=self._metadata)
@@ -288,7 +274,7 @@ class InsertStream:
             with self._cv:
                 if self._aborted:
                     return
-                made_progress = self._acked > acked_before
+                made_progress = self.acked > acked_before
                 stalled = err is None and bool(self._unacked) and not made_progress
             if err is None and not stalled:
                 continue  # the server ended the stream after acknowledging: go on
@@ -391,7 +377,7 @@ class InsertStream:
                         return
                     self._cv.wait(IDLE_STREAM_S - (now - idle_since))
                 sent_up_to = batch[-1].last
-                self._max_sent = max(self._max_sent, sent_up_to)
+                self.sent = max(self.sent, sent_up_to)
                 self._requests_in_flight += 1
             yield wire.insert_request(
                 self._writer_id, self._table, [(q.first, q.count, q.body) for q in batch]
@@ -404,7 +390,7 @@ class InsertStream:
                 queued = self._unacked.pop(sequence, None)
                 if queued is not None:
                     self._pending -= queued.count
-                    self._acked += queued.count
+                    self.acked += queued.count
             self._cv.notify_all()
 
     def _fail(self, error: MillpondError, cause: BaseException | None) -> None:
