@@ -33,6 +33,7 @@ from millpond.config import LIVE_SETTINGS, TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError
 from millpond.learner.client import _iterate, _priorities, _weights
 from millpond.learner.client._channels import bearer_metadata, channel_options
+from millpond.learner.client._extend import Extender
 from millpond.learner.client._info import combine_info
 from millpond.learner.client._masses import ShardMasses
 from millpond.learner.client._shards import Resolver, ShardSet
@@ -43,19 +44,9 @@ from millpond.learner.client.writer import Writer
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto
 from millpond.routing import shard_of
-from millpond.ted import OpenEpisodes, compact_ted, episode_base
+from millpond.ted import episode_base
 
 logger = logging.getLogger("millpond.client")
-
-
-class _ExtendState:
-    """What ``extend`` keeps per table: compact_ted's open trajectories and a writer."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.episodes: OpenEpisodes = {}
-        self.writer: Writer | None = None
-        self.generation = 0
 
 
 class ReplayClient:
@@ -145,7 +136,7 @@ class ReplayClient:
         self._lock = threading.Lock()
         self._closed = False
         self._client_id = _default_writer_id()
-        self._extend: dict[str, _ExtendState] = {}
+        self._extenders: dict[str, Extender] = {}
         self._writers: weakref.WeakSet[Writer] = weakref.WeakSet()
 
     # -- identity ------------------------------------------------------------------------
@@ -300,10 +291,9 @@ class ReplayClient:
         self._set.on_all(lambda s: self._set.call(s, "Reset", request))
         self._masses.forget(table)
         with self._lock:
-            state = self._extend.get(table)
-        if state is not None:
-            with state.lock:
-                state.episodes.clear()
+            extender = self._extenders.get(table)
+        if extender is not None:
+            extender.forget_episodes()
 
     def read_table(self, table: str) -> TableReader:
         """A consistent snapshot of ``table`` on every shard, read while inserts go on.
@@ -395,32 +385,14 @@ class ReplayClient:
         _check_table(table)
         self._check_open()
         with self._lock:
-            state = self._extend.setdefault(table, _ExtendState())
-        with state.lock:
-            if state.writer is None:
-                state.generation += 1
-                writer_id = f"{self._client_id}-extend-{table}-{state.generation}"
-                # The client's timeout, not the writer default: extend waits as sample does.
-                state.writer = self.writer(table, writer_id, timeout_s=self.timeout_s)
-            writer = state.writer
-            saved = dict(state.episodes)
-            queued = False
-            try:
-                packed = compact_ted(td, state.episodes, self.episode_base)
-                writer.write_packed(packed, track_episodes=False)
-                queued = True  # the segments will be stored: the episode state stands
-                writer.flush(self._timeout(timeout_s))
-            except BaseException:
-                if not queued:
-                    state.episodes.clear()
-                    state.episodes.update(saved)
-                raise
-            finally:
-                if writer.error is not None:  # a refused stream: a fresh writer next time
-                    state.writer = None
-                    with contextlib.suppress(MillpondError):
-                        writer.close(timeout_s=0)
-        return packed.num_steps
+            extender = self._extenders.setdefault(table, Extender())
+
+        def new_writer(generation: int) -> Writer:
+            writer_id = f"{self._client_id}-extend-{table}-{generation}"
+            # The client's timeout, not the writer default: extend waits as sample does.
+            return self.writer(table, writer_id, timeout_s=self.timeout_s)
+
+        return extender.extend(td, self.episode_base, new_writer, lambda: self._timeout(timeout_s))
 
     # -- sample --------------------------------------------------------------------------
     def sample(self, table: str, batch_size: int, timeout_s: float | None = None) -> TensorDict:
