@@ -35,8 +35,7 @@ from millpond.actors.policies import EpsilonGreedy
 from millpond.actors.processor_specs import ProcessorSpec, build_processors, check_processors
 from millpond.actors.processors import ExperienceProcessor, PassThrough
 from millpond.allocator import keep_freed_buffers
-from millpond.errors import DeadlineExceededError, InvalidConfigError
-from millpond.learner._shards import ShardGoneError
+from millpond.errors import DeadlineExceededError, InvalidConfigError, ShardGoneError
 from millpond.learner.client import ReplayClient
 
 log = logging.getLogger("millpond.actors")

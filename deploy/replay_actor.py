@@ -103,7 +103,7 @@ class ShardAddresses:
     def __call__(self, index: int) -> str | None:
         import ray
 
-        from millpond.learner._shards import ShardGoneError
+        from millpond.errors import ShardGoneError
 
         # A call that was under way when the process died fails as if the actor were dead
         # even when Ray restarts it: only a second question, asked after, says it for sure.

@@ -1,15 +1,27 @@
-"""millpond.learner: the client library learners and actors use, and learner utilities.
+"""millpond.learner: the client library (:mod:`millpond.learner.client`), and beside it value
+estimators and reference learners.
 
 :class:`ReplayClient` inserts (:meth:`~ReplayClient.extend`, :meth:`~ReplayClient.writer`),
 samples (:meth:`~ReplayClient.sample`, :meth:`~ReplayClient.iterate`), updates priorities
-and exchanges policy weights with a set of replay shards.
+and exchanges policy weights with a set of replay shards. The names below are imported on
+first use (PEP 562), so that a process that needs only the client (an env actor) does not
+load the reference learners (torch.nn, optimizers, torch.distributed).
 """
 
-from millpond.config import TableConfig
-from millpond.learner.client import ReplayClient
-from millpond.learner.dqn import DQNConfig, DQNLearner
-from millpond.learner.ppo import PPOConfig, PPOLearner
-from millpond.learner.writer import Writer
+from millpond._lazy_exports import lazy_exports
+
+_PUBLIC = {
+    "DQNConfig": "millpond.learner.dqn",
+    "DQNLearner": "millpond.learner.dqn",
+    "PPOConfig": "millpond.learner.ppo",
+    "PPOLearner": "millpond.learner.ppo",
+    "ReplayClient": "millpond.learner.client",
+    "TableConfig": "millpond.config",
+    "Writer": "millpond.learner.client",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())
 
 __all__ = [
     "DQNConfig",

@@ -7,7 +7,7 @@ sample time, so learners receive TorchRL-style TED TensorDicts.
 This package is the ground floor: the vocabulary every side shares, in modules that import
 nothing else of millpond (:mod:`.errors`, :mod:`.spec`, :mod:`.config`, :mod:`.segments`,
 :mod:`.ted`, :mod:`.segmenting`, :mod:`.sample_format`, :mod:`.routing`,
-:mod:`.storage_format`, :mod:`.colocated`). The
+:mod:`.storage_format`, :mod:`.colocated`, :mod:`.checks`, :mod:`.insert_checks`). The
 subpackages stand on it (``docs/architecture.md``); this ``__init__`` re-exports the public
 names (each imported on first use), and :mod:`.cli` and :mod:`.testing` sit on top of everything.
 """
@@ -27,6 +27,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "service")) and _os.path.isfile
 
 from millpond import _lazy_compiler
 from millpond import errors as _errors  # light: no dependencies
+from millpond._lazy_exports import lazy_exports
 
 # tensordict's compile marks wait for torch._dynamo (~1 s of CPU per process) until something
 # imports it: only learners compile (their optimizers), not shards, env actors or the driver.
@@ -36,12 +37,11 @@ _lazy_compiler.install()
 # millpond (a shard, an env actor, the CLI) does not pay for the others' imports (torch,
 # tensordict, grpc: seconds per process on a small machine).
 _PUBLIC = {
-    "ColocationError": "millpond.colocated",
     "TableConfig": "millpond.config",
     **dict.fromkeys(_errors.__all__, "millpond.errors"),
     # The public face: the client and the in-process shard, from the floors above.
     "ReplayClient": "millpond.learner.client",
-    "Writer": "millpond.learner.writer",
+    "Writer": "millpond.learner.client",
     "Segment": "millpond.segments",
     "Shard": "millpond.service.shard",
     "Table": "millpond.service.table",
@@ -50,20 +50,7 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'millpond' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
-
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())
 
 __version__ = "0.1.0"
 
@@ -83,6 +70,7 @@ __all__ = [
     "Segment",
     "Shard",
     "ShardBusyError",
+    "ShardGoneError",
     "ShardUnavailableError",
     "StorageCorruptedError",
     "Table",

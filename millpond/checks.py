@@ -9,7 +9,7 @@ import torch
 
 from millpond.errors import InvalidConfigError, InvalidDataError
 
-__all__ = ["as_int64", "check_int", "check_number"]
+__all__ = ["as_int64", "check_batch_size", "check_int", "check_number"]
 
 
 def check_int(name: str, value: object, low: int) -> None:
@@ -24,6 +24,17 @@ def check_number(name: str, value: object, positive: bool = False) -> None:
         raise InvalidConfigError(f"{name} ({value!r}) must be a number >= 0")
     if positive and value == 0:
         raise InvalidConfigError(f"{name} ({value!r}) must be > 0")
+
+
+def check_batch_size(batch_size: object) -> None:
+    """Raise :class:`InvalidDataError` unless ``batch_size`` is an integer >= 1 (a numpy
+    integer passes, a bool does not)."""
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, int | np.integer)
+        or batch_size < 1
+    ):
+        raise InvalidDataError(f"batch_size ({batch_size!r}) must be a positive integer")
 
 
 def as_int64(x: Any, name: str = "indexes") -> np.ndarray:

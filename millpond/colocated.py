@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from millpond.errors import MillpondError
+from millpond.errors import ColocationError
 from millpond.frame_stacks import rebuild
 from millpond.spec import OBSERVATION, Key, TableSpec, format_key
 from millpond.storage_format import (
@@ -38,13 +38,9 @@ from millpond.storage_format import (
     storage_identity,
 )
 
-__all__ = ["ColocatedReader", "ColocationError", "host_id"]
+__all__ = ["ColocatedReader", "host_id"]
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
-
-
-class ColocationError(MillpondError):
-    """A table's files cannot be read on this host; the message says why."""
 
 
 def host_id() -> str:

@@ -1,8 +1,10 @@
 """The millpond exception hierarchy.
 
 Every error millpond raises on purpose derives from :class:`MillpondError`, so a caller
-can catch the family at once. The wire maps each class to one gRPC status code
-(``millpond.protos.status``), the same table on the server and the client.
+can catch the family at once. The wire maps each class a shard raises to one gRPC status
+code (``millpond.protos.status``), the same table on the server and the client; the client's
+own errors (:class:`ShardGoneError`, :class:`ColocationError`) are raised where they arise,
+in the client's process, and never cross the wire.
 """
 
 from __future__ import annotations
@@ -67,13 +69,27 @@ class ShardUnavailableError(MillpondError, ConnectionError):
     """A shard cannot be reached (down, restarting, or shutting down)."""
 
 
+class ShardGoneError(ShardUnavailableError):
+    """The shard is lost for good (its supervisor cannot bring it back).
+
+    A client's ``resolver`` raises it for such a shard; the client then never tries the
+    shard again, and a writer pinned to it stops with it, its unacknowledged segments lost
+    with the shard (its owner may write on to another shard).
+    """
+
+
 class ClosedError(MillpondError):
     """The table or shard has been closed."""
+
+
+class ColocationError(MillpondError):
+    """A table's files cannot be read on this host; the message says why."""
 
 
 __all__ = [
     "AuthenticationError",
     "ClosedError",
+    "ColocationError",
     "DeadlineExceededError",
     "InvalidConfigError",
     "InvalidDataError",
@@ -82,6 +98,7 @@ __all__ = [
     "RateLimiterTimeoutError",
     "ResourceExhaustedError",
     "ShardBusyError",
+    "ShardGoneError",
     "ShardUnavailableError",
     "StorageCorruptedError",
     "TableExistsError",

@@ -47,4 +47,4 @@ def test_checkout_root_on_sys_path_imports_every_subpackage(tmp_path):
         "actors",
         "deploy",
     ]
-    assert client_module == "millpond.learner.client"
+    assert client_module == "millpond.learner.client.replay_client"

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from millpond import ReplayClient, TableConfig
-from millpond.errors import ShardUnavailableError
-from millpond.learner._shards import ShardGoneError
+from millpond.errors import ShardGoneError, ShardUnavailableError
 from millpond.testing import constant_segment
 
 pytestmark = pytest.mark.timeout(180)

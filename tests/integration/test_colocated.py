@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from millpond import ReplayClient, TableConfig
-from millpond.colocated import ColocatedReader, ColocationError
-from millpond.errors import ResourceExhaustedError
-from millpond.learner import _colocated
+from millpond.colocated import ColocatedReader
+from millpond.errors import ColocationError, ResourceExhaustedError
+from millpond.learner.client import _colocated
 from millpond.storage_format import TOKEN_FILE, ensure_token, read_token, storage_identity
 from millpond.testing import pattern, pattern_segment
 

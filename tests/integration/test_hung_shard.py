@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from millpond import DeadlineExceededError, ReplayClient, TableConfig
-from millpond.learner.writer import DEFAULT_TIMEOUT_S
+from millpond.learner.client.writer import DEFAULT_TIMEOUT_S
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.service.server import ServerConfig, create_server
 from millpond.testing import constant_segment as segment

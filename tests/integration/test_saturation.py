@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import ResourceExhaustedError, ShardBusyError
-from millpond.learner import writer as writer_module
-from millpond.learner._errors import from_rpc_error, is_retryable
+from millpond.learner.client import _insert_stream
+from millpond.learner.client._errors import from_rpc_error, is_retryable
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.service.server import ServerConfig, create_server
@@ -110,7 +110,7 @@ def test_a_stream_past_the_bound_is_refused_at_once_as_busy(busy_shard):
 
 
 def test_idle_writers_make_room_for_refused_ones(busy_shard, monkeypatch):
-    monkeypatch.setattr(writer_module, "IDLE_STREAM_S", 0.5)
+    monkeypatch.setattr(_insert_stream, "IDLE_STREAM_S", 0.5)
     client = ReplayClient(busy_shard, timeout_s=10)
     client.create_table(TableConfig.uniform("idle", capacity=10_000))
     writers = [client.writer("idle", writer_id=f"idle-{i}") for i in range(MAX_WORKERS + 2)]

@@ -17,8 +17,8 @@ from typing import Any
 
 from millpond.config import TableConfig
 from millpond.errors import MillpondError, TableNotFoundError
-from millpond.learner._errors import ShardUnavailableError
-from millpond.learner._shards import RETRY_DOWN_S, ShardHandle, ShardSet
+from millpond.learner.client._errors import ShardUnavailableError
+from millpond.learner.client._shards import RETRY_DOWN_S, ShardHandle, ShardSet
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import info_from_proto
 

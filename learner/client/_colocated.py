@@ -20,11 +20,11 @@ from typing import Any
 
 import grpc
 
-from millpond.colocated import ColocatedReader, ColocationError, host_id
-from millpond.errors import MillpondError
-from millpond.learner._channels import TLS, open_channel
-from millpond.learner._masses import ShardMasses
-from millpond.learner._shards import ShardHandle
+from millpond.colocated import ColocatedReader, host_id
+from millpond.errors import ColocationError, MillpondError
+from millpond.learner.client._channels import TLS, open_channel
+from millpond.learner.client._masses import ShardMasses
+from millpond.learner.client._shards import ShardHandle
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 
 #: A table whose files could not be opened is tried again after this many seconds (or as

@@ -21,47 +21,32 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from millpond.checks import as_int64
+from millpond.checks import check_batch_size
 from millpond.config import LIVE_SETTINGS, TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError
-from millpond.learner._calls import CallSet
-from millpond.learner._channels import bearer_metadata, channel_options
-from millpond.learner._errors import from_rpc_error
-from millpond.learner._info import combine_info
-from millpond.learner._masses import ShardMasses
-from millpond.learner._read_ahead import read_ahead
-from millpond.learner._shards import Resolver, ShardSet
-from millpond.learner._split import SplitSampler
-from millpond.learner.table_reader import TableReader
-from millpond.learner.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
-from millpond.learner.writer import Writer
+from millpond.learner.client import _iterate, _priorities, _weights
+from millpond.learner.client._channels import bearer_metadata, channel_options
+from millpond.learner.client._extend import Extender
+from millpond.learner.client._info import combine_info
+from millpond.learner.client._masses import ShardMasses
+from millpond.learner.client._shards import Resolver, ShardSet
+from millpond.learner.client._split import SplitSampler
+from millpond.learner.client.table_reader import TableReader
+from millpond.learner.client.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
+from millpond.learner.client.writer import Writer
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto
-from millpond.protos.weights import publish_requests, state_dict_from_blob, state_dict_to_blob
 from millpond.routing import shard_of
-from millpond.ted import OpenEpisodes, compact_ted, episode_base
+from millpond.ted import episode_base
 
 logger = logging.getLogger("millpond.client")
-
-
-class _ExtendState:
-    """What ``extend`` keeps per table: compact_ted's open trajectories and a writer."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.episodes: OpenEpisodes = {}
-        self.writer: Writer | None = None
-        self.generation = 0
 
 
 class ReplayClient:
@@ -81,14 +66,14 @@ class ReplayClient:
             on this host. ``None`` (default): from the table's memory-mapped files when the
             shard reports the same host and its storage directory opens here with the token
             the shard reports, else on the wire; ``True``: from the files, or
-            :class:`~millpond.colocated.ColocationError` naming the shard, the table and
+            :class:`~millpond.errors.ColocationError` naming the shard, the table and
             why not (queue tables never are: their delivered segments may be overwritten
             at once); ``False``: always on the wire. The shard picks and counts the rows
             either way, so batches are the same for the same table and seed.
         resolver: ``resolver(index)`` gives shard ``index``'s current address (``None``:
-            unknown yet) or raises :class:`~millpond.learner._shards.ShardGoneError` when it
+            unknown yet) or raises :class:`~millpond.errors.ShardGoneError` when it
             is lost for good; asked when a shard cannot be reached, so that a shard restarted
-            on another port is found there (see :mod:`millpond.learner._shards`). It must
+            on another port is found there (see :mod:`millpond.learner.client._shards`). It must
             pickle to travel with the client. ``None``: shards stay at their addresses.
 
     Channels are created on first use, so constructing a client never blocks. A client
@@ -151,7 +136,7 @@ class ReplayClient:
         self._lock = threading.Lock()
         self._closed = False
         self._client_id = _default_writer_id()
-        self._extend: dict[str, _ExtendState] = {}
+        self._extenders: dict[str, Extender] = {}
         self._writers: weakref.WeakSet[Writer] = weakref.WeakSet()
 
     # -- identity ------------------------------------------------------------------------
@@ -189,7 +174,7 @@ class ReplayClient:
     @property
     def lost_shards(self) -> list[int]:
         """Indexes of the shards that the ``resolver`` says are lost for good: never tried
-        again, their mass 0 (see :mod:`millpond.learner._shards`)."""
+        again, their mass 0 (see :mod:`millpond.learner.client._shards`)."""
         return [s.index for s in self._set.shards if s.gone]
 
     def colocated_shards(self, table: str) -> list[int]:
@@ -306,15 +291,14 @@ class ReplayClient:
         self._set.on_all(lambda s: self._set.call(s, "Reset", request))
         self._masses.forget(table)
         with self._lock:
-            state = self._extend.get(table)
-        if state is not None:
-            with state.lock:
-                state.episodes.clear()
+            extender = self._extenders.get(table)
+        if extender is not None:
+            extender.forget_episodes()
 
     def read_table(self, table: str) -> TableReader:
         """A consistent snapshot of ``table`` on every shard, read while inserts go on.
 
-        Iterate the :class:`~millpond.learner.table_reader.TableReader` for the segments each
+        Iterate the :class:`~millpond.learner.client.table_reader.TableReader` for the segments each
         shard had published when the call pinned them (all shards at once), whole, oldest
         first, shard after shard; its ``config``, ``segments`` and ``steps`` say what was
         pinned. Segments overwritten before they are read are left out and counted. Needs
@@ -401,32 +385,14 @@ class ReplayClient:
         _check_table(table)
         self._check_open()
         with self._lock:
-            state = self._extend.setdefault(table, _ExtendState())
-        with state.lock:
-            if state.writer is None:
-                state.generation += 1
-                writer_id = f"{self._client_id}-extend-{table}-{state.generation}"
-                # The client's timeout, not the writer default: extend waits as sample does.
-                state.writer = self.writer(table, writer_id, timeout_s=self.timeout_s)
-            writer = state.writer
-            saved = dict(state.episodes)
-            queued = False
-            try:
-                packed = compact_ted(td, state.episodes, self.episode_base)
-                writer.write_packed(packed, track_episodes=False)
-                queued = True  # the segments will be stored: the episode state stands
-                writer.flush(self._timeout(timeout_s))
-            except BaseException:
-                if not queued:
-                    state.episodes.clear()
-                    state.episodes.update(saved)
-                raise
-            finally:
-                if writer.error is not None:  # a refused stream: a fresh writer next time
-                    state.writer = None
-                    with contextlib.suppress(MillpondError):
-                        writer.close(timeout_s=0)
-        return packed.num_steps
+            extender = self._extenders.setdefault(table, Extender())
+
+        def new_writer(generation: int) -> Writer:
+            writer_id = f"{self._client_id}-extend-{table}-{generation}"
+            # The client's timeout, not the writer default: extend waits as sample does.
+            return self.writer(table, writer_id, timeout_s=self.timeout_s)
+
+        return extender.extend(td, self.episode_base, new_writer, lambda: self._timeout(timeout_s))
 
     # -- sample --------------------------------------------------------------------------
     def sample(self, table: str, batch_size: int, timeout_s: float | None = None) -> TensorDict:
@@ -443,7 +409,7 @@ class ReplayClient:
         :class:`~millpond.errors.RateLimiterTimeoutError`).
         """
         _check_table(table)
-        _check_batch_size(batch_size)
+        check_batch_size(batch_size)
         self._check_open()
         return self._sampler.sample(table, int(batch_size), self._timeout(timeout_s), None)
 
@@ -462,48 +428,14 @@ class ReplayClient:
         :meth:`sample` are raised here.
         """
         _check_table(table)
-        _check_batch_size(batch_size)
+        check_batch_size(batch_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise InvalidConfigError(f"prefetch ({prefetch!r}) must be a positive integer")
         timeout = self._timeout(timeout_s)
         self._check_open()
-        return self._iterate(table, int(batch_size), prefetch, timeout)
-
-    def _iterate(
-        self, table: str, batch_size: int, prefetch: int, timeout: float | None
-    ) -> Iterator[TensorDict]:
-        config = self._masses.configs.get(table)
-        if config is None:
-            self._masses.refresh(table, [s for s in self._set.shards if not s.down])
-            config = self._masses.configs.get(table)
-        in_order = config is not None and config.sampler == "queue"
-        calls = CallSet()
-        streamed = (
-            None if in_order else self._sampler.stream(table, batch_size, prefetch, timeout, calls)
+        return _iterate.iterate(
+            self._set, self._masses, self._sampler, table, int(batch_size), prefetch, timeout
         )
-        if streamed is not None:
-            yield from read_ahead(streamed, calls.cancel, "millpond-colocated-read")
-            return
-        pool = ThreadPoolExecutor(
-            max_workers=1 if in_order else prefetch, thread_name_prefix="millpond-prefetch"
-        )
-        pending: deque[Future[TensorDict]] = deque()
-
-        def request() -> None:
-            pending.append(pool.submit(self._sampler.sample, table, batch_size, timeout, calls))
-
-        try:
-            for _ in range(prefetch):
-                request()
-            while True:
-                batch = pending.popleft().result()
-                request()
-                yield batch
-        finally:
-            calls.cancel()
-            for future in pending:
-                future.cancel()
-            pool.shutdown(wait=True)
 
     def update_priorities(
         self,
@@ -520,49 +452,7 @@ class ReplayClient:
         """
         _check_table(table)
         self._check_open()
-        try:
-            slots = as_int64(index["slot"], "index['slot']")
-            gens = as_int64(index["generation"], "index['generation']")
-            shard_ids = as_int64(index["shard"], "index['shard']")
-        except KeyError as e:
-            raise InvalidDataError(
-                "update_priorities needs a sampled batch's 'index' (slot, generation, shard); "
-                f"missing {e}"
-            ) from None
-        prios = _float64(priorities)
-        if not len(slots) == len(gens) == len(shard_ids) == len(prios):
-            raise InvalidDataError(
-                f"update_priorities: {len(slots)} slots, {len(gens)} generations, "
-                f"{len(shard_ids)} shard ids and {len(prios)} priorities; they must be equal"
-            )
-        shards = self._set.shards
-        if len(shard_ids) and (shard_ids.min() < 0 or shard_ids.max() >= len(shards)):
-            raise InvalidDataError(f"index['shard'] out of range [0, {len(shards)})")
-        targets = [shards[i] for i in np.unique(shard_ids).tolist()]
-
-        def update(shard: Any) -> int:
-            mask = shard_ids == shard.index
-            request = pb.UpdatePrioritiesRequest(
-                table=table,
-                slots=slots[mask].tolist(),
-                generations=gens[mask].tolist(),
-                priorities=prios[mask].tolist(),
-            )
-            return int(self._set.call(shard, "UpdatePriorities", request).applied)
-
-        applied = 0
-        for shard, result in zip(targets, self._set.each(targets, update), strict=True):
-            if isinstance(result, MillpondError) and shard.down:
-                logger.warning(
-                    "update_priorities: shard %s is unavailable; its %d priorities are dropped",
-                    shard.address,
-                    int((shard_ids == shard.index).sum()),
-                )
-            elif isinstance(result, MillpondError):
-                raise result
-            else:
-                applied += result
-        return applied
+        return _priorities.update_priorities(self._set, table, index, priorities)
 
     # -- weights -------------------------------------------------------------------------
     def publish_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
@@ -575,9 +465,7 @@ class ReplayClient:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidDataError(f"version ({version!r}) must be a non-negative integer")
         self._check_open()
-        blob = state_dict_to_blob(state_dict)
-        shard = self._set.rendezvous()
-        return int(self._set.call(shard, "PublishWeights", publish_requests(blob, version)).version)
+        return _weights.publish(self._set, state_dict, version)
 
     def get_weights(
         self, min_version: int = 0, timeout_s: float = 0
@@ -592,30 +480,7 @@ class ReplayClient:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s < 0:
             raise InvalidDataError(f"timeout_s ({timeout_s!r}) must be a number >= 0")
         self._check_open()
-        shard = self._set.rendezvous()
-        request = pb.GetWeightsRequest(
-            min_version=min_version, timeout_ms=int(np.ceil(timeout_s * 1000))
-        )
-        deadline = None if self.timeout_s is None else timeout_s + self.timeout_s
-        try:
-            call = shard.stub.GetWeights(request, timeout=deadline, metadata=self._set.metadata)
-            messages = list(call)
-        except grpc.RpcError as err:
-            self._set.note_failure(shard, err)
-            raise from_rpc_error(err, shard.address) from err
-        self._set.note_up(shard)
-        if not messages:
-            raise MillpondError(f"shard {shard.address}: GetWeights sent no header")
-        version = int(messages[0].version)
-        if version < 0 or version < min_version:
-            return None, version
-        blob = b"".join(m.chunk for m in messages)
-        if len(blob) != messages[0].total_size:
-            raise MillpondError(
-                f"shard {shard.address}: weights version {version} has {len(blob)} bytes, "
-                f"the header announced {messages[0].total_size}"
-            )
-        return state_dict_from_blob(blob), version
+        return _weights.fetch(self._set, min_version, timeout_s, self.timeout_s)
 
     # -- lifecycle -----------------------------------------------------------------------
     def close(self, timeout_s: float | None = None) -> None:
@@ -673,21 +538,3 @@ def _create_request(config: TableConfig) -> pb.CreateTableRequest:
 def _check_table(table: str) -> None:
     if not isinstance(table, str) or not table:
         raise InvalidConfigError(f"table ({table!r}) must be a non-empty string")
-
-
-def _check_batch_size(batch_size: int) -> None:
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, int | np.integer)
-        or batch_size < 1
-    ):
-        raise InvalidDataError(f"batch_size ({batch_size!r}) must be a positive integer")
-
-
-def _float64(x: Any) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().to("cpu", torch.float64).numpy()
-    try:
-        return np.asarray(x, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError) as e:
-        raise InvalidDataError(f"priorities must be numbers: {e}") from None

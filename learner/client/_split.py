@@ -3,7 +3,7 @@
 :func:`split_batch` divides a batch among shards in proportion to their sampleable masses,
 so the merged batch draws every stored step as one table holding everything would.
 :class:`SplitSampler` does that for a table: it splits by the masses the client knows
-(:mod:`millpond.learner._masses`), asks the live shards in parallel, re-asks a shard's share
+(:mod:`millpond.learner.client._masses`), asks the live shards in parallel, re-asks a shard's share
 from the others when it goes down meanwhile, and concatenates the parts.
 """
 
@@ -20,12 +20,16 @@ import torch
 from tensordict import TensorDict
 
 from millpond.errors import MillpondError, RateLimiterTimeoutError, ShardBusyError
-from millpond.learner._calls import CallSet, Cancelled
-from millpond.learner._channels import TLS
-from millpond.learner._colocated import Colocation
-from millpond.learner._errors import ShardUnavailableError, from_rpc_error, is_connect_failure
-from millpond.learner._masses import ShardMasses
-from millpond.learner._shards import ShardHandle, ShardSet
+from millpond.learner.client._calls import CallSet, Cancelled
+from millpond.learner.client._channels import TLS
+from millpond.learner.client._colocated import Colocation
+from millpond.learner.client._errors import (
+    ShardUnavailableError,
+    from_rpc_error,
+    is_connect_failure,
+)
+from millpond.learner.client._masses import ShardMasses
+from millpond.learner.client._shards import ShardHandle, ShardSet
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import wire
 from millpond.protos.samples import decode_colocated, decode_sample

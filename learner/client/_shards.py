@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from millpond.errors import MillpondError, ShardUnavailableError
-from millpond.learner._channels import TLS, open_channel
-from millpond.learner._errors import from_rpc_error, is_connect_failure
+from millpond.errors import MillpondError, ShardGoneError
+from millpond.learner.client._channels import TLS, open_channel
+from millpond.learner.client._errors import from_rpc_error, is_connect_failure
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 
@@ -41,10 +41,6 @@ T = TypeVar("T")
 RETRY_DOWN_S = 3.0
 #: Seconds between two questions to the resolver about one shard.
 RESOLVE_EVERY_S = 0.5
-
-
-class ShardGoneError(ShardUnavailableError):
-    """The shard is lost for good (its supervisor cannot bring it back)."""
 
 
 #: ``resolver(index)``: shard ``index``'s address now, ``None`` if unknown yet; raises
@@ -202,7 +198,7 @@ class ShardSet:
     Args:
         addresses: one per shard, shard 0 first.
         options: gRPC channel options.
-        tls: see :func:`millpond.learner._channels.channel_credentials`.
+        tls: see :func:`millpond.learner.client._channels.channel_credentials`.
         metadata: sent with every call.
         timeout_s: the default deadline of calls (``None``: none).
         resolver: where a shard is now (see the module docstring); ``None``: shards stay

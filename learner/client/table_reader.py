@@ -20,7 +20,7 @@ import numpy as np
 
 from millpond.config import TableConfig
 from millpond.errors import MillpondError
-from millpond.learner._errors import from_rpc_error
+from millpond.learner.client._errors import from_rpc_error
 from millpond.protos import codec
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto

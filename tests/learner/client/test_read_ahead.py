@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from millpond.learner._read_ahead import read_ahead
+from millpond.learner.client._read_ahead import read_ahead
 
 NAME = "test-read-ahead"
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from millpond.errors import MillpondError, TableNotFoundError
-from millpond.learner._errors import ShardUnavailableError
-from millpond.learner._shards import ShardHandle
+from millpond.learner.client._errors import ShardUnavailableError
+from millpond.learner.client._shards import ShardHandle
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import info_from_proto
 

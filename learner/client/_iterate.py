@@ -1,0 +1,65 @@
+"""Batches sampled forever with requests kept in flight: what :meth:`ReplayClient.iterate`
+yields.
+
+Wire batches come from a pool of ``prefetch`` threads, each asking for the next batch as
+one is handed out (one thread for a queue table, so that batches keep the queue's order).
+A table read from its files on this host streams instead (:meth:`SplitSampler.stream`),
+read one batch ahead on a thread of its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from tensordict import TensorDict
+
+from millpond.learner.client._calls import CallSet
+from millpond.learner.client._masses import ShardMasses
+from millpond.learner.client._read_ahead import read_ahead
+from millpond.learner.client._shards import ShardSet
+from millpond.learner.client._split import SplitSampler
+
+
+def iterate(
+    shards: ShardSet,
+    masses: ShardMasses,
+    sampler: SplitSampler,
+    table: str,
+    batch_size: int,
+    prefetch: int,
+    timeout: float | None,
+) -> Iterator[TensorDict]:
+    """Batches of ``table`` in order, ``prefetch`` requests in flight; closing the generator
+    cancels what is in flight and joins its threads."""
+    config = masses.configs.get(table)
+    if config is None:
+        masses.refresh(table, [s for s in shards.shards if not s.down])
+        config = masses.configs.get(table)
+    in_order = config is not None and config.sampler == "queue"
+    calls = CallSet()
+    streamed = None if in_order else sampler.stream(table, batch_size, prefetch, timeout, calls)
+    if streamed is not None:
+        yield from read_ahead(streamed, calls.cancel, "millpond-colocated-read")
+        return
+    pool = ThreadPoolExecutor(
+        max_workers=1 if in_order else prefetch, thread_name_prefix="millpond-prefetch"
+    )
+    pending: deque[Future[TensorDict]] = deque()
+
+    def request() -> None:
+        pending.append(pool.submit(sampler.sample, table, batch_size, timeout, calls))
+
+    try:
+        for _ in range(prefetch):
+            request()
+        while True:
+            batch = pending.popleft().result()
+            request()
+            yield batch
+    finally:
+        calls.cancel()
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True)
