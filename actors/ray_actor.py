@@ -8,7 +8,7 @@ sequence numbering (the writer handshake), so nothing it sent is stored twice or
 what the dead process had not yet sent is lost with it, as with any crash.
 
 When the actor's shard is lost for good (its writer fails with
-:class:`~millpond.learner._shards.ShardGoneError`), the actor writes on to another shard
+:class:`~millpond.errors.ShardGoneError`), the actor writes on to another shard
 that is still there: the chunk being written is dropped (with what the lost shard had not
 acknowledged), and every lane starts a new episode id, so that no episode is split across
 shards: the new shard holds whole episodes from their first stored step.

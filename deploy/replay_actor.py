@@ -9,7 +9,7 @@ A shard actor is pinned to its node (``NodeAffinitySchedulingStrategy(node, soft
 and restarted there by Ray (``replay.max_restarts``): it reopens its tables from its
 directory, and serves on a port of its own choosing, which may differ from the last one.
 Clients find it through :class:`ShardAddresses`, a resolver (see
-:mod:`millpond.learner._shards`) that looks the shard's actor up by its name and asks it for
+:mod:`millpond.learner.client._shards`) that looks the shard's actor up by its name and asks it for
 its address: Ray routes the question to the restarted actor, and answers that the actor is
 dead for good when its restarts are spent or its node is gone.
 """
@@ -81,7 +81,7 @@ class ShardAddresses:
     ``index``'s Ray actor by its name and asks it for its address.
 
     Returns the address, or ``None`` while the actor does not answer (Ray is restarting
-    it); raises :class:`~millpond.learner._shards.ShardGoneError` once Ray says the actor
+    it); raises :class:`~millpond.errors.ShardGoneError` once Ray says the actor
     is dead for good (restarts spent) or cannot be placed again (its node is gone). Holds
     only the actors' names and namespace, so it pickles small and travels with a
     :class:`~millpond.learner.ReplayClient` to env actors and learners (whose constructor

@@ -11,7 +11,7 @@ docstrings state what a player must guarantee beyond the names. The implementers
 ========================  ============================================================
 role                      implemented by
 ========================  ============================================================
-:class:`SegmentSink`      ``millpond.learner.writer.Writer``, ``millpond.service.TableSink``
+:class:`SegmentSink`      ``millpond.learner.client.Writer``, ``millpond.service.TableSink``
 :class:`Processor`        ``millpond.actors.processors.ExperienceProcessor`` and its kinds
 :class:`Policy`           ``millpond.actors.policies.ActorPolicy`` (``RandomPolicy``,
                           ``ModulePolicy``)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 from tensordict import TensorDict, TensorDictBase
 
+from millpond.checks import check_batch_size
 from millpond.errors import InvalidDataError, StorageCorruptedError
 from millpond.sample_format import ColocatedSample, SlotSample
 from millpond.service.sample_forms import COLOCATED, SLOTS, TED, Drawn, SampleForm
@@ -99,12 +100,7 @@ class TableDraws:
         (:meth:`sample_colocated`); all draw alike and differ only in what they read."""
         if form.not_for_queues is not None and isinstance(self.sampler, QueueSampler):
             raise InvalidDataError(f"table {self.name!r} is a queue: {form.not_for_queues}")
-        if (
-            isinstance(batch_size, bool)
-            or not isinstance(batch_size, int | np.integer)
-            or batch_size < 1
-        ):
-            raise InvalidDataError(f"batch_size ({batch_size!r}) must be a positive integer")
+        check_batch_size(batch_size)
         batch_size = int(batch_size)
         if isinstance(self.sampler, QueueSampler) and batch_size > self.config.capacity:
             raise InvalidDataError(

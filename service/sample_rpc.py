@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from millpond.checks import check_batch_size
 from millpond.errors import InvalidDataError, ResourceExhaustedError
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import samples, wire
@@ -38,8 +39,7 @@ class SampleRPC:
     @edge
     def Sample(self, request: pb.SampleRequest, context):
         table = self._table(request.table)
-        if request.batch_size < 1:
-            raise InvalidDataError(f"batch_size ({request.batch_size}) must be a positive integer")
+        check_batch_size(request.batch_size)
         if request.num_batches < 0:
             raise InvalidDataError(f"num_batches ({request.num_batches}) must be >= 0")
         timeout = timeout_s(request.timeout_ms)

@@ -31,7 +31,7 @@ from millpond.errors import (
     InvalidDataError,
     RateLimiterTimeoutError,
 )
-from millpond.frame_stacks import compact_stacks, stack_examples
+from millpond.insert_checks import check_insert
 from millpond.segments import PackedSegments
 from millpond.service.draws import TableDraws
 from millpond.service.inserts import TableInserts
@@ -61,7 +61,7 @@ from millpond.service.table_files import (
     read_config_copy,
     restorable,
 )
-from millpond.spec import OBSERVATION, STEP, TableSpec
+from millpond.spec import Key, TableSpec
 from millpond.ted import OpenEpisodes, compact_ted, episode_base
 
 log = logging.getLogger(__name__)
@@ -221,23 +221,25 @@ class Table(TableInserts, TableDraws):
 
     def _check_spec(self, packed: PackedSegments) -> PackedSegments:
         """``packed`` checked against the spec (set from it if there is none yet), its
-        frame-stacked keys as frames."""
-        packed = compact_stacks(packed, self.config.frame_stacks)
-        stacks = stack_examples(packed)
-        spec = self.storage.spec
-        if spec is None:
-            with self._cond:
-                if self.storage.spec is None:
-                    inferred = TableSpec.from_example(packed.steps, {**packed.tails, **stacks})
-                    config = self.config.with_spec(inferred)  # checks the table's bytes first
-                    self.storage.set_spec(inferred)
-                    self.config = config
-                    self._write_meta()
-                spec = self.storage.spec
-        assert spec is not None
-        spec.check({**packed.tails, **stacks}, (OBSERVATION,), "tail")
-        spec.check({**packed.steps, **stacks}, (OBSERVATION, STEP), "steps")
+        frame-stacked keys as frames: the rule a writer applies too (:mod:`millpond.insert_checks`)."""
+        packed, _ = check_insert(
+            packed, self.config.frame_stacks, self.storage.spec, self._adopt_spec
+        )
         return packed
+
+    def _adopt_spec(
+        self, steps: dict[Key, torch.Tensor], tails: dict[Key, torch.Tensor]
+    ) -> TableSpec:
+        """The spec the first insert sets (another insert may have set it first)."""
+        with self._cond:
+            if self.storage.spec is None:
+                inferred = TableSpec.from_example(steps, tails)
+                config = self.config.with_spec(inferred)  # checks the table's bytes first
+                self.storage.set_spec(inferred)
+                self.config = config
+                self._write_meta()
+            assert self.storage.spec is not None
+            return self.storage.spec
 
     # -- priorities ----------------------------------------------------------------------
     def update_priorities(

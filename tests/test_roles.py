@@ -18,10 +18,9 @@ from millpond import roles
 from millpond.actors import processors
 from millpond.actors.policies import ActorPolicy, ModulePolicy, RandomPolicy, make_policy
 from millpond.config import TableConfig
-from millpond.learner.client import ReplayClient
+from millpond.learner.client import ReplayClient, Writer
 from millpond.learner.dqn import DQNConfig, DQNLearner
 from millpond.learner.ppo import PPOConfig, PPOLearner
-from millpond.learner.writer import Writer
 from millpond.service.samplers import PrioritizedSampler, QueueSampler, Sampler, UniformSampler
 from millpond.service.sink import TableSink
 from millpond.service.slice_sampler import SliceSampler
