@@ -56,7 +56,7 @@ from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.deploy.status_rows import StatusRows
 from millpond.errors import InvalidConfigError, MillpondError
 
-if TYPE_CHECKING:  # the config's module imports torch: the command line must not wait for it
+if TYPE_CHECKING:  # they import Ray or torch: see the module docstring
     from millpond.actors.ray_actor import ActorConfig
     from millpond.deploy.env_fleet import EnvFleet
     from millpond.deploy.launch_config import LaunchConfig
@@ -98,8 +98,7 @@ class Launch:
         resume: bool = False,
         owns_ray: bool = False,
     ) -> None:
-        # Ray and torch: the command line imports this module before them, and imports them
-        # while Ray starts (millpond.deploy.ray_start).
+        # Deferred: imports Ray and torch (see the module docstring).
         from millpond.deploy.learner_group import LearnerGroup
 
         self.config = config
@@ -139,7 +138,7 @@ class Launch:
     # -- the job ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Run the job to its end; returns the summary (also in ``summary.json``)."""
-        from millpond.deploy.launch_config import to_mapping  # imports torch: see __init__
+        from millpond.deploy.launch_config import to_mapping  # deferred: imports torch
 
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +182,7 @@ class Launch:
             raise _Stop()
 
     def _start(self) -> None:
-        # Ray and torch: imported while Ray started (see __init__).
+        # Deferred: Ray, torch and the rooms that import them (see the module docstring).
         import ray
 
         from millpond.deploy.env_fleet import EnvFleet, env_spaces
@@ -272,7 +271,7 @@ class Launch:
     def _actor_config(self) -> ActorConfig:
         """What each env actor runs, probing the env for the learner's network family if
         the learner was not made yet."""
-        from millpond.deploy.env_fleet import actor_config, network_of  # see __init__
+        from millpond.deploy.env_fleet import actor_config, network_of  # deferred: imports Ray
 
         if self.network is None:
             self.network = network_of(self.config)
@@ -333,7 +332,7 @@ class Launch:
 
     # -- shutdown --------------------------------------------------------------------------
     def _shutdown(self, report: RunReport, reason: str) -> dict[str, Any]:
-        # Ray: imported while Ray started (see __init__).
+        # Deferred: Ray (see the module docstring).
         import ray
 
         from millpond.deploy.placement import located
@@ -498,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
         launch = _launch(args, overrides, owns_ray)
     except BaseException:
         if owns_ray:
-            import ray  # imported already, by start_ray_while_importing
+            import ray  # deferred: imported already, by start_ray_while_importing
 
             ray.shutdown()
         raise
@@ -508,7 +507,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace, overrides: list[str], owns_ray: bool) -> Launch:
     """The job of the command line, its config checked."""
-    # Imports torch: see Launch.__init__.
+    # Deferred: imports torch (see the module docstring).
     from millpond.deploy.launch_config import load_config, resume_config
 
     if args.resume is None:
