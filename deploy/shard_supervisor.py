@@ -225,6 +225,7 @@ class ShardWatch:
 
     @property
     def live(self) -> int:
+        """How many shards are not lost."""
         return len(self.shards) - len(self.lost)
 
     def poll(self, wait_s: float = 0.0) -> list[str]:
