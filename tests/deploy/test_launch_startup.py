@@ -14,15 +14,15 @@ CONFIG = ROOT / "deploy" / "configs" / "cartpole-ppo.yaml"
 _SCRIPT = """
 import argparse, sys, time
 import ray
-from millpond.deploy import launch
+from millpond.deploy import launch, ray_start
 from millpond.errors import InvalidConfigError
 
 parser = argparse.ArgumentParser()
 launch.build_parser(parser)
 args = parser.parse_args(sys.argv[1:])
 started = []
-real_init = launch._init_ray
-launch._init_ray = lambda *a: (started.append(time.monotonic()), real_init(*a))
+real_init = ray_start.init_ray
+ray_start.init_ray = lambda *a: (started.append(time.monotonic()), real_init(*a))
 try:
     launch.run(args)
 except InvalidConfigError as e:

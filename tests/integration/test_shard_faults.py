@@ -81,10 +81,10 @@ def test_a_killed_shard_restarts_on_its_directory_and_the_job_finishes(local_ray
         "replay.metrics_port=0",
     ]
     launch, out, job, result = start_job(tmp_path / "run", "cartpole-dqn.yaml", overrides)
-    shard = launch._shards[0]
+    shard = launch._shards.actors[0]
     before = ray.get(shard.status.remote())
     # replay.metrics_port=0: the shard serves Prometheus metrics where the driver records.
-    (recorded,) = launch._shard_watch.summary()["shards"]
+    (recorded,) = launch._shards.watch.summary()["shards"]
     assert recorded["metrics"] == before["metrics"] and recorded["node_id"] == before["node_id"]
     with urlopen(f"http://{recorded['metrics']}/metrics", timeout=10) as response:
         assert 'millpond_inserted_steps_total{table="replay"}' in response.read().decode()
@@ -137,7 +137,7 @@ def test_losing_shard_0s_node_leaves_the_job_going_on_with_fewer_shards(cluster,
         "learner.resources={learner_node: 1}",
     ]
     launch, out, job, result = start_job(tmp_path / "run", "cartpole-ppo.yaml", overrides)
-    statuses = ray.get([s.status.remote() for s in launch._shards])
+    statuses = ray.get([s.status.remote() for s in launch._shards.actors])
     assert statuses[0]["node_id"] != statuses[1]["node_id"]  # one shard per replay node
     victim = next(n for n in cluster.worker_nodes if n.node_id == statuses[0]["node_id"])
     frames_then = launch._fleet.status.frames

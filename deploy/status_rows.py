@@ -1,0 +1,103 @@
+"""The rows a ``millpond launch`` job records every ``run.status_every_s`` (and once at the
+end): the env actors' frames and episodes, the replay table's counters and the learners'
+reports, as totals and as rates since the previous row.
+
+A row's counters count from the start of the job's loop (a resumed job's table holds the
+earlier runs' inserts and samples); its ``time_s`` goes on from a resumed run's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from millpond.errors import MillpondError
+
+if TYPE_CHECKING:
+    from millpond.actors.fleet import FleetStatus
+    from millpond.deploy.launch_config import LaunchConfig
+    from millpond.deploy.learner_group import LearnerGroup
+    from millpond.learner.client import ReplayClient
+
+__all__ = ["StatusRows"]
+
+
+class StatusRows:
+    """Status rows of one job, each with the rates since the one before.
+
+    Args:
+        config: the job's config (its table's capacity).
+        time_offset: the seconds a resumed run had run before.
+        started: when the job started (monotonic), until :meth:`begin` says otherwise.
+    """
+
+    def __init__(self, config: LaunchConfig, time_offset: float, started: float) -> None:
+        self.config = config
+        self.time_offset = time_offset
+        self._last: dict[str, float] = {
+            "t": started,
+            "frames": 0,
+            "inserts": 0,
+            "samples": 0,
+        }
+        self._base: dict[str, int] = {}
+        self._seen: dict[str, int] = {}
+
+    def begin(self, client: ReplayClient, table: str, started: float) -> None:
+        """Count from now (``started``, monotonic): the loop starts."""
+        self._last = {"t": started, "frames": 0, "inserts": 0, "samples": 0}
+        self._base = self.counters(client, table)
+
+    def counters(self, client: ReplayClient, table: str) -> dict[str, int]:
+        """The table's inserts, samples, size and shard count (the last ones read while a
+        shard is down)."""
+        try:
+            info = client.info(table)
+        except MillpondError:  # a shard is down: keep the last numbers
+            return self._seen
+        self._seen = {
+            "inserts": int(info["inserts"]),
+            "samples": int(info["samples"]),
+            "size": int(info["size"]),
+            "shards": len(info["shards"]),
+        }
+        return self._seen
+
+    def row(
+        self,
+        elapsed: float,
+        status: FleetStatus,
+        counters: dict[str, int],
+        learners: LearnerGroup,
+    ) -> dict[str, Any]:
+        """The row ``elapsed`` seconds into the loop, from the fleet's ``status``, the
+        table's ``counters`` (:meth:`counters`) and the ``learners``' reports."""
+        dt = max(1e-9, time.monotonic() - self._last["t"])
+        inserts = counters.get("inserts", 0) - self._base.get("inserts", 0)
+        samples = counters.get("samples", 0) - self._base.get("samples", 0)
+        capacity = self.config.replay.table_config().capacity * counters.get("shards", 1)
+        row = {
+            "time_s": round(self.time_offset + elapsed, 2),
+            "frames": status.frames,
+            "frames_per_s": (status.frames - self._last["frames"]) / dt,
+            "episodes": status.episodes,
+            "mean_return": status.mean_return,
+            "buffer_size": counters.get("size"),
+            "buffer_fill": counters.get("size", 0) / capacity if capacity else None,
+            "inserts_per_s": (inserts - self._last["inserts"]) / dt,
+            "samples_per_s": (samples - self._last["samples"]) / dt,
+            "samples_per_insert": samples / inserts if inserts else None,
+            "policy_lag": learners.policy_lag,
+            "stale_steps": learners.stale_steps,
+            "learner_steps": learners.steps,
+            "weights_version": learners.version,
+            "loss": learners.loss,
+            "actor_restarts": status.restarts,
+        }
+        self._last = {
+            "t": time.monotonic(),
+            "frames": status.frames,
+            "inserts": inserts,
+            "samples": samples,
+        }
+        return row
