@@ -17,6 +17,7 @@ import grpc
 from millpond.errors import (
     AuthenticationError,
     ClosedError,
+    ColocationError,
     DeadlineExceededError,
     InvalidConfigError,
     InvalidDataError,
@@ -25,6 +26,7 @@ from millpond.errors import (
     RateLimiterTimeoutError,
     ResourceExhaustedError,
     ShardBusyError,
+    ShardGoneError,
     ShardUnavailableError,
     StorageCorruptedError,
     TableExistsError,
@@ -52,6 +54,10 @@ STATUS: dict[type[MillpondError], grpc.StatusCode] = {
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     ShardUnavailableError: grpc.StatusCode.UNAVAILABLE,
     ClosedError: grpc.StatusCode.UNAVAILABLE,
+    # Raised in the client's own process (a resolver's verdict, a colocated read), listed so
+    # that every public error has one code wherever it is reported.
+    ShardGoneError: grpc.StatusCode.UNAVAILABLE,
+    ColocationError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 #: Errors that reach a client as another class: a closed table or shard is, for a client,
