@@ -150,7 +150,7 @@ def build_import_parser(parser: argparse.ArgumentParser | None = None) -> argpar
     )
     p.add_argument(
         "--sampler",
-        metavar="{uniform,prioritized,queue,slices}",
+        metavar="{uniform,prioritized,queue,slices,prioritized_slices}",
         help="a new table's sampler (default uniform)",
     )
     p.add_argument(

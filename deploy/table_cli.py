@@ -50,10 +50,6 @@ def run(args: argparse.Namespace) -> int:
         f"millpond: table {config.name!r}: min_size {config.min_size}, samples_per_insert "
         f"{'none' if ratio is None else f'{ratio:g}'}"
         + (f", error_buffer {config.effective_error_buffer:g}" if ratio is not None else "")
-        + (
-            f", alpha {config.alpha:g}, beta {config.beta:g}"
-            if config.sampler == "prioritized"
-            else ""
-        )
+        + (f", alpha {config.alpha:g}, beta {config.beta:g}" if config.has_priorities else "")
     )
     return 0

@@ -18,12 +18,18 @@ __all__ = [
     "MAX_SEED",
     "MAX_TABLE_BYTES",
     "MAX_TIMEOUT_MS",
+    "PRIORITIZED_SAMPLERS",
     "SAMPLERS",
+    "SLICE_SAMPLERS",
     "TableConfig",
     "check_table_bytes",
 ]
 
-SAMPLERS = ("uniform", "prioritized", "queue", "slices")
+SAMPLERS = ("uniform", "prioritized", "queue", "slices", "prioritized_slices")
+#: The samplers that keep priorities (``update_priorities``, ``alpha`` and ``beta``).
+PRIORITIZED_SAMPLERS = ("prioritized", "prioritized_slices")
+#: The samplers that return slices ``[B, slice_len]`` (``slice_len``, ``strict_length``).
+SLICE_SAMPLERS = ("slices", "prioritized_slices")
 COMPRESSIONS = (None, "zstd")
 
 # Limits on what a table, a request or a step may declare: each one is checked where the
@@ -60,18 +66,19 @@ class TableConfig:
         name: the table's name (letters, digits, ``_``, ``-`` and ``.``).
         capacity: ring size in *slots*. A segment of L steps takes L+1 slots, so a table
             filled with segments of length L holds ``capacity * L / (L + 1)`` steps.
-        sampler: ``"uniform"``, ``"prioritized"``, ``"queue"`` or ``"slices"``.
+        sampler: ``"uniform"``, ``"prioritized"``, ``"queue"``, ``"slices"`` or
+            ``"prioritized_slices"``.
         min_size: steps the table must hold before sampling is allowed.
         samples_per_insert: sampled steps per inserted step, or ``None`` for no ratio limit.
         error_buffer: how far the ratio may drift, in samples, before one side blocks.
             Defaults to ``max(1, min_size) * samples_per_insert`` (Reverb's tolerance 1.0).
-        alpha: prioritization exponent (prioritized tables).
-        beta: importance-weight exponent (prioritized tables).
-        slice_len: steps per sampled slice (slices tables).
+        alpha: prioritization exponent (prioritized and prioritized slices tables).
+        beta: importance-weight exponent (prioritized and prioritized slices tables).
+        slice_len: steps per sampled slice (slices and prioritized slices tables).
         compression: ``None`` or ``"zstd"``: how observation bytes travel on the wire.
         spec: the declared keys, or ``None`` to take them from the first insert.
         seed: seeds the sampler's random generator, for reproducible tests.
-        strict_length: slices tables: ``True`` (the default) samples only full slices of
+        strict_length: slices and prioritized slices tables: ``True`` (the default) samples only full slices of
             ``slice_len`` steps; ``False`` lets every stored step start one, so episode
             ends (and episodes shorter than ``slice_len``) begin slices too: a short slice
             repeats its last step, with ``("collector", "mask")`` false on the repeats
@@ -151,10 +158,11 @@ class TableConfig:
             raise InvalidConfigError(f"alpha ({self.alpha!r}) must be >= 0")
         if not _is_real(self.beta) or self.beta < 0:
             raise InvalidConfigError(f"beta ({self.beta!r}) must be >= 0")
-        if self.sampler == "slices":
+        if self.sampler in SLICE_SAMPLERS:
             if not isinstance(self.slice_len, int) or self.slice_len < 1:
                 raise InvalidConfigError(
-                    f"slice_len ({self.slice_len!r}) must be a positive integer for a slices table"
+                    f"slice_len ({self.slice_len!r}) must be a positive integer for a "
+                    f"{self.sampler} table"
                 )
             if self.slice_len + 1 > self.capacity:
                 raise InvalidConfigError(
@@ -168,7 +176,7 @@ class TableConfig:
             )
         if not isinstance(self.verify_reads, bool):
             raise InvalidConfigError(f"verify_reads ({self.verify_reads!r}) must be True or False")
-        if not self.strict_length and self.sampler != "slices":
+        if not self.strict_length and self.sampler not in SLICE_SAMPLERS:
             raise InvalidConfigError(
                 f"strict_length=False is only for slices tables, not {self.sampler!r}"
             )
@@ -197,6 +205,16 @@ class TableConfig:
         if self.spec is not None:
             check_stacks(self.frame_stacks, self.spec)
         check_table_bytes(self.capacity, self.spec, self.frame_stacks)
+
+    @property
+    def has_priorities(self) -> bool:
+        """Whether the sampler keeps priorities (:data:`PRIORITIZED_SAMPLERS`)."""
+        return self.sampler in PRIORITIZED_SAMPLERS
+
+    @property
+    def has_slices(self) -> bool:
+        """Whether samples are slices ``[B, slice_len]`` (:data:`SLICE_SAMPLERS`)."""
+        return self.sampler in SLICE_SAMPLERS
 
     @property
     def effective_error_buffer(self) -> float | None:
@@ -232,6 +250,28 @@ class TableConfig:
         """Sequences of ``slice_len`` consecutive steps of one episode."""
         return cls(name=name, capacity=capacity, sampler="slices", slice_len=slice_len, **kwargs)
 
+    @classmethod
+    def prioritized_slices(
+        cls,
+        name: str,
+        capacity: int,
+        slice_len: int,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        **kwargs: Any,
+    ) -> TableConfig:
+        """Slices as :meth:`slices`, each drawn with the priority of its first step, with
+        importance weights (prioritized n-step replay: Rainbow, Ape-X)."""
+        return cls(
+            name=name,
+            capacity=capacity,
+            sampler="prioritized_slices",
+            slice_len=slice_len,
+            alpha=alpha,
+            beta=beta,
+            **kwargs,
+        )
+
     def with_spec(self, spec: TableSpec) -> TableConfig:
         return replace(self, spec=spec)
 
@@ -246,7 +286,7 @@ class TableConfig:
                 f"{sorted(unknown)} cannot change on a running table; the live settings are "
                 f"{list(LIVE_SETTINGS)}"
             )
-        if ("alpha" in settings or "beta" in settings) and self.sampler != "prioritized":
+        if ("alpha" in settings or "beta" in settings) and not self.has_priorities:
             raise InvalidConfigError(
                 f"alpha and beta are for prioritized tables; {self.name!r} is {self.sampler!r}"
             )

@@ -195,25 +195,9 @@ class PrioritizedSampler(Sampler):
         super().__init__(capacity, seed)
         self.alpha = alpha
         self.beta = beta
-        self._file: np.ndarray = np.zeros(capacity + 1, dtype=np.float64)
-        self._space: Reservation | None = None
-        if directory is not None:
-            path = directory / PRIORITIES_FILE
-            size = (capacity + 1) * 8
-            if not path.exists() or path.stat().st_size == 0:  # 0: its creation failed
-                create_sparse(path, size, directory)
-            self._file = np.memmap(path, dtype=np.float64, mode="r+", shape=(capacity + 1,))
-            fd = os.open(path, os.O_RDWR)
-            weakref.finalize(self, os.close, fd)  # the table has no close for its sampler
-            # The largest priority, at the end, is written now: its block first.
-            reserve(fd, capacity * 8, 8, directory, PRIORITIES_FILE)
-            self._space = Reservation(directory, capacity, "slots")
-            self._space.add(fd, 8, PRIORITIES_FILE)
-            self._space.resume()
+        self._file, self._space = _open_priorities(self, capacity, directory)
         self.priorities = self._file[:capacity]
         self._max = self._file[capacity : capacity + 1]
-        if self._max[0] < 1.0:
-            self._max[0] = 1.0
         self._tree = SumMinTree(capacity)
         self._count = 0
 
@@ -268,21 +252,8 @@ class PrioritizedSampler(Sampler):
         self._count -= len(slots)
 
     def sample(self, batch_size: int) -> Selection:
-        total = self._tree.total
-        slots = self._tree.find(self.rng.random(batch_size) * total)
-        p = self._tree.get(slots)
-        # Rounding at the edge of a tree node can land on an empty leaf; draw those again.
-        for _ in range(100):
-            bad = p <= 0
-            if not bad.any():
-                break
-            slots[bad] = self._tree.find(self.rng.random(int(bad.sum())) * total)
-            p = self._tree.get(slots)
-        probs = p / total
-        n = self._count
-        max_weight = (n * self._tree.min / total) ** (-self.beta)
-        weights = (n * probs) ** (-self.beta) / max_weight
-        return Selection(slots, weights=weights.astype(np.float32))
+        slots, weights = _weighted_draw(self._tree, self._count, batch_size, self.rng, self.beta)
+        return Selection(slots, weights=weights)
 
     def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         """Set the raw priorities of live step slots (the table drops stale ones first)."""
@@ -406,3 +377,53 @@ class QueueSampler(Sampler):
             "segments": len(self._queue),
             "delivered_through_generation": self.delivered_through,
         }
+
+
+def _open_priorities(
+    owner: object, capacity: int, directory: Path | None
+) -> tuple[np.ndarray, Reservation | None]:
+    """A prioritized sampler's raw priorities: ``capacity + 1`` float64 (the last holds the
+    largest priority), memory-mapped from ``directory``'s ``priorities.bin`` (created
+    sparse, its disk blocks reserved as slots fill) or, without a directory, in memory.
+    The largest priority starts at 1. The file stays open while ``owner`` lives (a table
+    has no close for its sampler)."""
+    if directory is None:
+        file = np.zeros(capacity + 1, dtype=np.float64)
+        file[capacity] = 1.0
+        return file, None
+    path = directory / PRIORITIES_FILE
+    size = (capacity + 1) * 8
+    if not path.exists() or path.stat().st_size == 0:  # 0: its creation failed
+        create_sparse(path, size, directory)
+    file = np.memmap(path, dtype=np.float64, mode="r+", shape=(capacity + 1,))
+    fd = os.open(path, os.O_RDWR)
+    weakref.finalize(owner, os.close, fd)
+    # The largest priority, at the end, is written now: its block first.
+    reserve(fd, capacity * 8, 8, directory, PRIORITIES_FILE)
+    space = Reservation(directory, capacity, "slots")
+    space.add(fd, 8, PRIORITIES_FILE)
+    space.resume()
+    if file[capacity] < 1.0:
+        file[capacity] = 1.0
+    return file, space
+
+
+def _weighted_draw(
+    tree: SumMinTree, count: int, batch_size: int, rng: np.random.Generator, beta: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """``batch_size`` leaves of ``tree`` drawn with probability ``P(i) = leaf_i / total``,
+    and their importance weights ``(N P(i))^-beta`` over the largest possible one
+    (``N = count``, the leaves that may be drawn; Schaul et al. 2016), float32."""
+    total = tree.total
+    slots = tree.find(rng.random(batch_size) * total)
+    p = tree.get(slots)
+    # Rounding at the edge of a tree node can land on an empty leaf; draw those again.
+    for _ in range(100):
+        bad = p <= 0
+        if not bad.any():
+            break
+        slots[bad] = tree.find(rng.random(int(bad.sum())) * total)
+        p = tree.get(slots)
+    max_weight = (count * tree.min / total) ** (-beta)
+    weights = (count * (p / total)) ** (-beta) / max_weight
+    return slots, weights.astype(np.float32)

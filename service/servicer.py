@@ -357,7 +357,7 @@ def _check_memory(config) -> None:
     """Refuse a new prioritized table whose sum tree would take more than half this
     machine's memory: it is held in memory and filled at once (its files are not), so
     creating it would have the shard killed rather than a request refused."""
-    if config.sampler != "prioritized":
+    if not config.has_priorities:
         return
     leaves = 1 << max(0, (config.capacity - 1).bit_length())
     need = 2 * 2 * leaves * 8  # a sum tree and a min tree, float64, two nodes per leaf
@@ -367,6 +367,6 @@ def _check_memory(config) -> None:
         return  # no way to tell on this platform
     if need > have // 2:
         raise ResourceExhaustedError(
-            f"capacity ({config.capacity}) of a prioritized table needs {need} bytes of memory "
+            f"capacity ({config.capacity}) of a {config.sampler} table needs {need} bytes of memory "
             f"for its sum tree, more than half of this machine's ({have} bytes)"
         )

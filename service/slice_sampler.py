@@ -128,8 +128,12 @@ class SliceSampler(Sampler):
         self._starts.add(slots[valid])
 
     def sample(self, batch_size: int) -> Selection:
+        return self._slices_from(self._starts.sample(batch_size, self.rng))
+
+    def _slices_from(self, starts: np.ndarray) -> Selection:
+        """The slices that begin at the valid starts ``starts``, ``[B]``."""
         k = self.slice_len
-        starts = self._starts.sample(batch_size, self.rng)
+        batch_size = len(starts)
         out = starts[:, None] + np.arange(k)[None, :]
         # Slices that run past their segment's last step continue in the next segment.
         seg_start = self._segment_start[starts]

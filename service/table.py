@@ -35,6 +35,7 @@ from millpond.insert_checks import check_insert
 from millpond.segments import PackedSegments
 from millpond.service.draws import TableDraws
 from millpond.service.inserts import TableInserts
+from millpond.service.prioritized_slices import PrioritizedSliceSampler
 from millpond.service.rate_limiter import RateLimiter
 from millpond.service.regions import Regions
 from millpond.service.samplers import (
@@ -252,10 +253,10 @@ class Table(TableInserts, TableDraws):
 
         Returns the number of priorities applied.
         """
-        if not isinstance(self.sampler, PrioritizedSampler):
+        if not isinstance(self.sampler, PrioritizedSampler | PrioritizedSliceSampler):
             raise InvalidDataError(
                 f"table {self.name!r} uses the {self.config.sampler} sampler; "
-                "priorities are only for prioritized tables"
+                "priorities are only for prioritized and prioritized_slices tables"
             )
         slots = as_int64(slots)
         gens = as_int64(generations)
@@ -333,7 +334,7 @@ class Table(TableInserts, TableDraws):
                 self.config = previous  # not persisted: not applied either
                 raise
             self.rate_limiter = limiter
-            if isinstance(self.sampler, PrioritizedSampler):
+            if isinstance(self.sampler, PrioritizedSampler | PrioritizedSliceSampler):
                 self.sampler.set_exponents(c.alpha, c.beta)
             self._cond.notify_all()
             return config
@@ -445,4 +446,8 @@ def _make_sampler(config: TableConfig, directory: Path) -> Sampler:
     if c.sampler == "queue":
         return QueueSampler(c.capacity, c.seed, directory=directory)
     assert c.slice_len is not None
+    if c.sampler == "prioritized_slices":
+        return PrioritizedSliceSampler(
+            c.capacity, c.slice_len, c.alpha, c.beta, c.seed, c.strict_length, directory
+        )
     return SliceSampler(c.capacity, c.slice_len, c.seed, c.strict_length)

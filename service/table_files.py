@@ -6,7 +6,8 @@ Layout of one table's directory::
                     atomically)
     writers.json    highest stored sequence of each writer, for idempotent re-sends
     counters.bin    int64[8], see :class:`~.table_counters.Counter`
-    priorities.bin  prioritized tables: raw priorities (the sampler's own file)
+    priorities.bin  prioritized and prioritized slices tables: raw priorities (the
+                    sampler's own file)
     data/           the segments (:class:`~millpond.service.storage.SegmentStorage`):
                     columns/, slots.bin (4 bytes per slot), segments.bin (a record per segment),
                     config.json (a copy of meta.json's config, rewritten when it changes)
@@ -248,12 +249,12 @@ def check_files(path: Path, config: TableConfig) -> None:
             f"{counters} has {counters.stat().st_size} bytes, expected {N_COUNTERS * 8}: {fix}"
         )
     priorities = path / PRIORITIES_FILE
-    if config.sampler == "prioritized":
+    if config.has_priorities:
         expected = (config.capacity + 1) * 8
         if not priorities.exists():
             raise StorageCorruptedError(
-                f"{priorities} is missing, and {path / META_FILE} describes a prioritized "
-                f"table: {fix}"
+                f"{priorities} is missing, and {path / META_FILE} describes a "
+                f"{config.sampler} table: {fix}"
             )
         if priorities.stat().st_size != expected:
             raise StorageCorruptedError(
@@ -262,7 +263,7 @@ def check_files(path: Path, config: TableConfig) -> None:
             )
     elif priorities.exists():
         raise StorageCorruptedError(
-            f"{path} holds {PRIORITIES_FILE}, which only a prioritized table has, and "
+            f"{path} holds {PRIORITIES_FILE}, which only a table with priorities has, and "
             f"{path / META_FILE} describes a {config.sampler} table: "
             f"{_restore_or_move(path, META_FILE)}"
         )

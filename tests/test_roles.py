@@ -21,6 +21,7 @@ from millpond.config import TableConfig
 from millpond.learner.client import ReplayClient, Writer
 from millpond.learner.dqn import DQNConfig, DQNLearner
 from millpond.learner.ppo import PPOConfig, PPOLearner
+from millpond.service.prioritized_slices import PrioritizedSliceSampler
 from millpond.service.samplers import PrioritizedSampler, QueueSampler, Sampler, UniformSampler
 from millpond.service.sink import TableSink
 from millpond.service.slice_sampler import SliceSampler
@@ -38,7 +39,14 @@ IMPLEMENTERS: dict[type, list[type]] = {
         processors.HindsightRelabeler,
     ],
     roles.Policy: [ActorPolicy, RandomPolicy, ModulePolicy],
-    roles.SlotSampler: [Sampler, UniformSampler, PrioritizedSampler, QueueSampler, SliceSampler],
+    roles.SlotSampler: [
+        Sampler,
+        UniformSampler,
+        PrioritizedSampler,
+        QueueSampler,
+        SliceSampler,
+        PrioritizedSliceSampler,
+    ],
     roles.Learner: [PPOLearner, DQNLearner],
     roles.WeightSource: [ReplayClient],
 }
@@ -137,6 +145,7 @@ def test_real_objects_play_their_roles(make_table) -> None:
         TableConfig.prioritized("prioritized", capacity=64),
         TableConfig.queue("queue", capacity=64),
         TableConfig.slices("slices", capacity=64, slice_len=4),
+        TableConfig.prioritized_slices("prioritized_slices", capacity=64, slice_len=4),
     ]
     tables = [make_table(c) for c in configs]
     for table in tables:

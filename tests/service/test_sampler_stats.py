@@ -203,3 +203,140 @@ def test_slice_starts_are_uniform_over_valid_starts(make_table):
         starts = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
         np.add.at(counts, [index[s] for s in starts], 1)
     assert_frequencies(counts, np.full(len(valid), 1 / len(valid)))
+
+
+def fill_episodes(table: Table, rng: np.random.Generator, episodes: int, first_ep: int = 0):
+    """Episodes sent as several segments each (so that slices cross segment boundaries);
+    returns each episode's number of steps."""
+    ep_steps: dict[int, int] = {}
+    for ep in range(first_ep, first_ep + episodes):
+        step = 0
+        for _ in range(int(rng.integers(1, 5))):
+            length = int(rng.integers(1, 9))
+            s = segment(ep, step, length)
+            table.insert(s.steps, s.tail, ep, step)
+            step += length
+        ep_steps[ep] = step
+    return ep_steps
+
+
+def step_slots(table: Table) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{(episode, step): (slot, generation)}`` of every stored step."""
+    out = {}
+    for (ep, first, length, start), gen in stored_segments(table).items():
+        for i in range(length):
+            out[(ep, first + i)] = (start + i, gen)
+    return out
+
+
+@pytest.mark.parametrize("strict_length", [True, False], ids=["strict", "loose"])
+@pytest.mark.parametrize("alpha, beta", [(0.6, 0.4), (1.0, 1.0)])
+def test_prioritized_slice_frequencies_and_weights(make_table, strict_length, alpha, beta):
+    k = 3
+    table = make_table(
+        TableConfig.prioritized_slices(
+            "t", 2048, k, alpha=alpha, beta=beta, seed=7, strict_length=strict_length
+        )
+    )
+    rng = np.random.default_rng(7)
+    ep_steps = fill_episodes(table, rng, 12)
+    where = step_slots(table)
+    keys = list(where)
+    slots = np.array([where[key][0] for key in keys])
+    gens = np.array([where[key][1] for key in keys])
+    priorities = rng.uniform(0.05, 4.0, len(keys))
+    assert table.update_priorities(slots, gens, priorities) == len(keys)
+    # Every stored step has a priority; only the valid starts are drawn.
+    least = k if strict_length else 1
+    valid = [(e, s) for e, n in ep_steps.items() for s in range(n - least + 1)]
+    prio_of = dict(zip(keys, priorities.tolist()))
+    p = np.array([prio_of[v] for v in valid]) ** alpha
+    probs = p / p.sum()
+    assert table.info()["mass"] == pytest.approx(p.sum(), rel=1e-9)
+    index = {v: i for i, v in enumerate(valid)}
+    counts = np.zeros(len(valid), dtype=np.int64)
+    expected_weights, weights = [], []
+    n = len(valid)
+    for _ in range(100):
+        td = table.sample(500, timeout=10)
+        episode, step = td["episode_id"].numpy(), td["step"].numpy()
+        mask = td["collector", "mask"].numpy() if not strict_length else np.ones_like(step, bool)
+        # Each slice: one episode's consecutive steps (never across episodes).
+        assert (episode == episode[:, :1]).all()
+        last = mask.sum(1)[:, None] - 1  # a short slice repeats its last real step
+        assert (step == step[:, :1] + np.minimum(np.arange(k)[None, :], last)).all()
+        starts = list(zip(episode[:, 0].tolist(), step[:, 0].tolist()))
+        assert all(s in index for s in starts), "a slice began at no valid start"
+        np.add.at(counts, [index[s] for s in starts], 1)
+        w = td["weight"].numpy()
+        assert w.shape == (500, k) and (w == w[:, :1]).all()
+        weights.append(w[:, 0])
+        # w_i = (N P(i))^-beta / max_j (N P(j))^-beta, in plain Python
+        for s in starts:
+            expected_weights.append((n * probs[index[s]]) ** -beta / (n * probs.min()) ** -beta)
+    assert_frequencies(counts, probs)
+    np.testing.assert_allclose(np.concatenate(weights), expected_weights, rtol=1e-5)
+
+
+def test_prioritized_slice_update_of_an_overwritten_slot_is_dropped(make_table):
+    capacity = 96
+    table = make_table(TableConfig.prioritized_slices("t", capacity, 2, seed=8))
+    rng = np.random.default_rng(8)
+    fill_episodes(table, rng, 3)
+    old = table.sample(16, timeout=10)["index"][:, 0]
+    assert table.update_priorities(old["slot"], old["generation"], np.full(16, 3.0)) > 0
+    fill_episodes(table, rng, 40, first_ep=100)  # the ring turns: every old step is gone
+    before = np.asarray(table.sampler.priorities).copy()
+    mass = table.info()["mass"]
+    assert table.update_priorities(old["slot"], old["generation"], np.full(16, 99.0)) == 0
+    np.testing.assert_array_equal(np.asarray(table.sampler.priorities), before)
+    assert table.info()["mass"] == mass
+    # A fresh index applies.
+    new = table.sample(4, timeout=10)["index"][:, 0]
+    assert table.update_priorities(new["slot"], new["generation"], np.full(4, 99.0)) == 4
+    assert table.sampler.max_priority == 99.0
+
+
+def test_prioritized_slices_keep_their_priorities_across_a_restart(tmp_path):
+    k, alpha, beta = 3, 0.7, 0.5
+    config = TableConfig.prioritized_slices("t", 1024, k, alpha=alpha, beta=beta, seed=9)
+    table = Table.create(tmp_path / "t", config)
+    rng = np.random.default_rng(9)
+    ep_steps = fill_episodes(table, rng, 10)
+    where = step_slots(table)
+    keys = list(where)
+    slots = np.array([where[key][0] for key in keys])
+    gens = np.array([where[key][1] for key in keys])
+    priorities = rng.uniform(0.1, 5.0, len(keys))
+    priorities[0] = 8.0  # the largest: what new steps get after the restart too
+    table.update_priorities(slots, gens, priorities)
+    mass = table.info()["mass"]
+    table.close()
+
+    table = Table.open(tmp_path / "t")
+    try:
+        assert table.config.sampler == "prioritized_slices"
+        np.testing.assert_array_equal(np.asarray(table.sampler.priorities)[slots], priorities)
+        assert table.info()["mass"] == pytest.approx(mass, rel=1e-12)
+        assert table.sampler.max_priority == 8.0
+        valid = [(e, s) for e, n in ep_steps.items() for s in range(n - k + 1)]
+        prio_of = dict(zip(keys, priorities.tolist()))
+        p = np.array([prio_of[v] for v in valid]) ** alpha
+        probs = p / p.sum()
+        index = {v: i for i, v in enumerate(valid)}
+        counts = np.zeros(len(valid), dtype=np.int64)
+        for _ in range(60):
+            td = table.sample(500, timeout=10)
+            starts = list(zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist()))
+            np.add.at(counts, [index[s] for s in starts], 1)
+            expected = [(len(valid) * probs[index[s]]) ** -beta for s in starts]
+            expected = np.array(expected) / (len(valid) * probs.min()) ** -beta
+            np.testing.assert_allclose(td["weight"][:, 0].numpy(), expected, rtol=1e-5)
+        assert_frequencies(counts, probs)
+        fill_episodes(table, rng, 1, first_ep=500)
+        new = [v for key, v in step_slots(table).items() if key[0] == 500]
+        np.testing.assert_array_equal(
+            np.asarray(table.sampler.priorities)[[s for s, _ in new]], 8.0
+        )
+    finally:
+        table.close()
