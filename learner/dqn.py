@@ -1,11 +1,11 @@
-"""A reference DQN learner on a uniform, prioritized or slices table, using only the public
-:class:`ReplayClient`.
+"""A reference DQN learner on a uniform, prioritized, slices or prioritized slices table,
+using only the public :class:`ReplayClient`.
 
 Each :meth:`DQNLearner.step` is one gradient step of DQN (Mnih et al. 2015) on one sampled
 batch, with the usual extensions as options:
 
-- **n-step targets** (Sutton 1988; Rainbow): from a slices table of ``slice_len >=
-  n_step``, each row ``[K]`` is one episode's consecutive steps and the target of its first
+- **n-step targets** (Sutton 1988; Rainbow): from a slices or prioritized slices table of
+  ``slice_len >= n_step``, each row ``[K]`` is one episode's consecutive steps and the target of its first
   step is :func:`~millpond.learner.estimators.n_step_return` over the first ``n_step``
   columns, bootstrapping from the target network at the real next observation (zero after a
   termination; a truncation stops the sum early and bootstraps). Give the table
@@ -27,12 +27,13 @@ batch, with the usual extensions as options:
   weights ``batch["weight"]`` when the batch carries them;
 - **prioritized replay** (Schaul et al. 2016): after each step the sampled transitions get
   the priority ``|TD error| + priority_eps`` (``client.update_priorities``). ``alpha`` and
-  ``beta`` live in the table's config. The slices sampler has no priorities, so prioritized
-  replay goes with 1-step targets.
+  ``beta`` live in the table's config. With n-step targets (Rainbow, Ape-X) the table is a
+  prioritized slices table: a slice is drawn by the priority of its first step, the step
+  whose n-step TD error the learner computes, and that step gets the new priority.
 
 **Pacing.** The learner just samples. The update rate follows the stored experience through
 the table's rate limiter: with ``TableConfig.uniform(..., samples_per_insert=R)`` (or
-``prioritized``/``slices``) the server blocks a sample that would take the ratio of sampled
+``prioritized``/``slices``/``prioritized_slices``) the server blocks a sample that would take the ratio of sampled
 to inserted steps past ``R`` (within the error buffer) until actors insert more, and blocks
 inserts when the learner falls behind. ``sample_timeout_s`` bounds the wait.
 
@@ -74,7 +75,8 @@ class DQNConfig:
         lr: Adam learning rate.
         gamma: discount factor.
         n_step: steps summed in the target. ``1`` for uniform and prioritized tables; more
-            needs a slices table with ``slice_len >= n_step``.
+            needs a slices (or, prioritized, a prioritized slices) table with ``slice_len >=
+            n_step``.
         target_tau: ``None`` for hard target updates; else the weight of the online network
             in a soft update of the target network after every step (e.g. ``0.005``).
         target_update_every: gradient steps between hard copies of the online network into
@@ -82,8 +84,8 @@ class DQNConfig:
         double_dqn: choose the bootstrap action with the online network (Double DQN).
         huber: the Huber (smooth L1) loss instead of the squared TD error.
         max_grad_norm: gradients are clipped to this global norm; ``None`` for no clipping.
-        prioritized: the table is prioritized: use its importance weights and send new
-            priorities after every step.
+        prioritized: the table is prioritized (``n_step=1``) or prioritized slices: use its
+            importance weights and send new priorities after every step.
         priority_eps: added to ``|TD error|`` so that no transition gets priority zero.
         publish_every: gradient steps between weight publications for the actors.
         observation_key: the batch key the Q-network reads.
@@ -131,11 +133,6 @@ class DQNConfig:
         for name in ("double_dqn", "huber", "prioritized"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be a bool")
-        if self.prioritized and self.n_step > 1:
-            raise InvalidConfigError(
-                f"prioritized replay needs n_step=1 (n_step={self.n_step}): n-step targets come "
-                "from a slices table, which has no priorities"
-            )
         if not isinstance(self.observation_key, str) or not self.observation_key:
             raise InvalidConfigError(
                 f"observation_key ({self.observation_key!r}) must be a non-empty string"
@@ -149,8 +146,8 @@ class DQNLearner:
 
     Args:
         client: the replay client.
-        table: a uniform or prioritized table (``n_step=1``), or a slices table with
-            ``slice_len >= n_step``.
+        table: a uniform or prioritized table (``n_step=1``), or a slices or prioritized
+            slices table with ``slice_len >= n_step``.
         config: hyperparameters.
         q_network: the module the actors run: observations -> ``Q(s, ·)``, ``[..., n]``.
         version: the last published weight version; every publication takes the next
@@ -215,6 +212,11 @@ class DQNLearner:
         started = time.perf_counter()
         batch = self._turn.take(self._next_batch)
         sampled = time.perf_counter()
+        if c.prioritized and "weight" not in batch:
+            raise InvalidDataError(
+                f"prioritized=True, but table {self.table!r} returned no importance weights: "
+                "it needs a prioritized table (n_step=1) or a prioritized_slices table"
+            )
         metrics: dict[str, Any] = {}
         if "policy_version" in batch:
             lag = self.version - batch["policy_version"].reshape(-1)

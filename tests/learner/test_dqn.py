@@ -2,7 +2,8 @@
 
 The experience comes from the real :class:`millpond.actors.Collector` running the factory
 ``"millpond.learner.networks:mlp_q"`` greedily (``deterministic=True``) with epsilon-greedy
-exploration, and is written once into uniform, prioritized and slices tables; the learner
+exploration, and is written once into uniform, prioritized, slices and prioritized slices
+tables; the learner
 then samples the same stored steps over and over, so its TD loss is measured on fixed data.
 """
 
@@ -28,6 +29,9 @@ TABLES = {
     "uniform": TableConfig.uniform("uniform", capacity=4096, seed=1),
     "prioritized": TableConfig.prioritized("prioritized", capacity=4096, seed=1),
     "slices": TableConfig.slices("slices", capacity=4096, slice_len=3, seed=1),
+    "prioritized_slices": TableConfig.prioritized_slices(
+        "prioritized_slices", capacity=4096, slice_len=3, seed=1, strict_length=False
+    ),
 }
 
 
@@ -58,13 +62,16 @@ def test_actors_act_greedily_on_the_q_network():
     assert torch.equal(out["action"], greedy)
 
 
-@pytest.mark.parametrize(("kind", "n_step"), [("uniform", 1), ("prioritized", 1), ("slices", 3)])
+@pytest.mark.parametrize(
+    ("kind", "n_step"),
+    [("uniform", 1), ("prioritized", 1), ("slices", 3), ("prioritized_slices", 3)],
+)
 def test_steps_lower_the_td_loss_on_fixed_data_and_publish_weights(client, kind, n_step):
     config = DQNConfig(
         batch_size=64,
         lr=1e-3,
         n_step=n_step,
-        prioritized=kind == "prioritized",
+        prioritized=kind.startswith("prioritized"),
         target_update_every=1000,  # a fixed target: the loss is a fixed regression
         publish_every=10,
     )
@@ -75,7 +82,7 @@ def test_steps_lower_the_td_loss_on_fixed_data_and_publish_weights(client, kind,
     assert (chunk["policy_version"] == 0).all()
     write_chunk(client, kind, chunk)
     fixed = client.sample(kind, 64)
-    assert fixed.shape == ((64, 3) if kind == "slices" else (64,))
+    assert fixed.shape == ((64, 3) if kind.endswith("slices") else (64,))
     with torch.no_grad():
         before = float(learner.loss(fixed)[0])
     for i in range(1, 41):
@@ -309,14 +316,69 @@ def test_the_rate_limiter_paces_the_updates(client, prefetch):
     assert learner.updates == first + inserted * spi / batch_size
 
 
-def test_n_step_needs_slices_and_priorities_need_one_step(client):
-    with pytest.raises(InvalidConfigError, match="n_step=1"):
-        DQNConfig(n_step=3, prioritized=True)
+def test_n_step_needs_slices_and_priorities_need_a_prioritized_table(client):
     client.create_table(TABLES["uniform"])
     write_chunk(client, "uniform", collect(client))
     learner = make_learner(client, "uniform", DQNConfig(batch_size=8, n_step=3))
     with pytest.raises(InvalidDataError, match="slices"):
         learner.step()
+    client.create_table(TABLES["slices"])
+    write_chunk(client, "slices", collect(client))
+    learner = make_learner(client, "slices", DQNConfig(batch_size=8, n_step=3, prioritized=True))
+    with pytest.raises(InvalidDataError, match="prioritized_slices table"):
+        learner.step()
+
+
+def test_prioritized_n_step_targets_weights_and_priorities(client):
+    """Prioritized n-step DQN on a prioritized slices table: the batch's targets, its
+    importance-weighted loss and the new priorities of each slice's first step, against a
+    plain-Python loop over the same sampled batch."""
+    gamma, n, eps = 0.9, 3, 1e-3
+    table = TABLES["prioritized_slices"]
+    client.create_table(table)
+    steps = write_chunk(client, table.name, collect(client))
+    spy = Spy(client)
+    config = DQNConfig(
+        batch_size=64, gamma=gamma, n_step=n, prioritized=True, priority_eps=eps, huber=False
+    )
+    learner = make_learner(spy, table.name, config)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in learner.q_network.parameters():  # online and target differ: Double DQN
+            p.add_(0.1 * torch.randn_like(p))
+    learner.step()  # new priorities: the next batch is drawn, and weighted, unevenly
+    before = DQNLearner(client, table.name, config, copy.deepcopy(learner.q_network))
+    before.target_network.load_state_dict(learner.target_network.state_dict())
+    metrics = learner.step()
+    batch = spy.batches[-1]
+    index, priorities = spy.priorities[-1]
+    assert batch.shape == (64, n)
+    assert torch.equal(index["slot"], batch["index", "slot"][:, 0])
+    weights = batch["weight"][:, 0]
+    assert weights.unique().numel() > 1 and float(weights.max()) <= 1.0
+    assert metrics["priorities_applied"] == 64
+    with torch.no_grad():
+        y = before.target(batch)
+        loss, td_error, _ = before.loss(batch)
+        ys, losses, errors = [], 0.0, []
+        for b in range(64):
+            row = batch[b]
+            target = hand_n_step_target(before, row, n, gamma)
+            q = float(before.q_network(row["observation"][0])[int(row["action"][0])])
+            ys.append(target)
+            errors.append(target - q)
+            losses += float(row["weight"][0]) * 0.5 * (target - q) ** 2
+    torch.testing.assert_close(y, torch.tensor(ys))
+    torch.testing.assert_close(td_error, torch.tensor(errors), atol=1e-5, rtol=1e-5)
+    assert float(loss) == pytest.approx(losses / 64, rel=1e-5)
+    torch.testing.assert_close(priorities.float(), td_error.abs() + eps)
+
+    # Every stored step begins a slice (strict_length=False): the mass is sum_i p_i^alpha
+    # over them, the steps never sampled still at priority 1.
+    last: dict[int, float] = {}
+    for idx, prios in spy.priorities:
+        last.update(zip(idx["slot"].tolist(), prios.tolist(), strict=True))
+    expected = steps - len(last) + sum(p**table.alpha for p in last.values())
+    assert client.info(table.name)["mass"] == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize(
