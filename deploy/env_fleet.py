@@ -66,6 +66,8 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         factory, kwargs = f"nature_cnn_{head}", {}
     else:
         factory, kwargs = f"mlp_{head}", {"hidden": tuple(c.learner.hidden_sizes)}
+        if c.learner.dueling:
+            kwargs["dueling"] = True
     return ActorConfig(
         env=c.env.id,
         table=table,

@@ -27,7 +27,7 @@ from typing import Any
 
 from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.processor_specs import ProcessorSpec, check_processors
-from millpond.config import TableConfig
+from millpond.config import SLICE_SAMPLERS, TableConfig
 from millpond.deploy.config_files import read_config_doc
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
@@ -235,6 +235,8 @@ class LearnerSection:
             otherwise (see :func:`millpond.learner.networks.network_for`).
         hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network); the
             Nature CNN's fully connected layer is 512 wide.
+        dueling: DQN's MLP Q-network with a dueling head
+            (:class:`~millpond.learner.networks.DuelingQ`), for learner and actors alike.
         ppo: :class:`~millpond.learner.PPOConfig` fields.
         dqn: :class:`~millpond.learner.DQNConfig` fields.
         threads: torch intra-op threads of each learner (small machines: 1).
@@ -255,6 +257,7 @@ class LearnerSection:
     algorithm: str = "ppo"
     network: str = "auto"
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    dueling: bool = False
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
     threads: int = 1
@@ -287,6 +290,11 @@ class LearnerSection:
         _at_least("learner.checkpoint_every_s", self.checkpoint_every_s, 1)
         for i, width in enumerate(self.hidden_sizes):
             _at_least(f"learner.hidden_sizes[{i}]", width, 1)
+        if self.dueling and (self.algorithm != "dqn" or self.network == "nature_cnn"):
+            raise InvalidConfigError(
+                "learner.dueling: the dueling head is for DQN's MLP Q-network, not "
+                f"{self.algorithm} with network {self.network!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -360,24 +368,24 @@ class LaunchConfig:
         table = self.replay.table_config()
         wants = ("queue",) if self.learner.algorithm == "ppo" else ("uniform", "prioritized")
         if self.learner.algorithm == "dqn" and self.learner.dqn.n_step > 1:
-            wants = ("slices",)
+            wants = SLICE_SAMPLERS
         if table.sampler not in wants:
             raise InvalidConfigError(
                 f"replay.table.sampler: {self.learner.algorithm} needs a {' or '.join(wants)} "
                 f"table, got {table.sampler!r}"
             )
-        if self.learner.algorithm == "dqn" and table.sampler == "slices" and table.strict_length:
+        if self.learner.algorithm == "dqn" and table.has_slices and table.strict_length:
             raise InvalidConfigError(
                 "replay.table.strict_length: n-step DQN needs false, so that every stored step "
                 "(the last n_step - 1 of each episode included) begins an n-step target"
             )
-        if self.learner.dqn.prioritized != (table.sampler == "prioritized") and (
+        if self.learner.dqn.prioritized != table.has_priorities and (
             self.learner.algorithm == "dqn"
         ):
             raise InvalidConfigError(
                 "learner.dqn.prioritized must be true exactly when replay.table.sampler is "
-                f"'prioritized' (it is {self.learner.dqn.prioritized}, the table "
-                f"{table.sampler!r})"
+                f"'prioritized' or 'prioritized_slices' (it is {self.learner.dqn.prioritized}, "
+                f"the table {table.sampler!r})"
             )
 
 
@@ -396,6 +404,7 @@ FIXED_ON_RESUME: tuple[str, ...] = (
     "learner.algorithm",
     "learner.network",
     "learner.hidden_sizes",
+    "learner.dueling",
 )
 
 

@@ -96,7 +96,16 @@ def make_learner(
             client, table, cfg, policy, critic, data_parallel=data_parallel, version=version
         )
     cfg = replace(c.dqn, sample_timeout_s=c.dqn.sample_timeout_s or 2.0)
-    q = nature_cnn_q(obs_space, act_space) if cnn else mlp_q(obs_space, act_space, hidden)
+    if cnn and c.dueling:
+        raise InvalidConfigError(
+            "learner.dueling: the dueling head is for the MLP Q-network; these observations "
+            "take the Nature CNN (learner.network: auto)"
+        )
+    q = (
+        nature_cnn_q(obs_space, act_space)
+        if cnn
+        else mlp_q(obs_space, act_space, hidden, c.dueling)
+    )
     return DQNLearner(
         client, table, cfg, q.to(device), data_parallel=data_parallel, version=version
     )

@@ -13,7 +13,8 @@ loads into every actor's copy.
 - :func:`mlp_critic` returns ``V(s)``, ``[..., 1]`` (learner side only).
 - :func:`mlp_q` returns ``Q(s, ·)``, ``[..., n]``. Actors treat the output as logits, so
   run them with ``deterministic=True`` (``argmax Q``) and an
-  :class:`~millpond.actors.EpsilonGreedy` schedule for exploration.
+  :class:`~millpond.actors.EpsilonGreedy` schedule for exploration. With ``dueling=True``
+  it is a :class:`DuelingQ` (Wang et al. 2016), as Rainbow uses.
 
 Observations may be ``Box`` (flattened, cast to float32) or ``Discrete`` (one-hot).
 
@@ -45,6 +46,7 @@ __all__ = [
     "MLP",
     "NETWORKS",
     "CNNHead",
+    "DuelingQ",
     "NatureCNN",
     "mlp_critic",
     "mlp_policy",
@@ -129,11 +131,37 @@ def mlp_critic(observation_space: gym.Space, hidden: Sequence[int] = (64, 64)) -
     return MLP(observation_space, 1, hidden, out_std=1.0)
 
 
+class DuelingQ(nn.Module):
+    """A dueling Q-network (Wang et al. 2016): ``Q(s, a) = V(s) + A(s, a) - mean_a A(s, a)``.
+
+    The value and advantage streams share the hidden layers of one :class:`MLP` and have
+    their own linear heads: its output layer, ``1 + n`` wide, holds ``V`` then ``A``.
+    Subtracting the mean advantage makes ``V`` and ``A`` identifiable (the paper's eq. 9).
+    """
+
+    def __init__(
+        self, observation_space: gym.Space, num_actions: int, hidden: Sequence[int] = (64, 64)
+    ) -> None:
+        super().__init__()
+        self.mlp = MLP(observation_space, 1 + num_actions, hidden, out_std=1.0)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(observation)
+        value, advantage = out[..., :1], out[..., 1:]
+        return value + advantage - advantage.mean(-1, keepdim=True)
+
+
 def mlp_q(
-    observation_space: gym.Space, action_space: gym.Space, hidden: Sequence[int] = (64, 64)
-) -> MLP:
+    observation_space: gym.Space,
+    action_space: gym.Space,
+    hidden: Sequence[int] = (64, 64),
+    dueling: bool = False,
+) -> MLP | DuelingQ:
     """Action values ``Q(s, ·)``, ``[..., n]`` for a ``Discrete(n)`` action space (an actor
-    factory: act with ``deterministic=True`` and epsilon-greedy exploration)."""
+    factory: act with ``deterministic=True`` and epsilon-greedy exploration); a
+    :class:`DuelingQ` with ``dueling``."""
+    if dueling:
+        return DuelingQ(observation_space, _num_actions(action_space), hidden)
     return MLP(observation_space, _num_actions(action_space), hidden, out_std=1.0)
 
 

@@ -20,13 +20,34 @@ def write(tmp_path, text):
     return path
 
 
-@pytest.mark.parametrize("name", ["cartpole-ppo.yaml", "cartpole-dqn.yaml"])
-def test_shipped_configs_load(name):
+@pytest.mark.parametrize(
+    ("name", "sampler"),
+    [
+        ("cartpole-ppo.yaml", "queue"),
+        ("cartpole-dqn.yaml", "uniform"),
+        ("cartpole-rainbow.yaml", "prioritized_slices"),
+    ],
+)
+def test_shipped_configs_load(name, sampler):
     config = load_config(CONFIGS / name)
     assert isinstance(config, LaunchConfig)
     assert isinstance(config.learner.ppo, PPOConfig) and isinstance(config.learner.dqn, DQNConfig)
     table = config.replay.table_config()
-    assert table.sampler == ("queue" if config.learner.algorithm == "ppo" else "uniform")
+    assert table.sampler == sampler
+
+
+def test_rainbow_config_is_prioritized_n_step_double_dueling():
+    config = load_config(CONFIGS / "cartpole-rainbow.yaml")
+    dqn, table = config.learner.dqn, config.replay.table_config()
+    assert dqn.prioritized and dqn.n_step == 3 and dqn.double_dqn and config.learner.dueling
+    assert table.has_priorities and table.slice_len >= dqn.n_step and not table.strict_length
+
+
+def test_dueling_is_for_dqn_mlp_q_networks(tmp_path):
+    with pytest.raises(InvalidConfigError, match=r"learner.dueling"):
+        load_config(write(tmp_path, "learner: {algorithm: ppo, dueling: true}\n"))
+    with pytest.raises(InvalidConfigError, match=r"learner.dueling"):
+        load_config(CONFIGS / "cartpole-rainbow.yaml", ["learner.network=nature_cnn"])
 
 
 def test_ppo_file_values_reach_the_dataclasses():
@@ -99,6 +120,11 @@ def test_table_must_fit_the_algorithm(tmp_path):
         load_config(write(tmp_path, strict))
     loose = strict.replace("slice_len: 3", "slice_len: 3, strict_length: false")
     assert load_config(write(tmp_path, loose)).replay.table_config().strict_length is False
+    prioritized = loose.replace("sampler: slices", "sampler: prioritized_slices")
+    with pytest.raises(InvalidConfigError, match=r"'prioritized_slices'"):
+        load_config(write(tmp_path, prioritized))  # learner.dqn.prioritized is false
+    flagged = prioritized.replace("n_step: 3", "n_step: 3, prioritized: true")
+    assert load_config(write(tmp_path, flagged)).learner.dqn.prioritized
 
 
 def test_missing_and_broken_files(tmp_path):
@@ -235,3 +261,24 @@ def test_learner_and_placement_mistakes_name_the_field(tmp_path, override, messa
     with pytest.raises(InvalidConfigError) as e:
         load_config(write(tmp_path, ""), [override])
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_rainbow_actors_and_learner_build_the_same_dueling_network():
+    import gymnasium as gym
+
+    from millpond.actors import make_policy
+    from millpond.deploy.env_fleet import actor_config
+    from millpond.deploy.learner_actor import make_learner
+    from millpond.learner.networks import DuelingQ
+
+    config = load_config(CONFIGS / "cartpole-rainbow.yaml")
+    actor = actor_config(config, "replay", "mlp")
+    assert actor.policy == "millpond.learner.networks:mlp_q"
+    assert actor.policy_kwargs == {"hidden": (120, 84), "dueling": True}
+    env = gym.make("CartPole-v1")
+    spaces = env.observation_space, env.action_space
+    env.close()
+    learner = make_learner(config, None, "replay", *spaces, version=-1)
+    assert isinstance(learner.q_network, DuelingQ)
+    policy = make_policy(actor.policy, *spaces, 1, policy_kwargs=actor.policy_kwargs)
+    policy.module.load_state_dict(learner.q_network.state_dict())  # the same parameters

@@ -51,6 +51,35 @@ def collect(client: ReplayClient, seed: int = 0) -> TensorDict:
     )
 
 
+def test_dueling_head_is_value_plus_centred_advantage_and_loads_into_actors():
+    """``mlp_q(dueling=True)`` computes ``V + A - mean(A)`` (Wang et al. 2016) from its
+    output layer's two streams, and an actor built by the same factory and kwargs loads
+    the learner's state dict and acts greedily on it."""
+    obs_space, act_space = cartpole_spaces()
+    torch.manual_seed(0)
+    q = mlp_q(obs_space, act_space, (16, 8), dueling=True)
+    obs = torch.randn(5, 4)
+    with torch.no_grad():
+        out = q.mlp(obs)  # [5, 1 + n]: V, then A
+        value, advantage = out[:, 0], out[:, 1:]
+        for b in range(5):
+            mean = sum(float(a) for a in advantage[b]) / len(advantage[b])
+            expected = [float(value[b]) + float(a) - mean for a in advantage[b]]
+            torch.testing.assert_close(q(obs[b]), torch.tensor(expected))
+    policy = make_policy(
+        FACTORY,
+        obs_space,
+        act_space,
+        num_envs=5,
+        policy_kwargs={"hidden": (16, 8), "dueling": True},
+        deterministic=True,
+    )
+    policy.module.load_state_dict(q.state_dict())
+    out = policy(TensorDict({"observation": obs}, [5]), frames=0)
+    with torch.no_grad():
+        assert torch.equal(out["action"], q(obs).argmax(-1))
+
+
 def test_actors_act_greedily_on_the_q_network():
     """``mlp_q`` as an actor factory with ``deterministic=True`` plays ``argmax_a Q(s, a)``."""
     obs_space, act_space = cartpole_spaces()
