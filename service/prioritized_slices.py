@@ -22,7 +22,7 @@ import numpy as np
 
 from millpond.errors import InvalidDataError
 from millpond.service._sum_tree import SumMinTree
-from millpond.service.samplers import Selection, _open_priorities, _SlotSet, _weighted_draw
+from millpond.service.samplers import Selection, _PriorityFile, _SlotSet, _weighted_draw
 from millpond.service.segment_batch import SegmentBatch
 from millpond.service.slice_sampler import SliceSampler
 
@@ -53,7 +53,7 @@ class _WeightedStarts(_SlotSet):
         self.tree.set(slots, np.asarray(self.priorities[slots]) ** self.alpha)
 
 
-class PrioritizedSliceSampler(SliceSampler):
+class PrioritizedSliceSampler(_PriorityFile, SliceSampler):
     """Slices ``[B, slice_len]`` as :class:`~.slice_sampler.SliceSampler` returns them, each
     drawn by the priority of its first step, with importance weights (see the module
     docstring). A slice's weight is repeated along its steps (``weights`` ``[B,
@@ -76,9 +76,7 @@ class PrioritizedSliceSampler(SliceSampler):
     ) -> None:
         self.alpha = alpha
         self.beta = beta
-        self._file, self._space = _open_priorities(self, capacity, directory)
-        self.priorities = self._file[:capacity]
-        self._max = self._file[capacity : capacity + 1]
+        self._open_priorities(capacity, directory)
         super().__init__(capacity, slice_len, seed, strict_length)
 
     def _clear(self) -> None:
@@ -88,11 +86,6 @@ class PrioritizedSliceSampler(SliceSampler):
     def reset(self, next_generation: int) -> None:
         super().reset(next_generation)
         self._max[0] = 1.0  # new steps start from priority 1 again
-
-    @property
-    def max_priority(self) -> float:
-        """The largest priority ever set (1 at first): what new steps get."""
-        return float(self._max[0])
 
     @property
     def mass(self) -> float:
@@ -111,14 +104,6 @@ class PrioritizedSliceSampler(SliceSampler):
         if len(p):
             self._max[0] = max(self.max_priority, float(p.max()))
         super().on_publish(segments)
-
-    def flush(self) -> None:
-        if isinstance(self._file, np.memmap):
-            self._file.flush()
-
-    def reserve_space(self, end: int) -> None:
-        if self._space is not None:
-            self._space.ensure(end)
 
     def sample(self, batch_size: int) -> Selection:
         starts, weights = _weighted_draw(

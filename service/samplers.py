@@ -174,7 +174,53 @@ class UniformSampler(Sampler):
         return Selection(self._slots.sample(batch_size, self.rng))
 
 
-class PrioritizedSampler(Sampler):
+class _PriorityFile:
+    """What the prioritized samplers share: raw priorities per slot, ``capacity + 1``
+    float64 (the last holds the largest priority, 1 at first), memory-mapped from the
+    table directory's ``priorities.bin`` (created sparse, its disk blocks reserved as slots
+    fill) or, without a directory, in memory."""
+
+    priorities: np.ndarray
+    _file: np.ndarray
+    _max: np.ndarray
+    _space: Reservation | None = None
+
+    def _open_priorities(self, capacity: int, directory: Path | None) -> None:
+        if directory is None:
+            self._file = np.zeros(capacity + 1, dtype=np.float64)
+        else:
+            path = directory / PRIORITIES_FILE
+            size = (capacity + 1) * 8
+            if not path.exists() or path.stat().st_size == 0:  # 0: its creation failed
+                create_sparse(path, size, directory)
+            self._file = np.memmap(path, dtype=np.float64, mode="r+", shape=(capacity + 1,))
+            fd = os.open(path, os.O_RDWR)
+            weakref.finalize(self, os.close, fd)  # the table has no close for its sampler
+            # The largest priority, at the end, is written now: its block first.
+            reserve(fd, capacity * 8, 8, directory, PRIORITIES_FILE)
+            self._space = Reservation(directory, capacity, "slots")
+            self._space.add(fd, 8, PRIORITIES_FILE)
+            self._space.resume()
+        self.priorities = self._file[:capacity]
+        self._max = self._file[capacity : capacity + 1]
+        if self._max[0] < 1.0:
+            self._max[0] = 1.0
+
+    @property
+    def max_priority(self) -> float:
+        """The largest priority ever set (1 at first): what new steps get."""
+        return float(self._max[0])
+
+    def flush(self) -> None:
+        if isinstance(self._file, np.memmap):
+            self._file.flush()
+
+    def reserve_space(self, end: int) -> None:
+        if self._space is not None:
+            self._space.ensure(end)
+
+
+class PrioritizedSampler(_PriorityFile, Sampler):
     """Proportional prioritized replay (Schaul et al., 2016) on a sum-tree.
 
     ``P(i) = p_i^alpha / sum_j p_j^alpha``; importance weights ``w_i = (N P(i))^-beta``
@@ -195,9 +241,7 @@ class PrioritizedSampler(Sampler):
         super().__init__(capacity, seed)
         self.alpha = alpha
         self.beta = beta
-        self._file, self._space = _open_priorities(self, capacity, directory)
-        self.priorities = self._file[:capacity]
-        self._max = self._file[capacity : capacity + 1]
+        self._open_priorities(capacity, directory)
         self._tree = SumMinTree(capacity)
         self._count = 0
 
@@ -232,19 +276,6 @@ class PrioritizedSampler(Sampler):
         self._max[0] = 1.0  # new steps start from priority 1 again
         self._tree = SumMinTree(self.capacity)
         self._count = 0
-
-    def flush(self) -> None:
-        if isinstance(self._file, np.memmap):
-            self._file.flush()
-
-    def reserve_space(self, end: int) -> None:
-        if self._space is not None:
-            self._space.ensure(end)
-
-    @property
-    def max_priority(self) -> float:
-        """The largest priority ever set (1 at first): what new steps get."""
-        return float(self._max[0])
 
     def on_evict(self, segments: SegmentBatch) -> None:
         slots = segments.step_slots()
@@ -377,35 +408,6 @@ class QueueSampler(Sampler):
             "segments": len(self._queue),
             "delivered_through_generation": self.delivered_through,
         }
-
-
-def _open_priorities(
-    owner: object, capacity: int, directory: Path | None
-) -> tuple[np.ndarray, Reservation | None]:
-    """A prioritized sampler's raw priorities: ``capacity + 1`` float64 (the last holds the
-    largest priority), memory-mapped from ``directory``'s ``priorities.bin`` (created
-    sparse, its disk blocks reserved as slots fill) or, without a directory, in memory.
-    The largest priority starts at 1. The file stays open while ``owner`` lives (a table
-    has no close for its sampler)."""
-    if directory is None:
-        file = np.zeros(capacity + 1, dtype=np.float64)
-        file[capacity] = 1.0
-        return file, None
-    path = directory / PRIORITIES_FILE
-    size = (capacity + 1) * 8
-    if not path.exists() or path.stat().st_size == 0:  # 0: its creation failed
-        create_sparse(path, size, directory)
-    file = np.memmap(path, dtype=np.float64, mode="r+", shape=(capacity + 1,))
-    fd = os.open(path, os.O_RDWR)
-    weakref.finalize(owner, os.close, fd)
-    # The largest priority, at the end, is written now: its block first.
-    reserve(fd, capacity * 8, 8, directory, PRIORITIES_FILE)
-    space = Reservation(directory, capacity, "slots")
-    space.add(fd, 8, PRIORITIES_FILE)
-    space.resume()
-    if file[capacity] < 1.0:
-        file[capacity] = 1.0
-    return file, space
 
 
 def _weighted_draw(

@@ -180,31 +180,6 @@ def test_stale_updates_are_ignored_and_new_steps_get_the_max_priority(make_table
     assert_frequencies(np.bincount(drawn, minlength=capacity)[slots], p / p.sum())
 
 
-def test_slice_starts_are_uniform_over_valid_starts(make_table):
-    k = 4
-    table = make_table(TableConfig.slices("t", 2048, k, seed=6))
-    rng = np.random.default_rng(6)
-    # Episodes sent as several segments, so that many slices cross a segment boundary.
-    ep_steps: dict[int, int] = {}
-    for ep in range(12):
-        step = 0
-        for _ in range(int(rng.integers(1, 5))):
-            length = int(rng.integers(1, 9))
-            s = segment(ep, step, length)
-            table.insert(s.steps, s.tail, ep, step)
-            step += length
-        ep_steps[ep] = step
-    valid = [(e, s) for e, n in ep_steps.items() for s in range(n - k + 1)]
-    assert table.info()["mass"] == len(valid)
-    index = {v: i for i, v in enumerate(valid)}
-    counts = np.zeros(len(valid), dtype=np.int64)
-    for _ in range(60):
-        td = table.sample(500, timeout=10)
-        starts = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
-        np.add.at(counts, [index[s] for s in starts], 1)
-    assert_frequencies(counts, np.full(len(valid), 1 / len(valid)))
-
-
 def fill_episodes(table: Table, rng: np.random.Generator, episodes: int, first_ep: int = 0):
     """Episodes sent as several segments each (so that slices cross segment boundaries);
     returns each episode's number of steps."""
@@ -220,13 +195,30 @@ def fill_episodes(table: Table, rng: np.random.Generator, episodes: int, first_e
     return ep_steps
 
 
-def step_slots(table: Table) -> dict[tuple[int, int], tuple[int, int]]:
-    """``{(episode, step): (slot, generation)}`` of every stored step."""
-    out = {}
+def test_slice_starts_are_uniform_over_valid_starts(make_table):
+    k = 4
+    table = make_table(TableConfig.slices("t", 2048, k, seed=6))
+    rng = np.random.default_rng(6)
+    ep_steps = fill_episodes(table, rng, 12)
+    valid = [(e, s) for e, n in ep_steps.items() for s in range(n - k + 1)]
+    assert table.info()["mass"] == len(valid)
+    index = {v: i for i, v in enumerate(valid)}
+    counts = np.zeros(len(valid), dtype=np.int64)
+    for _ in range(60):
+        td = table.sample(500, timeout=10)
+        starts = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
+        np.add.at(counts, [index[s] for s in starts], 1)
+    assert_frequencies(counts, np.full(len(valid), 1 / len(valid)))
+
+
+def step_slots(table: Table) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
+    """Every stored step's ``(episode, step)``, and their slots and generations."""
+    keys, slots, gens = [], [], []
     for (ep, first, length, start), gen in stored_segments(table).items():
-        for i in range(length):
-            out[(ep, first + i)] = (start + i, gen)
-    return out
+        keys += [(ep, first + i) for i in range(length)]
+        slots += range(start, start + length)
+        gens += [gen] * length
+    return keys, np.array(slots), np.array(gens)
 
 
 @pytest.mark.parametrize("strict_length", [True, False], ids=["strict", "loose"])
@@ -240,10 +232,7 @@ def test_prioritized_slice_frequencies_and_weights(make_table, strict_length, al
     )
     rng = np.random.default_rng(7)
     ep_steps = fill_episodes(table, rng, 12)
-    where = step_slots(table)
-    keys = list(where)
-    slots = np.array([where[key][0] for key in keys])
-    gens = np.array([where[key][1] for key in keys])
+    keys, slots, gens = step_slots(table)
     priorities = rng.uniform(0.05, 4.0, len(keys))
     assert table.update_priorities(slots, gens, priorities) == len(keys)
     # Every stored step has a priority; only the valid starts are drawn.
@@ -303,10 +292,7 @@ def test_prioritized_slices_keep_their_priorities_across_a_restart(tmp_path):
     table = Table.create(tmp_path / "t", config)
     rng = np.random.default_rng(9)
     ep_steps = fill_episodes(table, rng, 10)
-    where = step_slots(table)
-    keys = list(where)
-    slots = np.array([where[key][0] for key in keys])
-    gens = np.array([where[key][1] for key in keys])
+    keys, slots, gens = step_slots(table)
     priorities = rng.uniform(0.1, 5.0, len(keys))
     priorities[0] = 8.0  # the largest: what new steps get after the restart too
     table.update_priorities(slots, gens, priorities)
@@ -334,9 +320,8 @@ def test_prioritized_slices_keep_their_priorities_across_a_restart(tmp_path):
             np.testing.assert_allclose(td["weight"][:, 0].numpy(), expected, rtol=1e-5)
         assert_frequencies(counts, probs)
         fill_episodes(table, rng, 1, first_ep=500)
-        new = [v for key, v in step_slots(table).items() if key[0] == 500]
-        np.testing.assert_array_equal(
-            np.asarray(table.sampler.priorities)[[s for s, _ in new]], 8.0
-        )
+        keys, slots, _ = step_slots(table)
+        new = slots[[ep == 500 for ep, _ in keys]]
+        assert len(new) and (np.asarray(table.sampler.priorities)[new] == 8.0).all()
     finally:
         table.close()
