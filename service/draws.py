@@ -240,8 +240,11 @@ class TableDraws:
             if next_gens is not None:
                 next_gens[idx] = self.storage.generations(redo.slots + 1)
         selection.slots[idx] = redo.slots
-        if selection.weights is not None and redo.weights is not None:
-            selection.weights[idx] = redo.weights
+        # A redrawn slice may be shorter or longer than the one it replaces: its marks too.
+        for field in ("weights", "ends", "mask"):
+            mine, fresh = getattr(selection, field), getattr(redo, field)
+            if mine is not None and fresh is not None:
+                mine[idx] = fresh
         return idx
 
     def give_back(self, batch: TensorDictBase) -> int:

@@ -9,12 +9,14 @@ stop (``done``) at its last real step.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
 from millpond import Table, TableConfig
 from millpond.errors import InvalidConfigError
+from millpond.storage_format import SlotColumn
 
 K = 4
 # episode id -> (segment lengths in order, how the episode's stored run ends)
@@ -147,3 +149,26 @@ def test_strict_length_is_checked_and_kept_across_a_reopen(tmp_path) -> None:
         assert ("collector", "mask") in table.sample(8).keys(include_nested=True)
     finally:
         table.close()
+
+
+@pytest.mark.parametrize("sampler", ["slices", "prioritized_slices"])
+def test_a_redrawn_row_takes_its_new_slice_s_mask_and_ends(make_table, sampler) -> None:
+    """A row overwritten during the gather is drawn again; its mask and ends must be the new
+    slice's, or a short slice would keep a long one's marks (its repeated slot counted as a
+    step, its end missed)."""
+    preset = getattr(TableConfig, sampler)
+    table = make_table(preset("s", capacity=256, slice_len=K, strict_length=False, seed=3))
+    for ep in range(5):  # only short episodes: every slice repeats its last slot
+        table.insert(*segment(ep, 0, 2, "terminated"), ep, 0)
+    long_marks = np.ones((3, K), dtype=bool)
+    selection = table.sampler.sample(3)
+    selection.mask, selection.ends = long_marks.copy(), long_marks.copy()
+    rows = table.storage.slot_info(selection.slots)
+    table._redraw(np.ones(3, dtype=bool), selection, rows)
+
+    steps = rows[..., SlotColumn.STEP]
+    for r in range(3):
+        first = int(steps[r, 0])
+        real = 2 - first  # the steps left in the 2-step episode
+        assert selection.mask[r].tolist() == [c < real for c in range(K)]
+        assert selection.ends[r].tolist() == [c >= real - 1 for c in range(K)]  # repeats end too
