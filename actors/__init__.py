@@ -13,6 +13,7 @@ from millpond.roles import SegmentSink, WeightSource
 from millpond.segmenting import cut_batch, ends_episode, from_ted, join, to_ted
 from millpond.ted import observation_keys
 
+from .apex import ApexPriorities
 from .collector import Collector
 from .episode_ids import (
     EPISODES_PER_INCARNATION,
@@ -51,6 +52,7 @@ __all__ = [
     "ActorConfig",
     "ActorFleet",
     "ActorPolicy",
+    "ApexPriorities",
     "Collector",
     "EnvActor",
     "EpisodeAnnotator",

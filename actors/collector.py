@@ -47,6 +47,11 @@ no processors and a sink that has ``write_packed`` (a :class:`millpond.Writer`, 
 (:func:`~millpond.segmenting.pack_batch`): the same segments, without building one
 object per segment.
 
+**Priorities.** With ``priorities`` (an :class:`~millpond.actors.apex.ApexPriorities`, or
+any callable ``(policy, packed) -> float64 [num_steps]``), every write goes to the sink's
+``write_packed`` with each step's initial priority computed by the actor's current policy
+(Ape-X): for a prioritized table.
+
 **Episode ids** are ``episode_id_base + counter``; see :mod:`millpond.actors.episode_ids`
 for a base unique to each actor incarnation. A segment's ``first_step`` is the index of its
 first step within its episode.
@@ -60,7 +65,7 @@ the loop asks every ``weight_sync_every`` env steps for a version newer than the
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -73,7 +78,7 @@ from millpond.checks import check_int
 from millpond.errors import InvalidConfigError, MillpondError, ShardUnavailableError
 from millpond.roles import SegmentSink, WeightSource
 from millpond.segmenting import cut_batch, pack_batch
-from millpond.segments import Segment
+from millpond.segments import PackedSegments, Segment, pack
 from millpond.spec import Key
 
 from .envs import (
@@ -86,10 +91,13 @@ from .envs import (
 )
 from .episode_ids import EPISODES_PER_INCARNATION
 from .lanes import LaneBuffer
-from .policies import EpsilonGreedy, PolicySpec, make_policy
+from .policies import ActorPolicy, EpsilonGreedy, PolicySpec, make_policy
 from .processors import ExperienceProcessor, PassThrough, ProcessorChain
 
-__all__ = ["Collector"]
+__all__ = ["Collector", "PriorityFn"]
+
+#: ``priorities(policy, packed)``: each step's initial priority, float64 ``[num_steps]``.
+PriorityFn = Callable[[ActorPolicy, PackedSegments], np.ndarray]
 
 logger = logging.getLogger("millpond.actors")
 
@@ -121,6 +129,8 @@ class Collector:
         processors: experience processors, run in order (default: store everything).
         episode_id_base: this actor's first episode id (see
             :func:`~millpond.actors.episode_ids.episode_id_base`).
+        priorities: computes each written step's initial priority (see the module
+            docstring); needs a sink with ``write_packed`` and a policy (not random).
         seed: seeds the env (lane ``i`` gets ``seed + i``) and the policy's sampling.
     """
 
@@ -143,6 +153,7 @@ class Collector:
         weight_sync_every: int = 100,
         processors: ExperienceProcessor | Sequence[ExperienceProcessor] | None = None,
         episode_id_base: int = 0,
+        priorities: PriorityFn | None = None,
         seed: int | None = None,
     ) -> None:
         check_int("chunk_len", chunk_len, 1)
@@ -155,6 +166,13 @@ class Collector:
             and callable(getattr(sink, "flush", None))
         ):
             raise InvalidConfigError(f"sink ({sink!r}) needs write_segment() and flush() methods")
+        if priorities is not None and (
+            policy is None
+            or (sink is not None and not callable(getattr(sink, "write_packed", None)))
+        ):
+            raise InvalidConfigError(
+                "priorities need a policy (not random actions) and a sink with write_packed()"
+            )
         if weight_source is not None and not callable(getattr(weight_source, "get_weights", None)):
             raise InvalidConfigError(f"weight_source ({weight_source!r}) has no get_weights()")
         if processors is None:
@@ -195,6 +213,7 @@ class Collector:
         self.weight_source = weight_source
         self.weight_sync_every = weight_sync_every
         self.episode_id_base = episode_id_base
+        self.priorities = priorities
         self.seed = seed
         # Loop state, set up by the first collect().
         self._started = False
@@ -250,14 +269,9 @@ class Collector:
         """Cut ``batch`` into segments, process them and write them; returns the steps written."""
         if self.sink is None:
             raise InvalidConfigError("this Collector has no sink to write to")
-        write_packed = getattr(self.sink, "write_packed", None)
-        if type(self.processor) is PassThrough and write_packed is not None:
+        if type(self.processor) is PassThrough and getattr(self.sink, "write_packed", None):
             # Nothing to process: the chunk's rows go out as columns, without segment objects.
-            packed = pack_batch(batch)
-            write_packed(packed)
-            self.steps_written += packed.num_steps
-            self.segments_written += len(packed)
-            return packed.num_steps
+            return self._write_packed(pack_batch(batch))
         return self._emit_all(
             [out for segment in cut_batch(batch) for out in self.processor.process(segment)]
         )
@@ -448,8 +462,22 @@ class Collector:
         self.episodes += n
         return ids
 
+    def _write_packed(self, packed: PackedSegments) -> int:
+        """Write ``packed`` through the sink's ``write_packed``; with ``priorities``, each
+        step's initial priority under the policy acting now goes with it."""
+        assert self.sink is not None
+        if self.priorities is not None:
+            packed.priorities = self.priorities(self.policy, packed)
+        self.sink.write_packed(packed)  # type: ignore[attr-defined]
+        self.steps_written += packed.num_steps
+        self.segments_written += len(packed)
+        return packed.num_steps
+
     def _emit_all(self, segments: Sequence[Segment]) -> int:
-        """Write ``segments`` in order: in one call when the sink has ``write_segments``."""
+        """Write ``segments`` in order: in one call when the sink has ``write_segments``
+        (with priorities: as columns, :meth:`_write_packed`)."""
+        if self.priorities is not None:
+            return self._write_packed(pack(segments)) if segments else 0
         write_many = getattr(self.sink, "write_segments", None)
         if write_many is None or len(segments) < 2:
             return sum(self._emit(s) for s in segments)

@@ -244,6 +244,22 @@ class ModulePolicy(ActorPolicy):
                 result["state_value"] = value.detach()
         return result
 
+    def action_values(self, observation: TensorDictBase) -> torch.Tensor:
+        """The module's value of each action for a TensorDict ``[N]`` of observations,
+        ``[N, n]``: ``Q(s, .)`` for a Q-network (its ``"action_value"``, else its logits, the
+        tensor a plain module returns). For Ape-X priorities (:mod:`millpond.actors.apex`)."""
+        with torch.no_grad():
+            out = self._forward(observation)
+        values = out.get("action_value")
+        if values is None:
+            values = out.get("logits")
+        if values is None or not self._discrete:
+            raise InvalidDataError(
+                "action values need a Discrete action space and a module that returns them "
+                f"('action_value' or logits); the action space is {self.action_space}"
+            )
+        return values.detach().reshape(observation.batch_size[0], -1)
+
     def _forward(self, observation: TensorDictBase) -> TensorDictBase | Mapping[str, Any]:
         if isinstance(self.module, TensorDictModuleBase):
             mode = InteractionType.DETERMINISTIC if self.deterministic else InteractionType.RANDOM

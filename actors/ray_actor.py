@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from millpond.actors.collector import Collector
+from millpond.actors.collector import Collector, PriorityFn
 from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.episode_ids import INCARNATIONS_PER_ACTOR, episode_id_base
 from millpond.actors.episode_stats import ReturnTracker
@@ -67,6 +67,9 @@ class ActorConfig:
             "kwargs": ...}`` mappings), each checked here by building it once and built
             anew in every actor; or a picklable callable returning the processors.
         max_in_flight: unacknowledged segments a writer allows before it blocks.
+        priorities: each written step's initial priority from the actor's policy, e.g.
+            :class:`~millpond.actors.apex.ApexPriorities` (Ape-X, for a prioritized table);
+            ``None``: the table's rule for new steps.
         seed: base seed; actor ``i`` uses ``seed + 1000 * i``.
     """
 
@@ -89,6 +92,7 @@ class ActorConfig:
         | None
     ) = None
     max_in_flight: int = 64
+    priorities: PriorityFn | None = None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -163,6 +167,7 @@ class EnvActor:
             weight_sync_every=config.weight_sync_every,
             processors=config.make_processors(),
             episode_id_base=episode_id_base(actor_index, incarnation),
+            priorities=config.priorities,
             seed=seed,
         )
         self.returns = ReturnTracker(self.collector.num_envs)

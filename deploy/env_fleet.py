@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from millpond.actors.apex import ApexPriorities
 from millpond.actors.envs import make_env
 from millpond.actors.fleet import ActorFleet, FleetStatus
 from millpond.actors.policies import EpsilonGreedy
@@ -83,6 +84,11 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         weight_sync_every=c.actors.weight_sync_every,
         max_in_flight=c.actors.max_in_flight,
         processors=tuple(c.actors.processors) or None,
+        priorities=(
+            ApexPriorities(c.learner.dqn.gamma, c.learner.dqn.n_step, c.learner.dqn.priority_eps)
+            if c.actors.apex_priorities
+            else None
+        ),
         seed=c.run.seed,
     )
 

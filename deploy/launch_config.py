@@ -184,6 +184,10 @@ class ActorsSection:
         epsilon_decay_frames: frames over which epsilon decays linearly.
         max_restarts: how often Ray restarts a crashed actor.
         max_in_flight: unacknowledged segments a writer allows before it blocks.
+        apex_priorities: Ape-X (DQN on a prioritized table): each actor gives the steps it
+            writes their initial priority, its own Q-network's absolute n-step TD error with
+            the learner's ``gamma``, ``n_step`` and ``priority_eps``
+            (:mod:`millpond.actors.apex`), instead of the largest priority so far.
         processors: experience processors every actor runs, in order, each a mapping of
             ``path`` (``"package.module:Name"`` of an
             :class:`~millpond.actors.ExperienceProcessor` class or a factory returning one)
@@ -205,6 +209,7 @@ class ActorsSection:
     epsilon_decay_frames: int = 10_000
     max_restarts: int = 3
     max_in_flight: int = 64
+    apex_priorities: bool = False
     processors: list[ProcessorSpec] = field(default_factory=list)
     resources: dict[str, float] = field(default_factory=dict)
     label_selector: dict[str, str] = field(default_factory=dict)
@@ -378,6 +383,13 @@ class LaunchConfig:
             raise InvalidConfigError(
                 "replay.table.strict_length: n-step DQN needs false, so that every stored step "
                 "(the last n_step - 1 of each episode included) begins an n-step target"
+            )
+        if self.actors.apex_priorities and (
+            self.learner.algorithm != "dqn" or not table.has_priorities
+        ):
+            raise InvalidConfigError(
+                "actors.apex_priorities: Ape-X priorities are for DQN on a prioritized table "
+                f"(here {self.learner.algorithm} on a {table.sampler!r} table)"
             )
         if self.learner.dqn.prioritized != table.has_priorities and (
             self.learner.algorithm == "dqn"

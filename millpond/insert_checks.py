@@ -1,22 +1,26 @@
-"""What an insert must satisfy against its table's spec, one rule for both sides.
+"""What an insert must satisfy against its table (its spec, its sampler), one rule for both sides.
 
 A writer checks its segments in the caller's thread (so that bad data raises at once, before
 anything is queued) and the table that stores them checks them again; both call
-:func:`check_insert`, so the two agree on what passes and say it in the same words.
+:func:`check_insert` and :func:`check_insert_priorities`, so the two agree on what passes
+and say it in the same words.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
 
+from millpond.config import PRIORITIZED_SAMPLERS
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.frame_stacks import compact_stacks, stack_examples
-from millpond.segments import PackedSegments
+from millpond.segments import PackedSegments, check_priorities
 from millpond.spec import OBSERVATION, STEP, Key, TableSpec
 
-__all__ = ["check_insert", "infer_spec"]
+__all__ = ["check_insert", "check_insert_priorities", "infer_spec"]
+
 
 #: ``infer(steps, tails)``: the spec to check against when none is known yet.
 Infer = Callable[[Mapping[Key, torch.Tensor], Mapping[Key, torch.Tensor]], TableSpec]
@@ -57,3 +61,20 @@ def check_insert(
     spec.check(tails, (OBSERVATION,), "tail")
     spec.check(steps, (OBSERVATION, STEP), "steps")
     return packed, spec
+
+
+def check_insert_priorities(packed: PackedSegments, table: str, sampler: str) -> PackedSegments:
+    """``packed`` with its initial priorities checked (one finite number >= 0 per step,
+    :func:`~millpond.segments.check_priorities`), or refused when the table's sampler keeps
+    no priorities: they would be dropped, and what millpond is sent is stored exactly or
+    refused by name."""
+    if packed.priorities is None:
+        return packed
+    if sampler not in PRIORITIZED_SAMPLERS:
+        raise InvalidDataError(
+            f"table {table!r} has a {sampler!r} sampler, which keeps no priorities: send its "
+            "steps without priorities (only prioritized tables take them)"
+        )
+    return dataclasses.replace(
+        packed, priorities=check_priorities(packed.priorities, packed.num_steps)
+    )

@@ -35,6 +35,9 @@ class Segment:
         first_step: index within the episode of the segment's first step.
         sequence: the writer's number for this segment (>= 1, increasing), which makes a
             re-sent segment idempotent; ``None`` for anonymous inserts.
+        priorities: each step's initial priority, ``[L]`` (finite, >= 0), for a
+            prioritized table; ``None``: the table's rule for new steps (the largest
+            priority so far).
     """
 
     steps: TensorDictBase
@@ -42,6 +45,7 @@ class Segment:
     episode_id: int
     first_step: int = 0
     sequence: int | None = None
+    priorities: torch.Tensor | np.ndarray | Sequence[float] | None = None
 
 
 @dataclass
@@ -52,6 +56,9 @@ class PackedSegments:
     ``frames`` instead of in ``steps`` and ``tails``: ``L + k`` rows per segment, segment
     after segment, ``k`` being ``stacks[key]``. Frames whose ``k`` is not known yet (just
     decoded, before the table names it) can be concatenated but not cut.
+
+    ``priorities``: float64 ``[num_steps]``, each step's initial priority (checked by
+    :func:`check_priorities`), or ``None`` for none given.
     """
 
     steps: dict[Key, torch.Tensor]
@@ -62,6 +69,7 @@ class PackedSegments:
     sequences: np.ndarray | None = None
     frames: dict[Key, torch.Tensor] = field(default_factory=dict)
     stacks: dict[Key, int] = field(default_factory=dict)
+    priorities: np.ndarray | None = None
 
     def _frame_rows(self, key: Key) -> np.ndarray:
         """Frames per segment of ``key``: ``L + k``."""
@@ -90,6 +98,7 @@ class PackedSegments:
                 for k, v in self.frames.items()
             },
             dict(self.stacks),
+            None if self.priorities is None else self.priorities[np.repeat(keep, self.lengths)],
         )
 
     def group(self, i: int, j: int) -> PackedSegments:
@@ -105,6 +114,7 @@ class PackedSegments:
             None if self.sequences is None else self.sequences[i:j],
             {k: v[_span(self._frame_rows(k), i, j)] for k, v in self.frames.items()},
             dict(self.stacks),
+            None if self.priorities is None else self.priorities[start:stop],
         )
 
     def split(self, max_slots: int) -> list[PackedSegments]:
@@ -285,6 +295,17 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
     first_steps = [int(s.first_step) for s in segments]
     episode_ids = [int(s.episode_id) for s in segments]
     check_steps(np.array(episode_ids, dtype=object), np.array(first_steps, dtype=object), lengths)
+    given = [s.priorities is not None for s in segments]
+    priorities = None
+    if any(given):
+        if not all(given):
+            raise InvalidDataError("either every segment of an insert has priorities or none")
+        priorities = np.concatenate(
+            [
+                check_priorities(s.priorities, n, f"segment {i}")
+                for i, (s, n) in enumerate(zip(segments, lengths_list))
+            ]
+        )
     return PackedSegments(
         cat_steps,
         cat_tails,
@@ -292,7 +313,43 @@ def pack(segments: Sequence[Segment]) -> PackedSegments:
         np.array(episode_ids, dtype=np.int64),
         np.array(first_steps, dtype=np.int64),
         seq,
+        priorities=priorities,
     )
+
+
+def check_priorities(values: object, n: int, where: str = "segments") -> np.ndarray:
+    """``values`` as float64 ``[n]`` initial step priorities, or :class:`InvalidDataError`
+    naming what is wrong: not numbers, not one per step, NaN or infinite, negative."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
+        if values.dtype == torch.bfloat16:  # numpy has no bfloat16
+            values = values.float()
+        values = values.numpy()
+    try:
+        p = np.asarray(values)
+    except (TypeError, ValueError) as e:
+        raise InvalidDataError(f"{where}: priorities must be numbers: {e}") from None
+    if p.dtype == np.bool_ or not (
+        np.issubdtype(p.dtype, np.floating) or np.issubdtype(p.dtype, np.integer)
+    ):
+        raise InvalidDataError(f"{where}: priorities must be numbers, received dtype {p.dtype}")
+    if p.ndim == 2 and p.shape[1:] == (1,):
+        p = p.reshape(-1)  # [L, 1], as a per-step key is often shaped
+    if p.shape != (n,):
+        raise InvalidDataError(
+            f"{where}: expected one priority per step, shape [{n}], received {list(p.shape)}"
+        )
+    p = p.astype(np.float64)
+    bad = ~np.isfinite(p)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise InvalidDataError(
+            f"{where}: priority of step {i} is {p[i]}: priorities must be finite (no NaN or inf)"
+        )
+    if np.any(p < 0):
+        i = int(np.argmax(p < 0))
+        raise InvalidDataError(f"{where}: priority of step {i} is {p[i]}: priorities must be >= 0")
+    return p
 
 
 def check_steps(episode_ids: np.ndarray, first_steps: np.ndarray, lengths: np.ndarray) -> None:
@@ -338,6 +395,11 @@ def concat(groups: Sequence[PackedSegments]) -> PackedSegments:
     sequences = None
     if numbered == {True}:
         sequences = _check_sequences(np.concatenate([g.sequences for g in groups]))
+    if len({g.priorities is not None for g in groups}) > 1:
+        raise InvalidDataError("either every segment of an insert has priorities or none")
+    priorities = None
+    if first.priorities is not None:
+        priorities = np.concatenate([g.priorities for g in groups])
     return PackedSegments(
         {k: _cat([g.steps[k] for g in groups], k) for k in first.steps},
         {k: _cat([g.tails[k] for g in groups], k) for k in first.tails},
@@ -347,6 +409,7 @@ def concat(groups: Sequence[PackedSegments]) -> PackedSegments:
         sequences,
         {k: _cat([g.frames[k] for g in groups], k) for k in first.frames},
         {k: s for g in groups for k, s in g.stacks.items()},
+        priorities,
     )
 
 
@@ -358,6 +421,7 @@ def pack_columns(
     first_steps: np.ndarray | Sequence[int],
     sequences: np.ndarray | Sequence[int] | None = None,
     frames: Mapping[Key, torch.Tensor] | None = None,
+    priorities: np.ndarray | torch.Tensor | Sequence[float] | None = None,
 ) -> PackedSegments:
     """Segments already laid out as columns, checked as :func:`pack` checks segments.
 
@@ -366,6 +430,8 @@ def pack_columns(
     (a collector's chunk): no per-segment objects and no concatenation. ``frames``: the
     frame-stacked observation keys sent as frames (:mod:`millpond.frame_stacks`; their
     stack sizes are the table's, checked by :func:`millpond.frame_stacks.compact_stacks`).
+    ``priorities``: each step's initial priority, ``[sum of lengths]`` (see
+    :func:`check_priorities`), or ``None``.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) == 0:
@@ -412,6 +478,7 @@ def pack_columns(
         np.asarray(first_steps, dtype=np.int64),
         None if sequences is None else _check_sequences(np.asarray(sequences, dtype=np.int64)),
         frames,
+        priorities=None if priorities is None else check_priorities(priorities, n),
     )
 
 

@@ -55,6 +55,15 @@ def packed_ints(number: int, values: Sequence[int]) -> bytes:
     return tag(number, LEN) + varint(len(body)) + body
 
 
+def packed_doubles(number: int, values: np.ndarray) -> list[Piece]:
+    """A repeated double field, packed (nothing when empty): its header, then the values'
+    little-endian float64 bytes."""
+    if not len(values):
+        return []
+    data = np.ascontiguousarray(values, dtype="<f8").view(np.uint8).reshape(-1)
+    return [tag(number, LEN) + varint(data.nbytes), data]
+
+
 def string(number: int, text: str) -> bytes:
     raw = text.encode()
     return tag(number, LEN) + varint(len(raw)) + raw

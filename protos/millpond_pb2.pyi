@@ -105,21 +105,23 @@ class CreateTableResponse(_message.Message):
     def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("sequence", "episode_id", "first_step", "steps", "tail")
+    __slots__ = ("sequence", "episode_id", "first_step", "steps", "tail", "priorities")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     episode_id: int
     first_step: int
     steps: TensorMap
     tail: TensorMap
-    def __init__(self, sequence: _Optional[int] = ..., episode_id: _Optional[int] = ..., first_step: _Optional[int] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tail: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
+    priorities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sequence: _Optional[int] = ..., episode_id: _Optional[int] = ..., first_step: _Optional[int] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tail: _Optional[_Union[TensorMap, _Mapping]] = ..., priorities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PackedSegments(_message.Message):
-    __slots__ = ("sequences", "episode_ids", "first_steps", "lengths", "steps", "tails", "frames")
+    __slots__ = ("sequences", "episode_ids", "first_steps", "lengths", "steps", "tails", "frames", "priorities")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class PackedSegments(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TAILS_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedScalarFieldContainer[int]
     episode_ids: _containers.RepeatedScalarFieldContainer[int]
     first_steps: _containers.RepeatedScalarFieldContainer[int]
@@ -134,7 +137,8 @@ class PackedSegments(_message.Message):
     steps: TensorMap
     tails: TensorMap
     frames: TensorMap
-    def __init__(self, sequences: _Optional[_Iterable[int]] = ..., episode_ids: _Optional[_Iterable[int]] = ..., first_steps: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tails: _Optional[_Union[TensorMap, _Mapping]] = ..., frames: _Optional[_Union[TensorMap, _Mapping]] = ...) -> None: ...
+    priorities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sequences: _Optional[_Iterable[int]] = ..., episode_ids: _Optional[_Iterable[int]] = ..., first_steps: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., steps: _Optional[_Union[TensorMap, _Mapping]] = ..., tails: _Optional[_Union[TensorMap, _Mapping]] = ..., frames: _Optional[_Union[TensorMap, _Mapping]] = ..., priorities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("writer_id", "table", "segments", "timeout_ms", "packed")

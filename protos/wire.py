@@ -30,6 +30,7 @@ from millpond.protos.framing import (
     TensorView,
     fields,
     message,
+    packed_doubles,
     packed_ints,
     parse_rest,
     read_tensor,
@@ -66,7 +67,9 @@ def encode_packed(
     """``packed`` as the bytes of a ``pb.PackedSegments`` without its sequences (which
     :func:`insert_request` adds when the segments are sent): one copy of the tensors' data.
     ``compress_keys``: keys sent zstd-compressed. ``framed``: by hand (``True``), by
-    protobuf (``False``), or by hand from :data:`SMALL_BYTES` of tensor data on (``None``)."""
+    protobuf (``False``), or by hand from :data:`SMALL_BYTES` of tensor data on (``None``).
+    Either way the fields come in protobuf's order (the priorities, field 8, last), so
+    both make the same bytes."""
     msg = pb.PackedSegments(
         episode_ids=packed.episode_ids.tolist(),
         first_steps=packed.first_steps.tolist(),
@@ -78,12 +81,16 @@ def encode_packed(
         to_tensor_map(packed.tails, [len(packed)], compress_keys, out=msg.tails)
         if packed.frames:
             to_tensor_map(packed.frames, [], compress_keys, out=msg.frames)
+        if packed.priorities is not None:
+            msg.priorities.extend(packed.priorities.tolist())
         return msg.SerializeToString()
     pieces: list[Piece] = [msg.SerializeToString()]
     pieces += tensor_map(5, packed.steps, [packed.num_steps], compress_keys)
     pieces += tensor_map(6, packed.tails, [len(packed)], compress_keys)
     if packed.frames:  # frame-stacked keys; their rows differ with their k: no batch
         pieces += tensor_map(7, packed.frames, [], compress_keys)
+    if packed.priorities is not None:
+        pieces += packed_doubles(8, packed.priorities)
     return b"".join(pieces)
 
 
@@ -124,6 +131,10 @@ class PackedView:
     @property
     def lengths(self):
         return self.fields.lengths
+
+    @property
+    def priorities(self):
+        return self.fields.priorities
 
 
 @dataclass

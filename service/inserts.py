@@ -3,8 +3,9 @@
 A block of segments is admitted once the rate limiter, a full queue and the slots other
 writers are still copying let it in; it is placed in the table's regions or in a block of
 fresh slots (evicting the oldest segments there), copied outside the lock and published
-under it. A writer's segments carry sequences: one already stored is skipped, so a re-send
-after a lost acknowledgement never stores anything twice.
+under it, with the initial priorities its writer gave (a prioritized table only). A
+writer's segments carry sequences: one already stored is skipped, so a re-send after a lost
+acknowledgement never stores anything twice.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from tensordict import TensorDictBase
 
 from millpond.errors import InvalidDataError
+from millpond.insert_checks import check_insert_priorities
 from millpond.routing import writer_hash
 from millpond.segments import PackedSegments, Segment, pack
 from millpond.service.regions import Placement
@@ -87,8 +89,11 @@ class TableInserts:
         """Store segments already packed into columns (see :func:`segments.pack`).
 
         Frame-stacked keys (``TableConfig.frame_stacks``) may come as whole stacks (checked
-        to overlap, then cut to frames) or as frames already.
+        to overlap, then cut to frames) or as frames already. Steps with ``priorities``
+        start with those (a prioritized table only; others refuse them by name), steps
+        without with the sampler's rule for new steps.
         """
+        packed = check_insert_priorities(packed, self.config.name, self.config.sampler)
         packed = self._check_spec(packed)
         if np.any(packed.episode_ids < 0) or np.any(packed.first_steps < 0):
             raise InvalidDataError("episode ids and first steps must be >= 0")
@@ -214,7 +219,10 @@ class TableInserts:
             first_gen = self._files.take_generations(len(packed))
             layout.generations = np.arange(first_gen, first_gen + len(packed), dtype=np.int64)
             self.storage.publish(layout, records)
-            self.sampler.on_publish(layout)
+            if packed.priorities is None:
+                self.sampler.on_publish(layout)
+            else:  # a prioritized sampler (check_insert_priorities saw to it)
+                self.sampler.on_publish(layout, packed.priorities)
             self.rate_limiter.on_insert(packed.num_steps)
             if writer and packed.sequences is not None:
                 self._writer_hwm[writer] = max(

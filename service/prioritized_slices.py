@@ -94,8 +94,18 @@ class PrioritizedSliceSampler(_PriorityFile, SliceSampler):
     def can_sample(self, batch_size: int) -> bool:
         return self._starts.count > 0 and self._starts.tree.total > 0
 
-    def on_publish(self, segments: SegmentBatch) -> None:
-        self.priorities[segments.step_slots()] = self.max_priority
+    def on_publish(self, segments: SegmentBatch, priorities: np.ndarray | None = None) -> None:
+        """Make the segments' steps slice starts (where valid): with ``priorities`` (float64,
+        one per step, segment after segment, finite and >= 0: an Ape-X actor's n-step TD
+        errors) those, else :attr:`max_priority` each. Given priorities raise
+        :attr:`max_priority` as updates do."""
+        slots = segments.step_slots()
+        if priorities is None:
+            self.priorities[slots] = self.max_priority
+        else:
+            self.priorities[slots] = priorities
+            if len(priorities):
+                self._max[0] = max(self.max_priority, float(priorities.max()))
         super().on_publish(segments)
 
     def recover(self, segments: SegmentBatch) -> None:

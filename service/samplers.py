@@ -224,7 +224,8 @@ class PrioritizedSampler(_PriorityFile, Sampler):
     """Proportional prioritized replay (Schaul et al., 2016) on a sum-tree.
 
     ``P(i) = p_i^alpha / sum_j p_j^alpha``; importance weights ``w_i = (N P(i))^-beta``
-    normalised by their maximum. New steps get the largest priority seen so far.
+    normalised by their maximum. New steps get the priority their writer gave them (an
+    Ape-X actor's initial TD error) or, without one, the largest priority seen so far.
     Raw priorities live in ``priorities``; with a ``directory`` they are memory-mapped from
     its ``priorities.bin`` (``capacity + 1`` float64: the last holds that largest priority),
     so they survive restarts.
@@ -256,10 +257,19 @@ class PrioritizedSampler(_PriorityFile, Sampler):
     def can_sample(self, batch_size: int) -> bool:
         return self._count > 0 and self._tree.total > 0
 
-    def on_publish(self, segments: SegmentBatch) -> None:
+    def on_publish(self, segments: SegmentBatch, priorities: np.ndarray | None = None) -> None:
+        """Make the segments' steps sampleable: with ``priorities`` (float64, one per step,
+        segment after segment, finite and >= 0) those, else :attr:`max_priority` each.
+        Given priorities raise :attr:`max_priority` as updates do."""
         slots = segments.step_slots()
-        self.priorities[slots] = self.max_priority
-        self._tree.set(slots, self.max_priority**self.alpha)
+        if priorities is None:
+            self.priorities[slots] = self.max_priority
+            self._tree.set(slots, self.max_priority**self.alpha)
+        else:
+            self.priorities[slots] = priorities
+            self._tree.set(slots, priorities**self.alpha)
+            if len(priorities):
+                self._max[0] = max(float(self._max[0]), float(priorities.max()))
         self._count += len(slots)
 
     def recover(self, segments: SegmentBatch) -> None:

@@ -25,6 +25,8 @@ import threading
 import weakref
 from collections.abc import Iterator
 
+import numpy as np
+
 from millpond.colocated import host_id
 from millpond.errors import InvalidDataError, ResourceExhaustedError
 from millpond.protos import codec, wire
@@ -201,6 +203,7 @@ class ReplayServicer(SampleRPC, WeightRPCs, pb_grpc.ReplayServicer):
             msg.first_steps,
             msg.sequences if len(msg.sequences) else None,
             frames,
+            np.asarray(msg.priorities, dtype=np.float64) if len(msg.priorities) else None,
         )
 
     @staticmethod
@@ -218,7 +221,12 @@ class ReplayServicer(SampleRPC, WeightRPCs, pb_grpc.ReplayServicer):
         if msg.sequence >= 2**63:  # uint64 on the wire, int64 in the table
             raise InvalidDataError(f"segment sequence ({msg.sequence}) must be < 2**63")
         return Segment(
-            steps, tail, msg.episode_id, msg.first_step, msg.sequence if msg.sequence else None
+            steps,
+            tail,
+            msg.episode_id,
+            msg.first_step,
+            msg.sequence if msg.sequence else None,
+            np.asarray(msg.priorities, dtype=np.float64) if len(msg.priorities) else None,
         )
 
     def _location(self, table) -> tuple[str, str]:

@@ -140,6 +140,7 @@ class MessagePacker:
             view.fields.episode_ids,
             view.fields.first_steps,
             frames=frames,
+            priorities=view.priorities if len(view.priorities) else None,
         )
         packed.stacks = stacks
         return packed

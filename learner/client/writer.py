@@ -31,7 +31,7 @@ from tensordict import TensorDictBase
 
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError, MillpondError
-from millpond.insert_checks import check_insert
+from millpond.insert_checks import check_insert, check_insert_priorities
 from millpond.learner.client._insert_messages import MessagePacker
 from millpond.learner.client._insert_stream import InsertStream
 from millpond.learner.client._shards import ShardHandle
@@ -186,6 +186,7 @@ class Writer:
         tail: TensorDictBase | Mapping[Any, Any],
         episode_id: int | None = None,
         first_step: int | None = None,
+        priorities: torch.Tensor | np.ndarray | Sequence[float] | None = None,
     ) -> int:
         """Queue one segment; returns its sequence number.
 
@@ -200,10 +201,15 @@ class Writer:
                 writers (``(writer_hash(writer_id) % 2**31) * 2**32 + counter``).
             first_step: the index of the first step within the episode. ``None``: the number
                 of steps this writer has written in that episode so far.
+            priorities: each step's initial priority, ``[L]`` (finite, >= 0), as an Ape-X
+                actor computes them; a prioritized table samples the steps with those until
+                a learner updates them. ``None``: the table's rule for new steps (the
+                largest priority so far). Other tables refuse priorities.
 
         Raises:
             InvalidDataError: the segment does not fit the segment layout or the table's
-                spec (raised before anything is queued).
+                spec, or its priorities are not one finite number >= 0 per step, or the
+                table keeps no priorities (raised before anything is queued).
             DeadlineExceededError: ``max_in_flight`` segments stayed unacknowledged for
                 :attr:`timeout_s`; nothing of this call was queued.
             MillpondError: the error that stopped the writer earlier (server-side rejection,
@@ -214,7 +220,7 @@ class Writer:
         episode_id = _optional_index("episode_id", episode_id)
         first_step = _optional_index("first_step", first_step)
         self._raise_if_unusable()
-        packed = pack([Segment(steps, tail, episode_id or 0, first_step or 0)])
+        packed = pack([Segment(steps, tail, episode_id or 0, first_step or 0, None, priorities)])
         with self._write_lock:
             packed = self._check_spec(packed)
             length = int(packed.lengths[0])
@@ -235,8 +241,9 @@ class Writer:
     def write_segments(self, segments: Sequence[Segment]) -> list[int]:
         """Queue several segments, in order; returns their sequence numbers.
 
-        The same as :meth:`write_segment` for each (``segment.episode_id`` and
-        ``segment.first_step`` are used as given), but validated and packed in one pass and
+        The same as :meth:`write_segment` for each (``segment.episode_id``,
+        ``segment.first_step`` and ``segment.priorities`` are used as given; every segment
+        has priorities or none does), but validated and packed in one pass and
         queued under one lock: with short episodes the per-segment Python work is most of
         an actor's cost. On a validation error nothing is queued. Blocks while
         ``max_in_flight`` segments await acknowledgement.
@@ -248,7 +255,14 @@ class Writer:
             _optional_index("first_step", s.first_step)
         self._raise_if_unusable()
         return self.write_packed(
-            pack([Segment(s.steps, s.tail, int(s.episode_id), int(s.first_step)) for s in segments])
+            pack(
+                [
+                    Segment(
+                        s.steps, s.tail, int(s.episode_id), int(s.first_step), None, s.priorities
+                    )
+                    for s in segments
+                ]
+            )
         )
 
     def write_packed(self, packed: PackedSegments, *, track_episodes: bool = True) -> list[int]:
@@ -257,8 +271,8 @@ class Writer:
         What :meth:`write_segments` does after packing, for producers whose steps are in one
         block already (see :func:`millpond.segmenting.pack_batch`,
         :func:`millpond.segments.pack_columns` and :func:`millpond.ted.compact_ted`). The
-        segments travel as columns, in as few messages as the request size allows. On a
-        validation error nothing is queued.
+        segments travel as columns, in as few messages as the request size allows, with
+        ``packed.priorities`` (one per step) if set. On a validation error nothing is queued.
 
         ``track_episodes=False``: do not remember where each episode stands (that serves
         later :meth:`write_segment` calls without ``episode_id``/``first_step``). For a
@@ -342,6 +356,8 @@ class Writer:
         table's frame-stacked keys cut to frames (checked to overlap first): each frame
         travels once. Unknown stacks: whole stacks go, and the shard cuts them."""
         config = self._table_config()
+        if config is not None:  # unknown: the shard refuses misplaced priorities itself
+            packed = check_insert_priorities(packed, self._table, config.sampler)
         stacks = config.frame_stacks if config is not None else {}
         spec = config.spec if config is not None and config.spec is not None else self._spec
         packed, self._spec = check_insert(packed, stacks, spec)

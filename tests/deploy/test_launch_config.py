@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from millpond.actors import ApexPriorities
 from millpond.deploy.config_files import apply_override
+from millpond.deploy.env_fleet import actor_config
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.errors import InvalidConfigError
 from millpond.learner import DQNConfig, PPOConfig
@@ -282,3 +284,19 @@ def test_rainbow_actors_and_learner_build_the_same_dueling_network():
     assert isinstance(learner.q_network, DuelingQ)
     policy = make_policy(actor.policy, *spaces, 1, policy_kwargs=actor.policy_kwargs)
     policy.module.load_state_dict(learner.q_network.state_dict())  # the same parameters
+
+
+def test_apex_priorities_are_for_dqn_on_a_prioritized_table(tmp_path):
+    uniform = (
+        "learner: {algorithm: dqn}\nreplay: {table: {name: t, sampler: uniform, capacity: 100}}\n"
+    )
+    with pytest.raises(InvalidConfigError, match=r"actors.apex_priorities: .* dqn on a 'uniform'"):
+        load_config(write(tmp_path, uniform + "actors: {apex_priorities: true}\n"))
+    job = (
+        "learner: {algorithm: dqn, dqn: {prioritized: true, gamma: 0.9, priority_eps: 0.01}}\n"
+        "replay: {table: {name: t, sampler: prioritized, capacity: 100}}\n"
+        "actors: {apex_priorities: true}\n"
+    )
+    config = load_config(write(tmp_path, job))
+    assert actor_config(config, "t", "mlp").priorities == ApexPriorities(0.9, 1, 0.01)
+    assert actor_config(LaunchConfig(), "t", "mlp").priorities is None

@@ -1,6 +1,8 @@
 """Insert requests framed by hand (protos/wire.py): the same bytes protobuf reads, parsed
 back into the same tensors, and malformed bytes refused by name, over a real server too."""
 
+import dataclasses
+
 import grpc
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import torch
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import InvalidDataError
+from millpond.learner.client._insert_messages import MessagePacker
 from millpond.protos import codec, framing, samples, wire
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_to_proto
@@ -80,6 +83,37 @@ def test_parsed_views_equal_protobufs_own_parse():
             assert batch_a == batch_b and a.keys() == b.keys()
             for key in b:
                 assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("compress", [set(), {("pixels",)}])
+def test_priorities_travel_hand_framed_as_protobufs_bytes(compress):
+    packed = dataclasses.replace(_packed(), priorities=np.linspace(0.0, 3.0, 12) ** 2)
+    body = wire.encode_packed(packed, compress, framed=True)
+    assert body == wire.encode_packed(packed, compress, framed=False)
+    raw = wire.insert_request("w", "t", [(7, len(packed), body)])
+    want = _protobuf_message(packed, compress, 7)
+    want.priorities.extend(packed.priorities.tolist())
+    assert raw == pb.InsertRequest(writer_id="w", table="t", packed=[want]).SerializeToString()
+    (got,) = wire.parse_framed_insert(raw).packed
+    assert list(got.priorities) == packed.priorities.tolist()  # float64: exact
+    without = wire.insert_request("w", "t", [(7, 3, wire.encode_packed(_packed(), framed=True))])
+    assert list(wire.parse_framed_insert(without).packed[0].priorities) == []
+
+
+def test_a_refitted_message_keeps_its_priorities():
+    """A queued message cut again for a lower message limit keeps each step's priority."""
+    packed = dataclasses.replace(_packed(), priorities=np.arange(12, dtype=np.float64))
+    packer = MessagePacker(256 * 1024 * 1024, lambda: None)
+    (queued,) = packer.encode(packed)
+    queued.number(1)
+    # The shard says a limit that one segment fits and two do not (64 KiB: the room the
+    # packer keeps for the request's other fields).
+    packer.shard_message_bytes = 64 * 1024 + queued.size // 2
+    parts = list(packer.refit({queued.last: queued}).values())
+    assert len(parts) > 1
+    got = [list(wire.parse_packed(p.body).priorities) for p in parts]
+    assert [len(g) for g in got] == [4 * p.count for p in parts]  # 4 steps per segment
+    assert [p for g in got for p in g] == packed.priorities.tolist()
 
 
 def test_views_share_the_request_bytes():

@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from millpond.config import TableConfig
-from millpond.segments import Segment
+from millpond.segments import Segment, pack
 from millpond.service.table import Table
 from millpond.testing import stored_segments
 
@@ -123,6 +123,33 @@ def test_prioritized_frequencies_and_weights(make_table, alpha, beta):
     expected /= (n * probs.min()) ** -beta
     np.testing.assert_allclose(weights, expected, rtol=1e-5)
     assert table.info()["mass"] == pytest.approx(p.sum(), rel=1e-9)
+
+
+@pytest.mark.parametrize("beta", [0.4, 1.0])
+def test_priorities_given_at_insert_are_what_the_sampler_draws_with(make_table, beta):
+    # Ape-X: each step starts with the priority its writer computed, not the max priority.
+    table = make_table(TableConfig.prioritized("t", 1024, alpha=1.0, beta=beta, seed=7))
+    rng = np.random.default_rng(7)
+    given: dict[int, float] = {}  # slot -> priority
+    for ep in range(20):
+        s = segment(ep, 0, int(rng.integers(1, 12)))
+        p = rng.uniform(0.05, 4.0, s.steps.batch_size[0])
+        (gen,) = table.insert_packed(pack([Segment(s.steps, s.tail, ep, 0, None, p)]))
+        seg = next(k for k, g in stored_segments(table).items() if g == gen)
+        given.update(zip(range(seg[3], seg[3] + seg[2]), p.tolist()))
+    slots, _ = live_steps(table)
+    priorities = np.array([given[s] for s in slots.tolist()])
+    np.testing.assert_array_equal(np.asarray(table.sampler.priorities)[slots], priorities)
+    assert table.sampler.max_priority == pytest.approx(max(priorities.max(), 1.0))
+    drawn, weights = draw_slots(table, 60_000)
+    assert np.isin(drawn, slots).all()
+    probs = priorities / priorities.sum()  # alpha = 1: P(i) = p_i / sum p
+    assert_frequencies(np.bincount(drawn, minlength=1024)[slots], probs)
+    n = len(slots)
+    prob_of = dict(zip(slots.tolist(), probs))
+    expected = (n * np.array([prob_of[s] for s in drawn.tolist()])) ** -beta
+    expected /= (n * probs.min()) ** -beta
+    np.testing.assert_allclose(weights, expected, rtol=1e-5)
 
 
 def test_zero_priority_is_never_sampled(make_table):
@@ -265,6 +292,32 @@ def test_prioritized_slice_frequencies_and_weights(make_table, strict_length, al
             expected_weights.append((n * probs[index[s]]) ** -beta / (n * probs.min()) ** -beta)
     assert_frequencies(counts, probs)
     np.testing.assert_allclose(np.concatenate(weights), expected_weights, rtol=1e-5)
+
+
+def test_priorities_given_at_insert_start_slices_with_them(make_table):
+    # Ape-X with n-step targets: a prioritized slices table takes each step's priority from
+    # its writer, and a slice is drawn by its first step's (alpha = 1: P(i) = p_i / sum p).
+    table = make_table(
+        TableConfig.prioritized_slices("t", 1024, 3, alpha=1.0, seed=7, strict_length=False)
+    )
+    rng = np.random.default_rng(7)
+    given: dict[tuple[int, int], float] = {}  # (episode, step) -> priority
+    for ep in range(20):
+        s = segment(ep, 0, int(rng.integers(1, 12)))
+        p = rng.uniform(0.05, 4.0, s.steps.batch_size[0])
+        table.insert_packed(pack([Segment(s.steps, s.tail, ep, 0, None, p)]))
+        given.update({(ep, i): float(q) for i, q in enumerate(p)})
+    starts = sorted(given)  # loose slices: every stored step begins one
+    probs = np.array([given[v] for v in starts])
+    probs /= probs.sum()
+    index = {v: i for i, v in enumerate(starts)}
+    counts = np.zeros(len(starts), dtype=np.int64)
+    for _ in range(120):
+        td = table.sample(500, timeout=10)
+        first = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
+        np.add.at(counts, [index[v] for v in first], 1)
+    assert_frequencies(counts, probs)
+    assert table.sampler.max_priority == pytest.approx(max(max(given.values()), 1.0))
 
 
 def test_prioritized_slice_update_of_an_overwritten_slot_is_dropped(make_table):
