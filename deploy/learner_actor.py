@@ -238,7 +238,8 @@ class LearnerActor:
         """Train for about ``seconds``; what happened meanwhile.
 
         Returns ``rank``, ``steps`` (learner steps that trained), ``dropped`` (stale steps,
-        PPO), ``sample_s`` / ``update_s``, ``policy_lag`` and ``loss`` (means over the steps,
+        PPO), ``sample_s`` / ``update_s``, ``policy_lag`` (in versions), ``policy_lag_steps`` (in
+        gradient steps) and ``loss`` (means over the steps,
         or ``None``) and ``version`` (the last published weight version).
         """
         from millpond.learner.distributed import any_true
@@ -247,6 +248,7 @@ class LearnerActor:
         steps = dropped = 0
         sample_s = update_s = 0.0
         lags: list[float] = []
+        lag_steps: list[float] = []
         losses: list[float] = []
         while True:
             stop = time.monotonic() >= deadline
@@ -271,6 +273,8 @@ class LearnerActor:
             dropped += metrics.get("dropped", 0)
             if "policy_lag_mean" in metrics:
                 lags.append(metrics["policy_lag_mean"])
+            if "policy_lag_steps_mean" in metrics:
+                lag_steps.append(metrics["policy_lag_steps_mean"])
             loss = metrics.get("loss", metrics.get("loss_policy"))
             if loss is not None:
                 losses.append(float(loss))
@@ -281,6 +285,7 @@ class LearnerActor:
             "sample_s": sample_s,
             "update_s": update_s,
             "policy_lag": sum(lags) / len(lags) if lags else None,
+            "policy_lag_steps": sum(lag_steps) / len(lag_steps) if lag_steps else None,
             "loss": sum(losses) / len(losses) if losses else None,
             "version": self.learner.version,
         }

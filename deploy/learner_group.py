@@ -66,12 +66,18 @@ class LearnerGroup:
         self.stale_steps = resumed.stale_steps if resumed else 0  # acted by too old a policy
         self.timing = {"sample_s": 0.0, "learn_s": 0.0}
         self._lags: deque[float] = deque(maxlen=50)
+        self._lag_steps: deque[float] = deque(maxlen=50)
         self._losses: deque[float] = deque(maxlen=50)
 
     @property
     def policy_lag(self) -> float | None:
         """The mean policy lag of rank 0's last reports."""
         return sum(self._lags) / len(self._lags) if self._lags else None
+
+    @property
+    def policy_lag_steps(self) -> float | None:
+        """The same lag in gradient steps since the acting version was published."""
+        return sum(self._lag_steps) / len(self._lag_steps) if self._lag_steps else None
 
     @property
     def loss(self) -> float | None:
@@ -188,6 +194,8 @@ class LearnerGroup:
             self.version = report["version"]
             if report["policy_lag"] is not None:
                 self._lags.append(report["policy_lag"])
+            if report.get("policy_lag_steps") is not None:
+                self._lag_steps.append(report["policy_lag_steps"])
             if report["loss"] is not None:
                 self._losses.append(report["loss"])
 

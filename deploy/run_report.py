@@ -43,6 +43,7 @@ COLUMNS: tuple[str, ...] = (
     "samples_per_s",
     "samples_per_insert",
     "policy_lag",
+    "policy_lag_steps",
     "stale_steps",
     "learner_steps",
     "weights_version",
@@ -269,7 +270,7 @@ def progress_line(row: Mapping[str, Any], budget: int) -> str:
         f"{num('frames_per_s')} fps  episodes {row['episodes']}  return {num('mean_return', '.1f')}  "
         f"buffer {num('buffer_fill', '.0%')}  ins/s {num('inserts_per_s')}  "
         f"smp/s {num('samples_per_s')}  spi {num('samples_per_insert', '.2f')}  "
-        f"lag {num('policy_lag', '.2f')}"
+        f"lag {num('policy_lag', '.2f')} v / {num('policy_lag_steps')} steps"
     )
 
 

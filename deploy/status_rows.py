@@ -88,6 +88,7 @@ class StatusRows:
             "samples_per_s": (samples - self._last["samples"]) / dt,
             "samples_per_insert": samples / inserts if inserts else None,
             "policy_lag": learners.policy_lag,
+            "policy_lag_steps": learners.policy_lag_steps,
             "stale_steps": learners.stale_steps,
             "learner_steps": learners.steps,
             "weights_version": learners.version,

@@ -59,7 +59,7 @@ from torch import nn
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
-from millpond.learner._common import published_version
+from millpond.learner._common import PublishClock, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import n_step_return
 
@@ -193,6 +193,7 @@ class DQNLearner:
         self.updates = 0
         self._batches: Iterator[TensorDictBase] | None = None
         self.version = published_version(client) if version is None else version
+        self._clock = PublishClock(self.version)
         params = list(q_network.parameters())
         self.device = params[0].device if params else torch.device("cpu")
         self.data_parallel = data_parallel
@@ -206,7 +207,9 @@ class DQNLearner:
         ``Q(s, a)``), ``updates``, ``target_updated`` (the target network was refreshed
         after this step), ``published`` (the version published after this step, or
         ``None``), ``version``, ``priorities_applied`` (prioritized tables) and, when the
-        batch records it, ``policy_lag_mean`` / ``policy_lag_max``.
+        batch records it, ``policy_lag_mean`` / ``policy_lag_max`` (versions behind the
+        learner's) and ``policy_lag_steps_mean`` / ``policy_lag_steps_max`` (gradient steps
+        taken since the acting version was published).
         """
         c = self.config
         started = time.perf_counter()
@@ -219,9 +222,13 @@ class DQNLearner:
             )
         metrics: dict[str, Any] = {}
         if "policy_version" in batch:
-            lag = self.version - batch["policy_version"].reshape(-1)
+            acted = batch["policy_version"].reshape(-1)
+            lag = self.version - acted
             metrics["policy_lag_mean"] = float(lag.float().mean())
             metrics["policy_lag_max"] = int(lag.max())
+            lag_steps = self._clock.lag_steps(acted, self.updates)
+            metrics["policy_lag_steps_mean"] = float(lag_steps.float().mean())
+            metrics["policy_lag_steps_max"] = int(lag_steps.max())
         index = batch["index"] if batch.ndim == 1 else batch["index"][:, 0]
         batch = batch.to(self.device)
         loss, td_error, q_value = self.loss(batch)
@@ -356,9 +363,11 @@ class DQNLearner:
         """
         if self.data_parallel and distributed.rank() != 0:
             self.version += 1
+            self._clock.published(self.version, self.updates)
             return self.version
         state = {k: v.detach().cpu() for k, v in self.q_network.state_dict().items()}
         self.version = self.client.publish_weights(state, self.version + 1)
+        self._clock.published(self.version, self.updates)
         return self.version
 
 

@@ -54,7 +54,7 @@ from torch import nn
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
-from millpond.learner._common import published_version
+from millpond.learner._common import PublishClock, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import gae_from_batch
 
@@ -145,6 +145,7 @@ class PPOLearner:
         version: the last published version: the learner's policy, as far as actors know it.
         optimizer: Adam over the policy's and the critic's parameters (each once, when they
             share a torso).
+        updates: minibatch gradient steps taken.
     """
 
     def __init__(
@@ -170,6 +171,8 @@ class PPOLearner:
         self.policy = policy
         self.critic = critic
         self.version = published_version(client) if version is None else version
+        self.updates = 0
+        self._clock = PublishClock(self.version)
         # A torso shared by the policy and the critic (the Nature CNN's) is optimised once.
         params = list({id(p): p for p in [*policy.parameters(), *critic.parameters()]}.values())
         # foreach: one kernel per step for all parameters (the per-tensor loop costs more
@@ -185,7 +188,8 @@ class PPOLearner:
 
         Returns metrics: ``sampled`` (steps delivered), ``steps`` (kept and trained on),
         ``dropped``, ``policy_lag_mean`` / ``policy_lag_max`` (learner version minus the
-        steps' ``policy_version``, over the delivered steps), the means over the update's
+        steps' ``policy_version``, over the delivered steps), ``policy_lag_steps_mean`` /
+        ``policy_lag_steps_max`` (the same lag in minibatch gradient steps), the means over the update's
         minibatches of ``loss_policy`` (the clipped surrogate, to minimise), ``loss_value``,
         ``entropy``, ``approx_kl`` and ``clip_fraction``, and ``version`` (the published
         one), ``sample_s`` (seconds waiting for the batch) and ``update_s`` (the rest). When
@@ -233,9 +237,13 @@ class PPOLearner:
                 "the batch has no 'policy_version': write it with millpond's actors, or record "
                 "the version of the policy that acted"
             )
-        lag = self.version - batch["policy_version"].reshape(n)
+        acted = batch["policy_version"].reshape(n)
+        lag = self.version - acted
         metrics["policy_lag_mean"] = float(lag.float().mean()) if n else 0.0
         metrics["policy_lag_max"] = int(lag.max()) if n else 0
+        lag_steps = self._clock.lag_steps(acted, self.updates)
+        metrics["policy_lag_steps_mean"] = float(lag_steps.float().mean()) if n else 0.0
+        metrics["policy_lag_steps_max"] = int(lag_steps.max()) if n else 0
         if self.config.max_policy_lag is not None:
             batch = batch[lag <= self.config.max_policy_lag]
         metrics["steps"] = batch.shape[0]
@@ -262,6 +270,7 @@ class PPOLearner:
                 if c.max_grad_norm is not None:
                     nn.utils.clip_grad_norm_(params, c.max_grad_norm, foreach=True)
                 self.optimizer.step()
+                self.updates += 1
                 sums.append(torch.stack([v.detach() for v in losses.values()]))
         # One host sync for the whole update, not one per term and minibatch.
         means = torch.stack(sums).mean(0).tolist()
@@ -358,9 +367,11 @@ class PPOLearner:
         """
         if self.data_parallel and distributed.rank() != 0:
             self.version += 1
+            self._clock.published(self.version, self.updates)
             return self.version
         state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
         self.version = self.client.publish_weights(state, self.version + 1)
+        self._clock.published(self.version, self.updates)
         return self.version
 
 

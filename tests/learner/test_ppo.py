@@ -97,8 +97,12 @@ def test_steps_lower_the_losses_on_fixed_data_and_publish_weights(client):
     history = []
     for i in range(6):
         write(client, chunk)
+        steps_before = learner.updates
         metrics = learner.step()
         history.append(metrics)
+        # one gradient step per minibatch; the chunk's version 0 was published at step 0
+        assert learner.updates - steps_before == config.epochs * -(-n // config.minibatch_size)
+        assert metrics["policy_lag_steps_max"] == steps_before
         assert metrics["sampled"] == metrics["steps"] == n and metrics["dropped"] == 0
         assert metrics["policy_lag_max"] == i  # the chunk was acted by version 0
         assert metrics["version"] == i + 1
