@@ -3,8 +3,7 @@ and how many gradient steps old the policy behind a batch's steps is."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
+import numpy as np
 import torch
 
 from millpond.learner.client import ReplayClient
@@ -32,16 +31,26 @@ class PublishClock:
     """
 
     def __init__(self, version: int) -> None:
-        self._steps_at: OrderedDict[int, int] = OrderedDict({version: 0})
+        self._versions = np.full(64, version, dtype=np.int64)  # increasing, first n used
+        self._steps = np.zeros(64, dtype=np.int64)
+        self._n = 1
 
     def published(self, version: int, steps: int) -> None:
         """``version`` was published after ``steps`` gradient steps."""
-        self._steps_at[version] = steps
-        if len(self._steps_at) > _REMEMBERED:
-            self._steps_at.popitem(last=False)
+        if self._n == _REMEMBERED:  # forget the older half
+            half = _REMEMBERED // 2
+            self._versions[:half] = self._versions[half : self._n]
+            self._steps[:half] = self._steps[half : self._n]
+            self._n = half
+        if self._n == len(self._versions):
+            self._versions = np.resize(self._versions, 2 * self._n)
+            self._steps = np.resize(self._steps, 2 * self._n)
+        self._versions[self._n], self._steps[self._n] = version, steps
+        self._n += 1
 
     def lag_steps(self, versions: torch.Tensor, steps: int) -> torch.Tensor:
         """Gradient steps taken since each of ``versions`` was published (int64, like it)."""
-        oldest = next(iter(self._steps_at.values()))
-        at = [self._steps_at.get(int(v), oldest) for v in versions.reshape(-1).tolist()]
-        return steps - torch.tensor(at, dtype=torch.int64).reshape(versions.shape)
+        acted = versions.numpy() if versions.device.type == "cpu" else versions.cpu().numpy()
+        # the latest publication at or before each version (the oldest known for older ones)
+        i = np.searchsorted(self._versions[: self._n], acted, side="right") - 1
+        return torch.from_numpy(steps - self._steps[np.maximum(i, 0)])

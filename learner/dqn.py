@@ -189,7 +189,9 @@ class DQNLearner:
         self.q_network = q_network
         self.target_network = copy.deepcopy(q_network)
         self.target_network.requires_grad_(False)
-        self.optimizer = torch.optim.Adam(q_network.parameters(), lr=config.lr)
+        # foreach: one kernel per step for all parameters (a per-tensor loop costs more
+        # than the small networks' arithmetic)
+        self.optimizer = torch.optim.Adam(q_network.parameters(), lr=config.lr, foreach=True)
         self.updates = 0
         self._batches: Iterator[TensorDictBase] | None = None
         self.version = published_version(client) if version is None else version
@@ -230,7 +232,8 @@ class DQNLearner:
             metrics["policy_lag_steps_mean"] = float(lag_steps.float().mean())
             metrics["policy_lag_steps_max"] = int(lag_steps.max())
         index = batch["index"] if batch.ndim == 1 else batch["index"][:, 0]
-        batch = batch.to(self.device)
+        if self.device.type != "cpu":  # samples arrive on the CPU; moving them there costs
+            batch = batch.to(self.device)
         loss, td_error, q_value = self.loss(batch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -294,7 +297,12 @@ class DQNLearner:
                     f"n_step={c.n_step} needs slices [B, K] with K >= n_step; the table "
                     "returned single transitions [B] (use a slices table, or n_step=1)"
                 )
-            batch = batch.unsqueeze(1)  # [B, 1]: one transition per row
+            # One transition per row: n_step_return with m = 1, written out (the general
+            # form's bookkeeping costs more than the update's arithmetic on small networks).
+            next_value = self._next_value(batch["next", c.observation_key])
+            reward = batch["next", "reward"].reshape(-1).to(next_value.dtype)
+            alive = 1.0 - batch["next", "terminated"].reshape(-1).to(next_value.dtype)
+            return reward + (c.gamma * alive) * next_value
         elif batch.ndim == 2:
             if batch.shape[1] < c.n_step:
                 raise InvalidDataError(
@@ -303,13 +311,7 @@ class DQNLearner:
             batch = batch[:, : c.n_step]
         else:
             raise InvalidDataError(f"expected a batch [B] or [B, K], received {batch.shape}")
-        next_obs = batch["next", c.observation_key]
-        next_q_target = _q_values(self.target_network(next_obs))
-        if c.double_dqn:
-            best = _q_values(self.q_network(next_obs)).argmax(-1, keepdim=True)
-            next_value = next_q_target.gather(-1, best).squeeze(-1)
-        else:
-            next_value = next_q_target.max(-1).values
+        next_value = self._next_value(batch["next", c.observation_key])
         shape = next_value.shape  # [B, n]
         G, _ = n_step_return(
             batch["next", "reward"].reshape(shape).to(next_value.dtype),
@@ -320,6 +322,15 @@ class DQNLearner:
             batch.shape[1],
         )
         return G[:, 0]
+
+    def _next_value(self, next_obs: torch.Tensor) -> torch.Tensor:
+        """The target network's value of each next observation: ``max_a Q'(s', a)``, or
+        with Double DQN ``Q'(s', argmax_a Q(s', a))``."""
+        next_q_target = _q_values(self.target_network(next_obs))
+        if self.config.double_dqn:
+            best = _q_values(self.q_network(next_obs)).argmax(-1, keepdim=True)
+            return next_q_target.gather(-1, best).squeeze(-1)
+        return next_q_target.max(-1).values
 
     def _next_batch(self) -> TensorDictBase:
         c = self.config
