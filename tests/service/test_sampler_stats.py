@@ -222,6 +222,18 @@ def fill_episodes(table: Table, rng: np.random.Generator, episodes: int, first_e
     return ep_steps
 
 
+def slice_start_counts(table: Table, starts: list, batches: int) -> np.ndarray:
+    """How often each of ``starts`` ((episode, step) pairs) began a slice in ``batches``
+    batches of 500; a slice beginning anywhere else fails the lookup."""
+    index = {v: i for i, v in enumerate(starts)}
+    counts = np.zeros(len(starts), dtype=np.int64)
+    for _ in range(batches):
+        td = table.sample(500, timeout=10)
+        first = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
+        np.add.at(counts, [index[v] for v in first], 1)
+    return counts
+
+
 def test_slice_starts_are_uniform_over_valid_starts(make_table):
     k = 4
     table = make_table(TableConfig.slices("t", 2048, k, seed=6))
@@ -229,12 +241,7 @@ def test_slice_starts_are_uniform_over_valid_starts(make_table):
     ep_steps = fill_episodes(table, rng, 12)
     valid = [(e, s) for e, n in ep_steps.items() for s in range(n - k + 1)]
     assert table.info()["mass"] == len(valid)
-    index = {v: i for i, v in enumerate(valid)}
-    counts = np.zeros(len(valid), dtype=np.int64)
-    for _ in range(60):
-        td = table.sample(500, timeout=10)
-        starts = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
-        np.add.at(counts, [index[s] for s in starts], 1)
+    counts = slice_start_counts(table, valid, 60)
     assert_frequencies(counts, np.full(len(valid), 1 / len(valid)))
 
 
@@ -310,13 +317,7 @@ def test_priorities_given_at_insert_start_slices_with_them(make_table):
     starts = sorted(given)  # loose slices: every stored step begins one
     probs = np.array([given[v] for v in starts])
     probs /= probs.sum()
-    index = {v: i for i, v in enumerate(starts)}
-    counts = np.zeros(len(starts), dtype=np.int64)
-    for _ in range(120):
-        td = table.sample(500, timeout=10)
-        first = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
-        np.add.at(counts, [index[v] for v in first], 1)
-    assert_frequencies(counts, probs)
+    assert_frequencies(slice_start_counts(table, starts, 120), probs)
     assert table.sampler.max_priority == pytest.approx(max(max(given.values()), 1.0))
 
 
