@@ -14,7 +14,7 @@ actions) with no rate limit, so the learner never waits for actors. The client p
 
 Neither publishes weights (``publish_every`` is out of reach), so both do the same update
 work. One torch thread. Prints learner steps/s of each, their ratio, and the CPU time per step
-of this process and of the shard's.
+of this process and of the shard's, and the p50/p99 time of one step.
 
     python benchmarks/dqn_learner.py                 # 5 turns of 300 steps each
     python benchmarks/dqn_learner.py --reps 3 --calls 200 --prefetch 4
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import log, millpond_serve, time_in_turns  # noqa: E402
+from _common import log, millpond_serve, time_in_turns
 
 TABLE = "replay"
 STEPS = 10_000
@@ -126,12 +126,13 @@ def main() -> int:
         f"{args.reps} turns of {args.calls} steps; {platform.processor() or platform.machine()}, "
         "1 torch thread\n"
     )
-    print("| system | steps/s | vs alone | client CPU ms/step | shard CPU ms/step |")
-    print("|---|---|---|---|---|")
+    print("| system | steps/s | vs alone | p50 / p99 ms | client CPU ms/step | shard CPU ms/step |")
+    print("|---|---|---|---|---|---|")
     for name in ("service", "service-wire", "alone"):
         client_cpu, shard_cpu = cpu[name]
         print(
             f"| {name} | {rate[name]:,.0f} | {rate[name] / rate['alone']:.2f} | "
+            f"{1000 * np.percentile(lat[name], 50):.2f} / {1000 * np.percentile(lat[name], 99):.2f} | "
             f"{1000 * client_cpu / steps:.2f} | {1000 * shard_cpu / steps:.2f} |"
         )
     return 0
