@@ -383,3 +383,16 @@ def test_ray_cluster_yaml_gives_gpu_workers_the_learner_resource():
         assert launch.learner.num_gpus >= 1 and launch.learner.resources
         for name, amount in launch.learner.resources.items():
             assert amount <= offered.get(name, 0), f"the GPU workers offer no {name}"
+
+
+def test_the_shipped_tables_file_loads_every_sampler_kind():
+    from millpond.service.server import load_tables
+
+    tables = load_tables(ROOT / "deploy" / "configs" / "tables.yaml")
+    assert {t.sampler for t in tables} == {
+        "uniform",
+        "prioritized",
+        "queue",
+        "slices",
+        "prioritized_slices",
+    }
