@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from millpond.errors import InvalidDataError
 from millpond.service._sum_tree import SumMinTree
 from millpond.service.samplers import Selection, _PriorityFile, _SlotSet, _weighted_draw
 from millpond.service.segment_batch import SegmentBatch
@@ -99,20 +98,12 @@ class PrioritizedSliceSampler(_PriorityFile, SliceSampler):
         one per step, segment after segment, finite and >= 0: an Ape-X actor's n-step TD
         errors) those, else :attr:`max_priority` each. Given priorities raise
         :attr:`max_priority` as updates do."""
-        slots = segments.step_slots()
-        if priorities is None:
-            self.priorities[slots] = self.max_priority
-        else:
-            self.priorities[slots] = priorities
-            if len(priorities):
-                self._max[0] = max(self.max_priority, float(priorities.max()))
+        self._set_new(segments.step_slots(), priorities)
         super().on_publish(segments)
 
     def recover(self, segments: SegmentBatch) -> None:
         """Take back the segments found on disk with the priorities stored for them."""
-        p = np.asarray(self.priorities[segments.step_slots()], dtype=np.float64)
-        if len(p):
-            self._max[0] = max(self.max_priority, float(p.max()))
+        self._raise_max(np.asarray(self.priorities[segments.step_slots()], dtype=np.float64))
         super().on_publish(segments)
 
     def sample(self, batch_size: int) -> Selection:
@@ -126,13 +117,8 @@ class PrioritizedSliceSampler(_PriorityFile, SliceSampler):
     def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         """Set the raw priorities of live step slots, slices' first steps (the table drops
         stale ones first); a slot that is no longer a valid start keeps it for later."""
-        if not np.all(np.isfinite(priorities)) or np.any(priorities < 0):
-            raise InvalidDataError("priorities must be finite and >= 0")
-        if len(slots) == 0:
-            return
-        self.priorities[slots] = priorities
-        self._starts.reweigh(slots)
-        self._max[0] = max(self.max_priority, float(priorities.max()))
+        if self._set_updates(slots, priorities):
+            self._starts.reweigh(slots)
 
     def set_exponents(self, alpha: float, beta: float) -> None:
         """Change ``alpha`` and ``beta`` of a running table: the valid starts' sampling

@@ -211,6 +211,29 @@ class _PriorityFile:
         """The largest priority ever set (1 at first): what new steps get."""
         return float(self._max[0])
 
+    def _set_new(self, slots: np.ndarray, given: np.ndarray | None) -> np.ndarray:
+        """Give new step ``slots`` their priorities: ``given`` (checked at insert) or, for
+        none, :attr:`max_priority`; returns what was set."""
+        p = np.full(len(slots), self.max_priority) if given is None else given
+        self.priorities[slots] = p
+        self._raise_max(p)
+        return p
+
+    def _set_updates(self, slots: np.ndarray, priorities: np.ndarray) -> bool:
+        """Set the raw priorities of live ``slots`` (the table drops stale ones first);
+        ``False`` if there were none."""
+        if not np.all(np.isfinite(priorities)) or np.any(priorities < 0):
+            raise InvalidDataError("priorities must be finite and >= 0")
+        if len(slots) == 0:
+            return False
+        self.priorities[slots] = priorities
+        self._raise_max(priorities)
+        return True
+
+    def _raise_max(self, p: np.ndarray) -> None:
+        if len(p):
+            self._max[0] = max(self.max_priority, float(np.max(p)))
+
     def flush(self) -> None:
         if isinstance(self._file, np.memmap):
             self._file.flush()
@@ -262,14 +285,7 @@ class PrioritizedSampler(_PriorityFile, Sampler):
         segment after segment, finite and >= 0) those, else :attr:`max_priority` each.
         Given priorities raise :attr:`max_priority` as updates do."""
         slots = segments.step_slots()
-        if priorities is None:
-            self.priorities[slots] = self.max_priority
-            self._tree.set(slots, self.max_priority**self.alpha)
-        else:
-            self.priorities[slots] = priorities
-            self._tree.set(slots, priorities**self.alpha)
-            if len(priorities):
-                self._max[0] = max(float(self._max[0]), float(priorities.max()))
+        self._tree.set(slots, self._set_new(slots, priorities) ** self.alpha)
         self._count += len(slots)
 
     def recover(self, segments: SegmentBatch) -> None:
@@ -278,8 +294,7 @@ class PrioritizedSampler(_PriorityFile, Sampler):
         p = np.asarray(self.priorities[slots], dtype=np.float64)
         self._tree.set(slots, p**self.alpha)
         self._count += len(slots)
-        if len(p):
-            self._max[0] = max(float(self._max[0]), float(p.max()))
+        self._raise_max(p)
 
     def reset(self, next_generation: int) -> None:
         super().reset(next_generation)
@@ -298,13 +313,8 @@ class PrioritizedSampler(_PriorityFile, Sampler):
 
     def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         """Set the raw priorities of live step slots (the table drops stale ones first)."""
-        if not np.all(np.isfinite(priorities)) or np.any(priorities < 0):
-            raise InvalidDataError("priorities must be finite and >= 0")
-        if len(slots) == 0:
-            return
-        self.priorities[slots] = priorities
-        self._tree.set(slots, priorities**self.alpha)
-        self._max[0] = max(float(self._max[0]), float(priorities.max()))
+        if self._set_updates(slots, priorities):
+            self._tree.set(slots, priorities**self.alpha)
 
     def set_exponents(self, alpha: float, beta: float) -> None:
         """Change ``alpha`` and ``beta`` of a running table: the stored steps' sampling
