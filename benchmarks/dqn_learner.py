@@ -16,8 +16,16 @@ Neither publishes weights (``publish_every`` is out of reach), so both do the sa
 work. One torch thread. Prints learner steps/s of each, their ratio, and the CPU time per step
 of this process and of the shard's, and the p50/p99 time of one step.
 
+``--shape atari`` runs ``atari-dqn.yaml``'s learner instead: a frame-stacked, zstd table of
+real Breakout frames (``uint8[4, 84, 84]``, random actions; the ``atari`` extra), the Nature
+CNN, batch 32 (``--batch-size`` to change), Double DQN and the Huber loss. ``--device cuda``
+puts the network on a GPU: the samples still arrive on the host and each step moves its batch
+over, as a launch's learner does. The table then also shows the share of each step spent
+waiting for its batch (``sample_s`` of the step's metrics).
+
     python benchmarks/dqn_learner.py                 # 5 turns of 300 steps each
     python benchmarks/dqn_learner.py --reps 3 --calls 200 --prefetch 4
+    python benchmarks/dqn_learner.py --shape atari --device cuda --calls 500
 """
 
 from __future__ import annotations
@@ -80,36 +88,107 @@ def fill(client, steps: int, seed: int = 0) -> None:
         episode += 1
 
 
+def fill_atari(client, steps: int, seed: int = 0) -> None:
+    """``steps`` or more real Breakout transitions (random actions) in chunks of 32 steps."""
+    from _common import collect_atari
+
+    lanes, chunk_len = 8, 32
+    chunks = -(-steps // (lanes * chunk_len))
+    for batch in collect_atari("ALE/Breakout-v5", lanes, chunk_len, chunks, seed):
+        client.extend(TABLE, batch)
+
+
+def _setup(args: argparse.Namespace, client, device: torch.device):
+    """The table, its contents, the learner's config and a network factory for ``--shape``."""
+    import gymnasium as gym
+
+    from millpond import TableConfig
+    from millpond.learner.dqn import DQNConfig
+    from millpond.learner.networks import mlp_q, nature_cnn_q
+
+    common = {"prefetch": args.prefetch, "publish_every": 10**9}
+    if args.shape == "cartpole":
+        env = gym.make("CartPole-v1")
+        spaces = env.observation_space, env.action_space
+        client.create_table(TableConfig.uniform(TABLE, 11_000, samples_per_insert=None))
+        fill(client, STEPS)
+        config = DQNConfig(batch_size=args.batch_size or 128, lr=2.5e-4, **common)
+        what = f"CartPole MLP (120, 84), batch {config.batch_size}"
+        return config, what, lambda: mlp_q(*spaces, hidden=(120, 84)).to(device)
+    from _common import ATARI_WRAPPERS
+
+    from millpond.actors.envs import make_env
+
+    env = make_env("ALE/Breakout-v5", {"frameskip": 1}, ATARI_WRAPPERS)
+    spaces = env.observation_space, env.action_space
+    env.close()
+    client.create_table(
+        TableConfig.uniform(
+            TABLE,
+            args.atari_steps + args.atari_steps // 16,
+            samples_per_insert=None,
+            compression="zstd",
+            frame_stacks={"observation": 4},
+        )
+    )
+    fill_atari(client, args.atari_steps)
+    config = DQNConfig(
+        batch_size=args.batch_size or 32,
+        lr=1e-4,
+        double_dqn=True,
+        huber=True,
+        max_grad_norm=10.0,
+        target_update_every=1000,
+        **common,
+    )
+    what = f"Breakout uint8[4, 84, 84], Nature CNN, batch {config.batch_size}, Double DQN"
+    return config, what, lambda: nature_cnn_q(*spaces).to(device)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="turns of each system")
     parser.add_argument("--calls", type=int, default=300, help="learner steps per turn")
     parser.add_argument("--prefetch", type=int, default=2, help="sample requests in flight")
+    parser.add_argument("--shape", choices=("cartpole", "atari"), default="cartpole")
+    parser.add_argument("--batch-size", type=int, help="default: 128 cartpole, 32 atari")
+    parser.add_argument("--device", default="cpu", help="the learner's torch device")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--atari-steps", type=int, default=20_000, help="frames to store")
     args = parser.parse_args()
 
-    from millpond import ReplayClient, TableConfig
-    from millpond.learner.dqn import DQNConfig, DQNLearner
-    from millpond.learner.networks import mlp_q
+    from millpond import ReplayClient
+    from millpond.learner.dqn import DQNLearner
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    env_spaces = __import__("gymnasium").make("CartPole-v1")
-    spaces = env_spaces.observation_space, env_spaces.action_space
-    config = DQNConfig(batch_size=128, lr=2.5e-4, prefetch=args.prefetch, publish_every=10**9)
+    device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as scratch, millpond_serve(Path(scratch)) as server:
         client = ReplayClient(server.addresses)
-        client.create_table(TableConfig.uniform(TABLE, 11_000, samples_per_insert=None))
-        fill(client, STEPS)
+        config, what, network = _setup(args, client, device)
         log(f"filled {client.info(TABLE)['size']} steps")
 
-        through = DQNLearner(client, TABLE, config, mlp_q(*spaces, hidden=(120, 84)))
+        through = DQNLearner(client, TABLE, config, network())
         wire_client = ReplayClient(server.addresses, colocated=False)
-        wire = DQNLearner(wire_client, TABLE, config, mlp_q(*spaces, hidden=(120, 84)))
-        alone = DQNLearner(client, TABLE, config, mlp_q(*spaces, hidden=(120, 84)))
-        batches = itertools.cycle([client.sample(TABLE, 128) for _ in range(64)])
+        wire = DQNLearner(wire_client, TABLE, config, network())
+        alone = DQNLearner(client, TABLE, config, network())
+        batches = itertools.cycle([client.sample(TABLE, config.batch_size) for _ in range(64)])
         alone._next_batch = lambda: next(batches)  # the same step, its batches sampled before
+        waits: dict[str, list[float]] = {}
+
+        def timed(name: str, learner: DQNLearner):
+            def step() -> None:
+                metrics = learner.step()
+                waits.setdefault(name, []).append(metrics["sample_s"])
+
+            return step
+
         lat, wall, cpu = time_in_turns(
-            {"service": through.step, "service-wire": wire.step, "alone": alone.step},
+            {
+                "service": timed("service", through),
+                "service-wire": timed("service-wire", wire),
+                "alone": timed("alone", alone),
+            },
             args.reps,
             args.calls,
             servers=[server.proc.pid],
@@ -122,17 +201,23 @@ def main() -> int:
     steps = args.reps * args.calls
     rate = {name: steps / wall[name] for name in wall}
     print(
-        f"\nDQN learner steps, CartPole MLP (120, 84), batch 128, prefetch {args.prefetch}; "
+        f"\nDQN learner steps, {what}, prefetch {args.prefetch}, on {device}; "
         f"{args.reps} turns of {args.calls} steps; {platform.processor() or platform.machine()}, "
-        "1 torch thread\n"
+        f"{args.threads} torch thread(s)"
+        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
+        + "\n"
     )
-    print("| system | steps/s | vs alone | p50 / p99 ms | client CPU ms/step | shard CPU ms/step |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| system | steps/s | vs alone | p50 / p99 ms | waiting for the batch "
+        "| client CPU ms/step | shard CPU ms/step |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name in ("service", "service-wire", "alone"):
         client_cpu, shard_cpu = cpu[name]
         print(
             f"| {name} | {rate[name]:,.0f} | {rate[name] / rate['alone']:.2f} | "
             f"{1000 * np.percentile(lat[name], 50):.2f} / {1000 * np.percentile(lat[name], 99):.2f} | "
+            f"{sum(waits[name]) / wall[name]:.0%} | "
             f"{1000 * client_cpu / steps:.2f} | {1000 * shard_cpu / steps:.2f} |"
         )
     return 0
