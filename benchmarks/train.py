@@ -291,7 +291,7 @@ def plot(results: list[dict], target: float, path: Path) -> None:
             )
     ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
     ax.set_xlabel("frames")
-    ax.set_ylabel("mean return (last 100 training episodes)")
+    ax.set_ylabel("mean return (lines: last 100 training episodes)")
     ax.set_title("CartPole-v1: millpond launch (and single-process references)")
     ax.grid(alpha=0.3)
     ax.legend()
