@@ -8,6 +8,9 @@ reports per config and seed:
 * frames and wall-clock seconds to the target (``-`` if not reached), the seconds counted
   from the process's start (the interpreter, the imports and the job's startup included), and
   of those the startup: until the first inserted step (``startup_s`` in ``summary.json``);
+* the final return: the mean training return of the last 100 episodes (exploration on, as
+  the target is measured), and ``eval return``, the mean return of the deterministic policy
+  on an evaluation env (``-`` where a config has no evaluation: all but ``sb3-dqn``);
 * end-to-end frames/s (collected frames over the training loop's wall time);
 * the pipeline's share of time: the actors' time split between acting (env + policy) and
   inserting (cutting, processing, handing segments to the writer, which blocks when the
@@ -29,6 +32,15 @@ steps.
 (``benchmarks/sb3_ppo.py``, the ``bench`` extra), one process per seed, timed from that
 process's start as a launch is; its learner steps are its gradient steps.
 
+``sb3-dqn`` runs Stable-Baselines3's DQN with rl-zoo's CartPole-v1 hyperparameters
+(``benchmarks/sb3_dqn.py``) the same way, with one torch thread; its epsilon falls from 1 to
+0.04 over the first 8,000 frames whatever ``--max-frames`` is (rl-zoo's exploration fraction
+0.16 of its 50,000 frames). It stops at the same 100-episode *training* return as the rest;
+rl-zoo's own figure is the deterministic policy's return, which it also measures (10
+episodes on an env of its own, every 25,000 frames and at the end: ``eval return``, the
+curve in ``eval_curve``), the evaluations' time (``eval_s``) left out of its seconds and
+frames/s.
+
 Writes ``train.md`` (the table and the medians), ``train.json`` and ``train.png`` (mean
 return against frames for every run) into ``--out``::
 
@@ -36,6 +48,7 @@ return against frames for every run) into ``--out``::
     python benchmarks/train.py --configs ppo sb3-ppo --seeds 3 --target 450
     python benchmarks/train.py --configs ppo ppo-2learners --seeds 3 --target 450
     python benchmarks/train.py --configs dqn cleanrl-dqn --seeds 3
+    python benchmarks/train.py --configs dqn sb3-dqn --seeds 3
     python benchmarks/train.py --configs ppo --set learner.ppo.epochs=10 --out /tmp/try
 """
 
@@ -65,8 +78,10 @@ CONFIGS = {  # a config and the overrides of its variant
     ),
     "dqn": (ROOT / "deploy" / "configs" / "cartpole-dqn.yaml", []),
 }
-# Single-process references: cleanrl-dqn in this process, sb3-ppo in a process of its own.
-REFERENCES = ("cleanrl-dqn", "sb3-ppo")
+# Single-process references: cleanrl-dqn in this process, the SB3 ones in processes of their
+# own (their scripts).
+SB3 = {"sb3-ppo": "sb3_ppo.py", "sb3-dqn": "sb3_dqn.py"}
+REFERENCES = ("cleanrl-dqn", *SB3)
 # A reference has no actors or sampling whose time to split.
 _NO_PIPELINE = dict.fromkeys(
     ("actors_acting", "actors_inserting", "learner_sampling", "learner_learning")
@@ -98,6 +113,7 @@ def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
         "frames_to_target": reached[0] if reached else None,
         "seconds_to_target": reached_s[0] if reached_s else None,
         "final_return": curve[-1][1] if curve else None,
+        "eval_return": None,
         "frames": run["frames"],
         "wall_s": run["wall_s"],
         "frames_per_s": run["frames"] / run["wall_s"],
@@ -150,6 +166,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         "startup_s": startup.get("first_insert"),
         "startup": startup,
         "final_return": summary["mean_return"],
+        "eval_return": None,
         "frames": summary["frames"],
         "wall_s": summary["wall_s"],
         "process_s": process_wall,
@@ -164,10 +181,11 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
 
 
 def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
-    """Stable-Baselines3's PPO (``benchmarks/sb3_ppo.py``) in a fresh process."""
+    """A Stable-Baselines3 reference (``benchmarks/sb3_ppo.py``, ``sb3_dqn.py``) in a fresh
+    process."""
     log(f"{name} seed {seed}: running (target {args.target}, at most {args.max_frames} frames)")
     command = [
-        sys.executable, str(ROOT / "benchmarks" / "sb3_ppo.py"), "--seed", str(seed),
+        sys.executable, str(ROOT / "benchmarks" / SB3[name]), "--seed", str(seed),
         "--target", str(args.target), "--max-frames", str(args.max_frames),
     ]  # fmt: skip
     lines, process_wall = _stream(command, f"  {name}/{seed} ")
@@ -179,6 +197,8 @@ def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
         "seconds_to_target": run["seconds_to_target"],
         "startup_s": run["startup_s"],
         "final_return": run["final_return"],
+        "eval_return": run["eval_return"],
+        "eval_s": run["eval_s"],
         "frames": run["frames"],
         "wall_s": run["wall_s"],
         "process_s": process_wall,
@@ -186,6 +206,7 @@ def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
         **_NO_PIPELINE,
         "learner_steps": run["updates"],
         "curve": run["curve"],
+        "eval_curve": run["eval_curve"],
     }
 
 
@@ -213,15 +234,15 @@ def table(results: list[dict], target: float) -> str:
 
     lines = [
         f"| config | seed | frames to {target:g} | seconds to {target:g} | of which startup | "
-        "final return | frames/s | actors: acting / inserting | learner: sampling / learning "
+        "final return | eval return | frames/s | actors: acting / inserting | learner: sampling / learning "
         "| learner steps |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         lines.append(
             f"| {r['config']} | {r['seed']} | {fmt(r['frames_to_target'])} | "
             f"{fmt(r['seconds_to_target'], '.1f')} | {fmt(r.get('startup_s'), '.1f')} | "
-            f"{fmt(r['final_return'], '.1f')} | "
+            f"{fmt(r['final_return'], '.1f')} | {fmt(r.get('eval_return'), '.1f')} | "
             f"{fmt(r['frames_per_s'])} | {fmt(r['actors_acting'], '.0%')} / "
             f"{fmt(r['actors_inserting'], '.0%')} | {fmt(r['learner_sampling'], '.0%')} / "
             f"{fmt(r['learner_learning'], '.0%')} | {r['learner_steps']} |"
@@ -262,9 +283,15 @@ def plot(results: list[dict], target: float, path: Path) -> None:
     for r in results:
         if r["curve"]:
             ax.plot(*zip(*r["curve"]), label=f"{r['config']} (seed {r['seed']})", lw=2)
+        if r.get("eval_curve"):
+            ax.plot(
+                *zip(*r["eval_curve"]),
+                "o--",
+                label=f"{r['config']} (seed {r['seed']}), deterministic evaluation",
+            )
     ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
     ax.set_xlabel("frames")
-    ax.set_ylabel("mean return (last 100 episodes)")
+    ax.set_ylabel("mean return (lines: last 100 training episodes)")
     ax.set_title("CartPole-v1: millpond launch (and single-process references)")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -294,7 +321,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="millpond-train-") as work:
         for name in args.configs:
             for seed in range(args.seeds):
-                if name == "sb3-ppo":
+                if name in SB3:
                     results.append(run_sb3(name, seed, args))
                 elif name in REFERENCES:
                     results.append(run_reference(name, seed, args))

@@ -1,0 +1,131 @@
+"""What the Stable-Baselines3 references (``sb3_ppo.py``, ``sb3_dqn.py``) share: the
+process's start, their command line, and a run of ``model.learn`` that follows SB3's mean
+return over the last 100 episodes, stops at the target, evaluates the deterministic policy
+where asked, and prints the result as one JSON line for ``benchmarks/train.py``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_IMPORTED_AT = time.time()
+
+
+def process_start() -> float:
+    """This process's start (wall clock), the interpreter's start included, as
+    ``millpond launch`` counts it (psutil, which comes with Ray and not with SB3, or
+    Linux's ``/proc``; else this module's import)."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        pass
+    try:
+        with open("/proc/self/stat") as f:  # field 22: started, in ticks since boot
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return time.time() - (up - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except Exception:  # pragma: no cover - not Linux
+        return _IMPORTED_AT
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """``--seed``, ``--target`` and ``--max-frames``, as ``train.py`` passes them."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=450.0)
+    p.add_argument("--max-frames", type=int, default=500_000)
+    return p
+
+
+def learn(
+    model,
+    args: argparse.Namespace,
+    started: float,
+    eval_env=None,
+    eval_every: int = 0,
+    eval_episodes: int = 10,
+) -> dict:
+    """``model.learn`` for at most ``args.max_frames`` frames, stopped when SB3's mean return
+    of the last 100 episodes reaches ``args.target``; prints and returns the result.
+
+    With ``eval_env``, the deterministic policy is also evaluated over ``eval_episodes``
+    episodes on it every ``eval_every`` frames (none if 0) and once at the end: the mean
+    returns go to ``eval_curve`` and the last to ``eval_return``. The evaluations' time
+    (``eval_s``) is left out of ``seconds_to_target`` and ``wall_s``, which time the
+    training alone, as for the other configs; a deterministic prediction draws no random
+    number, so the training runs the same with or without them."""
+    import numpy as np
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.evaluation import evaluate_policy
+
+    curve: list[tuple[int, float]] = []
+    eval_curve: list[tuple[int, float]] = []
+    reached: dict[str, float] = {}
+    eval_s = [0.0]
+
+    def evaluate(frames: int) -> None:
+        t0 = time.time()
+        mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=eval_episodes)
+        eval_s[0] += time.time() - t0
+        eval_curve.append((frames, float(mean)))
+        print(f"{frames} frames, deterministic evaluation {mean:.1f}", file=sys.stderr, flush=True)
+
+    def mean_return() -> float | None:
+        """SB3's mean return of the last 100 episodes (None before 100 have ended)."""
+        buffer = model.ep_info_buffer
+        if buffer is None or len(buffer) < 100:
+            return None
+        return float(np.mean([e["r"] for e in buffer]))
+
+    class StopAtReturn(BaseCallback):
+        def _on_step(self) -> bool:
+            frames = self.model.num_timesteps
+            if (
+                eval_env is not None
+                and eval_every
+                and frames % eval_every < self.training_env.num_envs
+            ):
+                evaluate(frames)
+            mean = mean_return()
+            if mean is None:
+                return True
+            if not curve or frames - curve[-1][0] >= 2048:
+                curve.append((frames, mean))
+                if len(curve) % 10 == 0:
+                    print(f"{frames} frames, mean return {mean:.1f}", file=sys.stderr, flush=True)
+            if mean >= args.target:
+                curve.append((frames, mean))
+                reached.update(frames=frames, seconds=time.time() - started - eval_s[0])
+                return False
+            return True
+
+    learn_started = time.time()
+    model.learn(total_timesteps=args.max_frames, callback=StopAtReturn())
+    ended = time.time()
+    wall = ended - started - eval_s[0]
+    last = mean_return()  # the curve's points are 2,048 frames apart: the last one may be stale
+    if last is not None and (not curve or curve[-1][0] != model.num_timesteps):
+        curve.append((model.num_timesteps, last))
+    if eval_env is not None and (not eval_curve or eval_curve[-1][0] != model.num_timesteps):
+        evaluate(model.num_timesteps)
+    result = {
+        "frames_to_target": reached.get("frames"),
+        "seconds_to_target": reached.get("seconds"),
+        "startup_s": learn_started - started,  # the interpreter, the imports, the model
+        "frames": model.num_timesteps,
+        "wall_s": wall,
+        "final_return": curve[-1][1] if curve else None,
+        "eval_return": eval_curve[-1][1] if eval_curve else None,
+        "eval_s": eval_s[0],
+        "updates": model._n_updates,
+        "curve": curve,
+        "eval_curve": eval_curve,
+    }
+    print(json.dumps(result))
+    return result
