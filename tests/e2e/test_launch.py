@@ -104,9 +104,14 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
 
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    assert {"frames", "frames_per_s", "mean_return", "samples_per_insert", "policy_lag"} <= set(
-        header
-    )
+    assert {
+        "frames",
+        "frames_per_s",
+        "mean_return",
+        "samples_per_insert",
+        "acting_lag",
+        "sample_age",
+    } <= set(header)
     assert len(rows) >= 3  # header, progress rows, the final row
     frames = [int(r.split(",")[header.index("frames")]) for r in rows[1:]]
     assert frames == sorted(frames) and frames[-1] == summary["frames"]
