@@ -4,12 +4,13 @@ An actor checks the weights rendezvous for a newer version at the start of every
 every ``weight_sync_every`` env steps within it, and once more when the chunk's last step is
 acted (before the chunk is written, which may wait on the table's rate limiter). Each check
 learns the newest published version ``V``; the steps acted since the previous check were
-acted by the version ``v`` loaded then, and ``V - v`` is the versions the learner published
-after ``v`` by the time those steps were acted: exact for the last of them, and for the
-others an upper bound (the learner may have published some of those versions while they
-were acted). It counts once per real step (frame) acted in the interval; a check with no
-step since the previous one (the one opening a chunk) counts nothing, so the time an actor
-waits to write is no acting lag.
+acted by the version ``v`` loaded then, and ``V - v`` counts for each of them: the versions
+the learner had published after ``v`` when the interval's acting ended. That is the exact
+lag of the interval's last step (unless a version came out during its env step, between the
+act and the check) and an upper bound for the earlier ones, which may have been acted before
+some of those versions came out. It counts once per real step (frame) acted in the interval;
+a check with no step since the previous one (the one opening a chunk) counts nothing, so the
+time an actor waits to write is no acting lag.
 
 This is the lag that matters for an off-policy learner: a uniformly sampled step of a
 replay ring is on average half a ring old (its *sample age*, the learner's

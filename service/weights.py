@@ -73,6 +73,7 @@ class WeightStore:
         if max_lag is not None and max_lag < 0:
             raise InvalidDataError(f"max_lag ({max_lag}) must be >= 0")
         started = time.monotonic()
+        waited = 0.0
         with self._cond:
             self._check_newer(version)
             if max_lag is not None:
@@ -86,7 +87,7 @@ class WeightStore:
                     # an actor expires, or fetches (and notifies), within this
                     self._cond.wait(min(ACTING_EXPIRY_S, 1.0 if left is None else left))
                 self._check_newer(version)  # another publication may have come meanwhile
-            waited = time.monotonic() - started
+                waited = time.monotonic() - started
             data_file = self.path / f"weights-{version}.bin"
             tmp = data_file.with_suffix(".tmp")
             with open(tmp, "wb") as f:
