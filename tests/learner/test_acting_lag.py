@@ -1,14 +1,12 @@
 """The actors' acting lag against a plain loop over what was published and what acted.
 
-A real shard on loopback is the weights rendezvous; the publications happen inside the
+A real shard on loopback (the ``client`` fixture) is the weights rendezvous; the publications happen inside the
 vector env's ``step()`` (after the step's action was chosen, before the next one), so each
 acted step's exact lag is known: the versions published before it was acted minus the
 version that acted it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import gymnasium as gym
 import pytest
@@ -19,22 +17,13 @@ from millpond import ReplayClient
 from millpond.actors import Collector
 from millpond.actors.acting_lag import ActingLag
 from millpond.learner.networks import mlp_q
-from millpond.service.server import ServerConfig, create_server
 
 LANES, CHUNK, EVERY = 2, 8, 3
 #: env steps (global index) in whose step() the learner publishes the next version
 PUBLISH_AT = {1, 2, 4, 9, 10, 11, 12, 13, 21}
 
 
-@pytest.fixture
-def client(tmp_path) -> Iterator[ReplayClient]:
-    server, port = create_server(ServerConfig(dir=str(tmp_path / "s")))
-    client = ReplayClient(f"127.0.0.1:{port}", timeout_s=10)
-    try:
-        yield client
-    finally:
-        client.close()
-        server.stop(grace=0.5)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class PublishingEnv(VectorWrapper):
