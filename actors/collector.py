@@ -58,8 +58,14 @@ first step within its episode.
 
 **Weights.** With a ``weight_source`` (anything with ``get_weights(min_version,
 timeout_s=0) -> (state_dict | None, version)``, such as a :class:`millpond.ReplayClient`),
-the loop asks every ``weight_sync_every`` env steps for a version newer than the one acting
-(one cheap call when nothing changed), and loads it into the policy before the next step.
+the loop asks for a version newer than the one acting (one cheap call when nothing changed)
+when a chunk starts, every ``weight_sync_every`` env steps within it, and when its last step
+is acted, and loads it into the policy before the next step. Each answer also says how far
+the acting weights trailed the newest (:class:`~millpond.actors.acting_lag.ActingLag`,
+:attr:`Collector.acting_lag`). With an ``actor_name``, the calls tell a
+:class:`millpond.ReplayClient`'s rendezvous which version this actor acts with, and when it
+stops acting to write: a learner that publishes with ``max_lag`` waits for it (bounded
+staleness, see :mod:`millpond.service.weights`).
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ from millpond.segmenting import cut_batch, pack_batch
 from millpond.segments import PackedSegments, Segment, pack
 from millpond.spec import Key
 
+from .acting_lag import ActingLag
 from .envs import (
     EnvSpec,
     WrapperSpec,
@@ -125,7 +132,10 @@ class Collector:
         deterministic: act with the policy's mode instead of sampling.
         epsilon: epsilon-greedy exploration (``Discrete`` actions).
         weight_source: where to get new weights from (see the module docstring).
-        weight_sync_every: env steps between checks for new weights.
+        weight_sync_every: env steps between checks for new weights within a chunk (a
+            chunk's start and end are checked too).
+        actor_name: this actor's name to the weight source (a :class:`millpond.ReplayClient`),
+            for bounded staleness; ``""``: anonymous checks.
         processors: experience processors, run in order (default: store everything).
         episode_id_base: this actor's first episode id (see
             :func:`~millpond.actors.episode_ids.episode_id_base`).
@@ -151,6 +161,7 @@ class Collector:
         epsilon: EpsilonGreedy | None = None,
         weight_source: WeightSource | None = None,
         weight_sync_every: int = 100,
+        actor_name: str = "",
         processors: ExperienceProcessor | Sequence[ExperienceProcessor] | None = None,
         episode_id_base: int = 0,
         priorities: PriorityFn | None = None,
@@ -175,6 +186,8 @@ class Collector:
             )
         if weight_source is not None and not callable(getattr(weight_source, "get_weights", None)):
             raise InvalidConfigError(f"weight_source ({weight_source!r}) has no get_weights()")
+        if not isinstance(actor_name, str):
+            raise InvalidConfigError(f"actor_name ({actor_name!r}) must be a string")
         if processors is None:
             self.processor: ExperienceProcessor = PassThrough()
         elif isinstance(processors, ExperienceProcessor):
@@ -212,6 +225,11 @@ class Collector:
         self.sink = sink
         self.weight_source = weight_source
         self.weight_sync_every = weight_sync_every
+        self.actor_name = actor_name
+        #: the acting lag of the steps acted so far (see :mod:`millpond.actors.acting_lag`)
+        self.acting_lag = ActingLag()
+        self._steps_since_check = 0
+        self._frames_at_check = 0
         self.episode_id_base = episode_id_base
         self.priorities = priorities
         self.seed = seed
@@ -250,8 +268,12 @@ class Collector:
         self._check_open()
         if not self._started:
             self._start()
+        self._check_weights(acting=True)
         while not self._buffer.ready:
             self._buffer.append(*self._step())
+        # The chunk's last step is acted: the lag up to here is exact, and until the next
+        # chunk this actor writes (perhaps waiting on the learner) instead of acting.
+        self._check_weights(acting=False)
         batch = self._buffer.take()
         surplus = int(self._buffer.counts.max())
         if surplus > self.chunk_len and not self._warned_surplus:
@@ -292,15 +314,27 @@ class Collector:
     def sync_weights(self, timeout_s: float = 0) -> bool:
         """Load a newer version from the weight source if it has one; whether it did (a
         source that cannot be reached now has none)."""
+        return self._check_weights(timeout_s, acting=True)
+
+    def _check_weights(self, timeout_s: float = 0, *, acting: bool) -> bool:
+        """Ask for a newer version, count the acting lag of the steps since the last check,
+        load it if there is one; whether it did."""
         if self.weight_source is None:
             return False
+        own = self.policy.version
         try:
-            state_dict, version = self.weight_source.get_weights(
-                self.policy.version + 1, timeout_s=timeout_s
-            )
+            if self.actor_name:
+                state_dict, version = self.weight_source.get_weights(
+                    own + 1, timeout_s=timeout_s, actor=self.actor_name, acting=acting
+                )
+            else:
+                state_dict, version = self.weight_source.get_weights(own + 1, timeout_s=timeout_s)
         except ShardUnavailableError:  # the rendezvous is restarting: act on, ask again later
-            return False
-        if state_dict is None or version <= self.policy.version:
+            return False  # the steps since the last check count at the next one
+        self._steps_since_check = 0
+        self.acting_lag.add(self.frames - self._frames_at_check, own, int(version))
+        self._frames_at_check = self.frames
+        if state_dict is None or version <= own:
             return False
         self.policy.load_state_dict(state_dict)
         self.policy.version = int(version)
@@ -385,8 +419,9 @@ class Collector:
     def _step(self) -> tuple[dict[Key, torch.Tensor], np.ndarray]:
         """One ``env.step()``: the record of every lane, and which lanes made a real step."""
         lanes = self.num_envs
-        if self.env_steps % self.weight_sync_every == 0:
-            self.sync_weights()
+        if self._steps_since_check >= self.weight_sync_every:
+            self._check_weights(acting=True)
+        self._steps_since_check += 1
         if self.policy.reads_observations:
             obs_td = TensorDict(batch_size=[lanes])
             for key, value in self._obs.items():

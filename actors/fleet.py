@@ -41,6 +41,10 @@ class FleetStatus:
         mean_return: mean return of the last ``window`` finished episodes, or ``None``.
         frames_per_s: frames per wall-clock second since the fleet started.
         restarts: actor restarts seen.
+        acting_lag_frames: frames whose acting lag was counted
+            (:mod:`millpond.actors.acting_lag`).
+        acting_lag_total: the sum of their acting lags, in versions.
+        acting_lag_max: the largest acting lag of a frame so far, in versions.
         actors: the latest report of each actor (see :meth:`EnvActor.status`).
     """
 
@@ -49,6 +53,9 @@ class FleetStatus:
     mean_return: float | None = None
     frames_per_s: float = 0.0
     restarts: int = 0
+    acting_lag_frames: int = 0
+    acting_lag_total: int = 0
+    acting_lag_max: int = 0
     actors: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def line(self) -> str:
@@ -183,6 +190,11 @@ class ActorFleet:
             else:
                 s.restarts += 1
         s.frames += report.pop("new_frames")
+        lag = report.pop("acting_lag", None)
+        if lag is not None:
+            s.acting_lag_frames += lag["frames"]
+            s.acting_lag_total += lag["total"]
+            s.acting_lag_max = max(s.acting_lag_max, lag["max"])
         finished = report.pop("finished_episodes")
         s.episodes += len(finished)
         self._recent.extend(r for r, _ in finished)

@@ -165,6 +165,7 @@ class EnvActor:
             epsilon=config.epsilon,
             weight_source=client if config.policy is not None else None,
             weight_sync_every=config.weight_sync_every,
+            actor_name=f"actor-{actor_index}",
             processors=config.make_processors(),
             episode_id_base=episode_id_base(actor_index, incarnation),
             priorities=config.priorities,
@@ -212,7 +213,9 @@ class EnvActor:
         self.collector.start_new_episodes()
 
     def run(self, num_chunks: int = 1) -> dict[str, Any]:
-        """Collect and write ``num_chunks`` chunks; returns what happened (see :meth:`status`)."""
+        """Collect and write ``num_chunks`` chunks; returns what happened (see :meth:`status`),
+        with ``new_frames``, ``elapsed_s``, ``finished_episodes`` and ``acting_lag`` (the
+        :class:`~millpond.actors.acting_lag.ActingLag` counts of this call)."""
         frames_before = self._chunk_frames()
         start = time.perf_counter()
         for _ in range(num_chunks):
@@ -232,6 +235,7 @@ class EnvActor:
         report["new_frames"] = self._chunk_frames() - frames_before
         report["elapsed_s"] = elapsed
         report["finished_episodes"] = self.returns.drain()
+        report["acting_lag"] = self.collector.acting_lag.drain()
         return report
 
     def _chunk_frames(self) -> int:

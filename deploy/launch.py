@@ -410,6 +410,8 @@ class Launch:
         write_s = sum(a.get("write_s", 0.0) for a in actors)
         learners = self._learners
         watch = self._shards.watch if self._shards is not None else None
+        lag_frames = final.acting_lag_frames if final is not None else 0
+        acting_lag = final.acting_lag_total / lag_frames if lag_frames else None
         return {
             "name": self.config.name,
             "stopped_by": reason,
@@ -437,6 +439,11 @@ class Launch:
             "actors_write_s": round(write_s, 2),
             "learner_sample_s": round(learners.timing["sample_s"], 2),
             "learner_update_s": round(learners.timing["learn_s"], 2),
+            # the actors' acting lag over the run (see deploy/status_rows.py)
+            "acting_lag": acting_lag,
+            "acting_lag_steps": self._rows.acting_steps(acting_lag),
+            "acting_lag_max": final.acting_lag_max if acting_lag is not None else None,
+            "learner_publish_wait_s": round(learners.timing["publish_wait_s"], 2),
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint else None,
             "ray": self._ray_info,

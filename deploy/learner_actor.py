@@ -238,17 +238,18 @@ class LearnerActor:
         """Train for about ``seconds``; what happened meanwhile.
 
         Returns ``rank``, ``steps`` (learner steps that trained), ``dropped`` (stale steps,
-        PPO), ``sample_s`` / ``update_s``, ``policy_lag`` (in versions), ``policy_lag_steps`` (in
-        gradient steps) and ``loss`` (means over the steps,
-        or ``None``) and ``version`` (the last published weight version).
+        PPO), ``sample_s`` / ``update_s``, ``publish_wait_s`` (publications waiting for the
+        actors, DQN's ``max_policy_lag``), ``sample_age`` (in versions; PPO's policy lag),
+        ``sample_age_steps`` (in gradient steps) and ``loss`` (means over the steps, or
+        ``None``) and ``version`` (the last published weight version).
         """
         from millpond.learner.distributed import any_true
 
         deadline = time.monotonic() + seconds
         steps = dropped = 0
-        sample_s = update_s = 0.0
-        lags: list[float] = []
-        lag_steps: list[float] = []
+        sample_s = update_s = publish_wait_s = 0.0
+        ages: list[float] = []
+        age_steps: list[float] = []
         losses: list[float] = []
         while True:
             stop = time.monotonic() >= deadline
@@ -271,10 +272,14 @@ class LearnerActor:
             steps += 1
             self.steps += 1
             dropped += metrics.get("dropped", 0)
-            if "policy_lag_mean" in metrics:
-                lags.append(metrics["policy_lag_mean"])
-            if "policy_lag_steps_mean" in metrics:
-                lag_steps.append(metrics["policy_lag_steps_mean"])
+            publish_wait_s += metrics.get("publish_wait_s", 0.0)
+            # DQN names the age of its replayed steps; PPO's is the lag it drops steps by
+            age = metrics.get("sample_age_mean", metrics.get("policy_lag_mean"))
+            if age is not None:
+                ages.append(age)
+            age_s = metrics.get("sample_age_steps_mean", metrics.get("policy_lag_steps_mean"))
+            if age_s is not None:
+                age_steps.append(age_s)
             loss = metrics.get("loss", metrics.get("loss_policy"))
             if loss is not None:
                 losses.append(float(loss))
@@ -284,8 +289,9 @@ class LearnerActor:
             "dropped": dropped,
             "sample_s": sample_s,
             "update_s": update_s,
-            "policy_lag": sum(lags) / len(lags) if lags else None,
-            "policy_lag_steps": sum(lag_steps) / len(lag_steps) if lag_steps else None,
+            "publish_wait_s": publish_wait_s,
+            "sample_age": sum(ages) / len(ages) if ages else None,
+            "sample_age_steps": sum(age_steps) / len(age_steps) if age_steps else None,
             "loss": sum(losses) / len(losses) if losses else None,
             "version": self.learner.version,
         }
@@ -376,12 +382,12 @@ class _Counting:
             time.sleep(0.2)  # not a busy loop while the shards come back
             raise DeadlineExceededError(f"no shard reachable now: {e}") from e
 
-    def publish_weights(self, state_dict: Any, version: int) -> int:
+    def publish_weights(self, state_dict: Any, version: int, **kwargs: Any) -> int:
         deadline = time.monotonic() + PUBLISH_WAIT_S
         retried = False
         while True:
             try:
-                version = self._client.publish_weights(state_dict, version)
+                version = self._client.publish_weights(state_dict, version, **kwargs)
                 break
             except ShardUnavailableError:
                 if time.monotonic() > deadline:

@@ -3,7 +3,7 @@ busy with one ``run`` call each, restarted together, and what they report.
 
 ``learner.num_learners`` :class:`~millpond.deploy.learner_actor.LearnerActor` Ray actors
 form one data-parallel ``torch.distributed`` group; rank 0 publishes the weights and speaks
-for the group (its steps, version, policy lag and loss), every rank drops its own stale
+for the group (its steps, version, sample age and loss), every rank drops its own stale
 steps. A lost learner takes the group with it: :class:`LearnerGroup` replaces the whole
 group from the last checkpoint (``learner.max_restarts`` times), since a group cannot take
 a rank back.
@@ -64,20 +64,28 @@ class LearnerGroup:
         self.version: int | None = resumed.checkpoint_version if resumed else None
         self.steps = resumed.learner_steps if resumed else 0
         self.stale_steps = resumed.stale_steps if resumed else 0  # acted by too old a policy
-        self.timing = {"sample_s": 0.0, "learn_s": 0.0}
-        self._lags: deque[float] = deque(maxlen=50)
-        self._lag_steps: deque[float] = deque(maxlen=50)
+        self.timing = {"sample_s": 0.0, "learn_s": 0.0, "publish_wait_s": 0.0}
+        self._ages: deque[float] = deque(maxlen=50)
+        self._age_steps: deque[float] = deque(maxlen=50)
         self._losses: deque[float] = deque(maxlen=50)
+        self._publish_wait_s = 0.0  # since the last take_publish_wait()
 
     @property
-    def policy_lag(self) -> float | None:
-        """The mean policy lag of rank 0's last reports."""
-        return sum(self._lags) / len(self._lags) if self._lags else None
+    def sample_age(self) -> float | None:
+        """The mean sample age of rank 0's last reports: versions the policy that acted the
+        sampled steps is behind the learner's (PPO: its policy lag)."""
+        return sum(self._ages) / len(self._ages) if self._ages else None
 
     @property
-    def policy_lag_steps(self) -> float | None:
-        """The same lag in gradient steps since the acting version was published."""
-        return sum(self._lag_steps) / len(self._lag_steps) if self._lag_steps else None
+    def sample_age_steps(self) -> float | None:
+        """The same age in gradient steps since the acting version was published."""
+        return sum(self._age_steps) / len(self._age_steps) if self._age_steps else None
+
+    def take_publish_wait(self) -> float:
+        """Seconds rank 0's publications waited for the actors (``max_policy_lag``) since
+        the last call."""
+        waited, self._publish_wait_s = self._publish_wait_s, 0.0
+        return waited
 
     @property
     def loss(self) -> float | None:
@@ -192,10 +200,12 @@ class LearnerGroup:
             self.timing["learn_s"] += report["update_s"]
             self.steps += report["steps"]
             self.version = report["version"]
-            if report["policy_lag"] is not None:
-                self._lags.append(report["policy_lag"])
-            if report.get("policy_lag_steps") is not None:
-                self._lag_steps.append(report["policy_lag_steps"])
+            self._publish_wait_s += report.get("publish_wait_s", 0.0)
+            self.timing["publish_wait_s"] += report.get("publish_wait_s", 0.0)
+            if report["sample_age"] is not None:
+                self._ages.append(report["sample_age"])
+            if report.get("sample_age_steps") is not None:
+                self._age_steps.append(report["sample_age_steps"])
             if report["loss"] is not None:
                 self._losses.append(report["loss"])
 

@@ -42,8 +42,12 @@ COLUMNS: tuple[str, ...] = (
     "inserts_per_s",
     "samples_per_s",
     "samples_per_insert",
-    "policy_lag",
-    "policy_lag_steps",
+    "acting_lag",
+    "acting_lag_steps",
+    "acting_lag_max",
+    "sample_age",
+    "sample_age_steps",
+    "publish_wait_s",
     "stale_steps",
     "learner_steps",
     "weights_version",
@@ -270,7 +274,9 @@ def progress_line(row: Mapping[str, Any], budget: int) -> str:
         f"{num('frames_per_s')} fps  episodes {row['episodes']}  return {num('mean_return', '.1f')}  "
         f"buffer {num('buffer_fill', '.0%')}  ins/s {num('inserts_per_s')}  "
         f"smp/s {num('samples_per_s')}  spi {num('samples_per_insert', '.2f')}  "
-        f"lag {num('policy_lag', '.2f')} v / {num('policy_lag_steps')} steps"
+        f"acting lag {num('acting_lag', '.2f')} v / {num('acting_lag_steps')} steps "
+        f"(max {num('acting_lag_max')} v)  "
+        f"sample age {num('sample_age', '.1f')} v / {num('sample_age_steps')} steps"
     )
 
 

@@ -4,6 +4,13 @@ reports, as totals and as rates since the previous row.
 
 A row's counters count from the start of the job's loop (a resumed job's table holds the
 earlier runs' inserts and samples); its ``time_s`` goes on from a resumed run's.
+
+Two lags, not to be confused: the *acting lag* (``acting_lag``, ``acting_lag_steps``,
+``acting_lag_max``), how far the weights the env actors acted with trailed the newest
+published ones when they acted (:mod:`millpond.actors.acting_lag`), and the *sample age*
+(``sample_age``, ``sample_age_steps``), how far the acting weights of the steps the
+learners sampled are behind the learner's when they train on them: for PPO its policy lag,
+for DQN mostly the age of the replayed steps.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class StatusRows:
             "inserts": 0,
             "samples": 0,
         }
+        self._acting = (0, 0)  # the fleet's acting-lag frames and total at the last row
         self._base: dict[str, int] = {}
         self._seen: dict[str, int] = {}
 
@@ -76,6 +84,9 @@ class StatusRows:
         inserts = counters.get("inserts", 0) - self._base.get("inserts", 0)
         samples = counters.get("samples", 0) - self._base.get("samples", 0)
         capacity = self.config.replay.table_config().capacity * counters.get("shards", 1)
+        frames = status.acting_lag_frames - self._acting[0]
+        acting_lag = (status.acting_lag_total - self._acting[1]) / frames if frames else None
+        self._acting = (status.acting_lag_frames, status.acting_lag_total)
         row = {
             "time_s": round(self.time_offset + elapsed, 2),
             "frames": status.frames,
@@ -87,8 +98,12 @@ class StatusRows:
             "inserts_per_s": (inserts - self._last["inserts"]) / dt,
             "samples_per_s": (samples - self._last["samples"]) / dt,
             "samples_per_insert": samples / inserts if inserts else None,
-            "policy_lag": learners.policy_lag,
-            "policy_lag_steps": learners.policy_lag_steps,
+            "acting_lag": acting_lag,
+            "acting_lag_steps": self.acting_steps(acting_lag),
+            "acting_lag_max": status.acting_lag_max if status.acting_lag_frames else None,
+            "sample_age": learners.sample_age,
+            "sample_age_steps": learners.sample_age_steps,
+            "publish_wait_s": learners.take_publish_wait(),
             "stale_steps": learners.stale_steps,
             "learner_steps": learners.steps,
             "weights_version": learners.version,
@@ -102,3 +117,12 @@ class StatusRows:
             "samples": samples,
         }
         return row
+
+    def acting_steps(self, versions: float | None) -> float | None:
+        """An acting lag in versions as gradient steps: a DQN learner publishes every
+        ``publish_every`` steps, so versions apart are that many steps apart, exactly. PPO's
+        iterations take as many steps as their batches need: ``None``."""
+        learner = self.config.learner
+        if versions is None or learner.algorithm != "dqn":
+            return None
+        return versions * learner.dqn.publish_every

@@ -42,11 +42,24 @@ The Q-network maps the observation tensor to ``Q(s, ·)``, ``[..., n]`` for a
 actors run the same factory (``"millpond.learner.networks:mlp_q"``) with
 ``deterministic=True`` (act by ``argmax Q``) and an :class:`~millpond.actors.EpsilonGreedy`
 schedule; they pick up the weights published every ``publish_every`` steps.
+
+**Acting lag and sample age.** A sampled step's ``policy_version`` says which weights acted
+it; the learner's version minus it is the step's *sample age* (``sample_age_*`` metrics),
+mostly the time it has spent in the replay ring: a uniform draw is on average half a ring
+old. How far the actors' weights trail the learner's *when they act* is the acting lag,
+measured by the actors (:mod:`millpond.actors.acting_lag`). ``max_policy_lag`` bounds the
+acting lag, as PPO's bounds the lag of what it trains on: each publication waits at the
+weights rendezvous until every env actor acting holds ``version - max_policy_lag`` or newer
+(:meth:`ReplayClient.publish_weights` ``max_lag``). Dropping old rows, as PPO does, would
+defeat replay; waiting on the actors bounds what they act on. An actor that is writing
+(the rate limiter may hold it for the learner) holds nothing back: it fetches the newest
+weights before it acts again.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,13 +70,15 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from millpond.checks import check_int, check_number
-from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.errors import DeadlineExceededError, InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
 from millpond.learner._common import PublishClock, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import n_step_return
 
 __all__ = ["DQNConfig", "DQNLearner"]
+
+logger = logging.getLogger("millpond.learner")
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,11 @@ class DQNConfig:
             (:meth:`ReplayClient.iterate`), hiding the round trip; ``0`` samples each batch
             when it is needed. Prefetched batches were drawn with the priorities of their
             time, as with any asynchronous prefetch (Reverb, Acme).
+        max_policy_lag: the acting policy trails the learner by at most this many versions,
+            as PPO's: every publication waits until each env actor acting holds ``version -
+            max_policy_lag`` or newer (bounded staleness; see "Acting lag" in the module
+            docstring). Old replay is still sampled: off-policy learning reuses it by
+            design. ``None``: no bound.
     """
 
     batch_size: int = 128
@@ -112,11 +132,15 @@ class DQNConfig:
     observation_key: str = "observation"
     sample_timeout_s: float | None = None
     prefetch: int = 0
+    max_policy_lag: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "n_step", "target_update_every", "publish_every"):
             check_int(name, getattr(self, name), 1)
         check_int("prefetch", self.prefetch, 0)
+        if self.max_policy_lag is not None:
+            # 0 would let the learner publish only while no actor acts at all
+            check_int("max_policy_lag", self.max_policy_lag, 1)
         if self.target_tau is not None:
             check_number("target_tau", self.target_tau)
             if not 0 < self.target_tau <= 1:
@@ -208,10 +232,13 @@ class DQNLearner:
         Returns metrics: ``loss``, ``td_error`` (mean ``|y - Q(s, a)|``), ``q_value`` (mean
         ``Q(s, a)``), ``updates``, ``target_updated`` (the target network was refreshed
         after this step), ``published`` (the version published after this step, or
-        ``None``), ``version``, ``priorities_applied`` (prioritized tables) and, when the
-        batch records it, ``policy_lag_mean`` / ``policy_lag_max`` (versions behind the
-        learner's) and ``policy_lag_steps_mean`` / ``policy_lag_steps_max`` (gradient steps
-        taken since the acting version was published).
+        ``None``), ``publish_wait_s`` (seconds the publication waited for the actors,
+        ``max_policy_lag``), ``version``, ``priorities_applied`` (prioritized tables) and,
+        when the batch records it, its sample age: ``sample_age_mean`` / ``sample_age_max``
+        (versions the steps' acting policy is behind the learner's) and
+        ``sample_age_steps_mean`` / ``sample_age_steps_max`` (gradient steps taken since
+        the acting version was published). Of a replay ring, that is mostly the age of the
+        stored steps, not the actors' acting lag (see the module docstring).
         """
         c = self.config
         started = time.perf_counter()
@@ -226,11 +253,11 @@ class DQNLearner:
         if "policy_version" in batch:
             acted = batch["policy_version"].reshape(-1)
             lag = self.version - acted
-            metrics["policy_lag_mean"] = float(lag.float().mean())
-            metrics["policy_lag_max"] = int(lag.max())
+            metrics["sample_age_mean"] = float(lag.float().mean())
+            metrics["sample_age_max"] = int(lag.max())
             lag_steps = self._clock.lag_steps(acted, self.updates)
-            metrics["policy_lag_steps_mean"] = float(lag_steps.float().mean())
-            metrics["policy_lag_steps_max"] = int(lag_steps.max())
+            metrics["sample_age_steps_mean"] = float(lag_steps.float().mean())
+            metrics["sample_age_steps_max"] = int(lag_steps.max())
         index = batch["index"] if batch.ndim == 1 else batch["index"][:, 0]
         if self.device.type != "cpu":  # samples arrive on the CPU; moving them there costs
             batch = batch.to(self.device)
@@ -256,8 +283,10 @@ class DQNLearner:
             if metrics["target_updated"]:
                 self.update_target()
         metrics["published"] = None
+        waited = getattr(self.client, "publish_wait_s", 0.0)
         if self.updates % c.publish_every == 0:
             metrics["published"] = self.publish()
+        metrics["publish_wait_s"] = getattr(self.client, "publish_wait_s", 0.0) - waited
         metrics.update(
             loss=float(loss.detach()),
             td_error=float(td_error.detach().abs().mean()),
@@ -370,14 +399,24 @@ class DQNLearner:
 
         :meth:`step` calls it every ``publish_every`` steps. Call it once before the actors
         start, so that they act with the learner's initial weights. Data-parallel ranks other
-        than 0 take the next version without sending anything.
+        than 0 take the next version without sending anything. With ``max_policy_lag`` it
+        waits for the actors (see the module docstring), as long as they take.
         """
         if self.data_parallel and distributed.rank() != 0:
             self.version += 1
             self._clock.published(self.version, self.updates)
             return self.version
         state = {k: v.detach().cpu() for k, v in self.q_network.state_dict().items()}
-        self.version = self.client.publish_weights(state, self.version + 1)
+        lag = self.config.max_policy_lag
+        while True:
+            try:
+                if lag is None:
+                    self.version = self.client.publish_weights(state, self.version + 1)
+                else:
+                    self.version = self.client.publish_weights(state, self.version + 1, max_lag=lag)
+                break
+            except DeadlineExceededError as e:  # nothing stored: the step is taken, so wait on
+                logger.warning("DQN learner waits for the actors to catch up: %s", e)
         self._clock.published(self.version, self.updates)
         return self.version
 

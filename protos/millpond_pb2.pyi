@@ -388,28 +388,36 @@ class ReadTableResponse(_message.Message):
     def __init__(self, snapshot: _Optional[_Union[TableSnapshot, _Mapping]] = ..., segments: _Optional[_Union[PackedSegments, _Mapping]] = ..., end: _Optional[_Union[SnapshotEnd, _Mapping]] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
-    __slots__ = ("version", "total_size", "chunk")
+    __slots__ = ("version", "total_size", "chunk", "max_lag")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAG_FIELD_NUMBER: _ClassVar[int]
     version: int
     total_size: int
     chunk: bytes
-    def __init__(self, version: _Optional[int] = ..., total_size: _Optional[int] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    max_lag: int
+    def __init__(self, version: _Optional[int] = ..., total_size: _Optional[int] = ..., chunk: _Optional[bytes] = ..., max_lag: _Optional[int] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "waited_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    waited_s: float
+    def __init__(self, version: _Optional[int] = ..., waited_s: _Optional[float] = ...) -> None: ...
 
 class GetWeightsRequest(_message.Message):
-    __slots__ = ("min_version", "timeout_ms")
+    __slots__ = ("min_version", "timeout_ms", "actor", "acting")
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    ACTING_FIELD_NUMBER: _ClassVar[int]
     min_version: int
     timeout_ms: int
-    def __init__(self, min_version: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    actor: str
+    acting: bool
+    def __init__(self, min_version: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., actor: _Optional[str] = ..., acting: _Optional[bool] = ...) -> None: ...
 
 class GetWeightsResponse(_message.Message):
     __slots__ = ("version", "total_size", "chunk")

@@ -36,10 +36,15 @@ def chunks(blob: bytes) -> Iterator[bytes]:
         yield bytes(view[start : start + WEIGHTS_CHUNK_BYTES])
 
 
-def publish_requests(blob: bytes, version: int) -> Iterator[pb.PublishWeightsRequest]:
-    """PublishWeights requests: the first with ``version`` and ``total_size``, then chunks."""
+def publish_requests(
+    blob: bytes, version: int, max_lag: int | None = None
+) -> Iterator[pb.PublishWeightsRequest]:
+    """PublishWeights requests: the first with ``version``, ``total_size`` (and ``max_lag``),
+    then chunks."""
     pieces = chunks(blob)
-    yield pb.PublishWeightsRequest(version=version, total_size=len(blob), chunk=next(pieces, b""))
+    yield pb.PublishWeightsRequest(
+        version=version, total_size=len(blob), chunk=next(pieces, b""), max_lag=max_lag
+    )
     for piece in pieces:
         yield pb.PublishWeightsRequest(chunk=piece)
 

@@ -3,6 +3,15 @@
 Learners publish, actors fetch: the shard is the rendezvous point. The blob is opaque here
 (the client serialises a state dict with the tensor codec). Publishing writes the file
 atomically, so a restarted shard serves the last version it acknowledged.
+
+**Bounded staleness.** An env actor that names itself when it fetches tells the store which
+version it acts with until its next fetch, or that it stops acting (to write what it
+collected). A publication with ``max_lag`` is stored only once every actor acting holds
+``version - max_lag`` or newer: the learner waits for the actors, never the other way round,
+and an actor that is writing (perhaps held back by the rate limiter, waiting for the
+learner) holds nothing back, since it fetches again before it acts. An actor silent for
+:data:`ACTING_EXPIRY_S` (a process that died while acting) no longer counts. The registry is
+not kept on disk: a restarted shard knows no actor until each fetches again.
 """
 
 from __future__ import annotations
@@ -11,10 +20,14 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from millpond.errors import InvalidDataError
+from millpond.errors import DeadlineExceededError, InvalidDataError
 from millpond.service.atomic_json import atomic_write_json
+
+#: Seconds after its last fetch that an acting env actor stops holding publications back.
+ACTING_EXPIRY_S = 30.0
 
 
 class WeightStore:
@@ -26,6 +39,7 @@ class WeightStore:
         self._cond = threading.Condition()
         self._version = -1
         self._blob = b""
+        self._acting: dict[str, tuple[int, float]] = {}  # actor -> (version, last fetch)
         meta = self.path / "weights.json"
         if meta.exists():
             try:
@@ -39,16 +53,41 @@ class WeightStore:
     def version(self) -> int:
         return self._version
 
-    def publish(self, version: int, blob: bytes) -> None:
-        """Store ``blob`` as ``version``, which must be newer than the current one."""
+    def publish(
+        self,
+        version: int,
+        blob: bytes,
+        max_lag: int | None = None,
+        wait: Callable[[], float | None] | None = None,
+    ) -> float:
+        """Store ``blob`` as ``version``, which must be newer than the current one; returns
+        the seconds it waited for the acting actors.
+
+        With ``max_lag``, wait first until every actor acting holds ``version - max_lag``
+        or newer (see the module docstring). ``wait()`` gives each slice of that wait
+        (``None``: no end) and raises when the caller gives up; without it, the store waits
+        for as long as it takes.
+        """
         if version < 0:
             raise InvalidDataError(f"weights version ({version}) must be >= 0")
+        if max_lag is not None and max_lag < 0:
+            raise InvalidDataError(f"max_lag ({max_lag}) must be >= 0")
+        started = time.monotonic()
+        waited = 0.0
         with self._cond:
-            if version <= self._version:
-                raise InvalidDataError(
-                    f"weights version {version} is not newer than the published version "
-                    f"{self._version}"
-                )
+            self._check_newer(version)
+            if max_lag is not None:
+                while (oldest := self._oldest_acting()) is not None and oldest < version - max_lag:
+                    left = wait() if wait is not None else None
+                    if left is not None and left <= 0:
+                        raise DeadlineExceededError(
+                            f"weights version {version} waited {time.monotonic() - started:.1f}"
+                            f" s for the actors acting with version {oldest} (max_lag {max_lag})"
+                        )
+                    # an actor expires, or fetches (and notifies), within this
+                    self._cond.wait(min(ACTING_EXPIRY_S, 1.0 if left is None else left))
+                self._check_newer(version)  # another publication may have come meanwhile
+                waited = time.monotonic() - started
             data_file = self.path / f"weights-{version}.bin"
             tmp = data_file.with_suffix(".tmp")
             with open(tmp, "wb") as f:
@@ -62,15 +101,50 @@ class WeightStore:
             if old != data_file and old.exists():
                 old.unlink()
             self._cond.notify_all()
+        return waited
 
-    def get(self, min_version: int = 0, timeout: float = 0.0) -> tuple[int, bytes | None]:
+    def get(
+        self,
+        min_version: int = 0,
+        timeout: float = 0.0,
+        actor: str = "",
+        acting: bool = False,
+    ) -> tuple[int, bytes | None]:
         """``(version, blob)`` of the latest weights, waiting up to ``timeout`` seconds for
-        ``min_version``; the blob is ``None`` if the latest is older than ``min_version``."""
+        ``min_version``; the blob is ``None`` if the latest is older than ``min_version``.
+
+        A named ``actor`` acts from now on with the version answered (its own, ``min_version
+        - 1``, when no blob is), or, not ``acting``, holds no publication back."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
             while self._version < min_version:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return self._version, None
+                    break
                 self._cond.wait(remaining)
-            return self._version, self._blob
+            blob = self._blob if self._version >= min_version else None
+            if actor:
+                if acting:
+                    held = self._version if blob is not None else min_version - 1
+                    self._acting[actor] = (held, time.monotonic())
+                else:
+                    self._acting.pop(actor, None)
+                self._cond.notify_all()  # a publication may wait for this actor
+            return self._version, blob
+
+    def acting(self) -> dict[str, int]:
+        """The version each actor acting now holds (those not expired)."""
+        with self._cond:
+            horizon = time.monotonic() - ACTING_EXPIRY_S
+            return {a: v for a, (v, seen) in self._acting.items() if seen >= horizon}
+
+    def _oldest_acting(self) -> int | None:
+        horizon = time.monotonic() - ACTING_EXPIRY_S
+        held = [v for v, seen in self._acting.values() if seen >= horizon]
+        return min(held) if held else None
+
+    def _check_newer(self, version: int) -> None:
+        if version <= self._version:
+            raise InvalidDataError(
+                f"weights version {version} is not newer than the published version {self._version}"
+            )

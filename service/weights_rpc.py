@@ -1,6 +1,7 @@
 """The weights RPCs of a shard: PublishWeights buffers a learner's weights (refused by size
-before anything is buffered) into the :class:`WeightStore`; GetWeights answers with the
-newest, waiting for a version not published yet.
+before anything is buffered) into the :class:`WeightStore`, waiting first for the acting
+actors when it carries ``max_lag``; GetWeights answers with the newest, waiting for a version
+not published yet, and records what a named actor acts with.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ class WeightRPCs:
 
     @edge
     def PublishWeights(self, request_iterator, context) -> pb.PublishWeightsResponse:
-        version = total = None
+        version = total = max_lag = None
         chunks: list[bytes] = []
         received = 0
         for request in request_iterator:
             if version is None:
                 version, total = request.version, request.total_size
+                max_lag = request.max_lag if request.HasField("max_lag") else None
                 if total < 0:
                     raise InvalidDataError(f"total_size ({total}) must be >= 0")
                 if total > self.max_weights_bytes:
@@ -44,14 +46,18 @@ class WeightRPCs:
             raise InvalidDataError("PublishWeights received no message")
         if received != total:
             raise InvalidDataError(f"weights truncated: {received} of {total} bytes")
-        self.weights.publish(version, b"".join(chunks))
-        return pb.PublishWeightsResponse(version=version)
+        slices = Slices(context.time_remaining(), context)
+        try:
+            waited = self.weights.publish(version, b"".join(chunks), max_lag, slices.next)
+        except Cancelled:
+            return pb.PublishWeightsResponse()  # nobody reads it: the caller gave up
+        return pb.PublishWeightsResponse(version=version, waited_s=waited)
 
     @edge
     def GetWeights(self, request: pb.GetWeightsRequest, context):
         try:  # in slices, as Sample waits, so that an abandoned call frees its thread
             version, blob = _wait_for_weights(
-                self.weights, request.min_version, timeout_s(request.timeout_ms) or 0.0, context
+                self.weights, request, timeout_s(request.timeout_ms) or 0.0, context
             )
         except Cancelled:
             return
@@ -64,13 +70,13 @@ class WeightRPCs:
 
 
 def _wait_for_weights(
-    store: WeightStore, min_version: int, timeout: float, context
+    store: WeightStore, request: pb.GetWeightsRequest, timeout: float, context
 ) -> tuple[int, bytes | None]:
-    """``(version, blob)`` of the newest weights once they are ``min_version`` or newer,
-    waited for up to ``timeout`` seconds in :class:`Slices`; ``(version, None)`` when the
-    wait ran out first: the version there is."""
+    """``(version, blob)`` of the newest weights once they are ``request.min_version`` or
+    newer, waited for up to ``timeout`` seconds in :class:`Slices`; ``(version, None)`` when
+    the wait ran out first: the version there is."""
     slices = Slices(timeout, context)
     while True:
-        version, blob = store.get(min_version, slices.next())
+        version, blob = store.get(request.min_version, slices.next(), request.actor, request.acting)
         if blob is not None or slices.over:
             return version, blob

@@ -22,24 +22,41 @@ from millpond.protos import millpond_pb2 as pb
 from millpond.protos.weights import publish_requests, state_dict_from_blob, state_dict_to_blob
 
 
-def publish(shards: ShardSet, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
-    """Publish ``state_dict`` as ``version`` on the rendezvous; returns the version stored."""
+def publish(
+    shards: ShardSet,
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    max_lag: int | None = None,
+) -> tuple[int, float]:
+    """Publish ``state_dict`` as ``version`` on the rendezvous, once the acting actors hold
+    ``version - max_lag`` or newer; returns the version stored and the seconds it waited
+    for them."""
     blob = state_dict_to_blob(state_dict)
     shard = shards.rendezvous()
-    return int(shards.call(shard, "PublishWeights", publish_requests(blob, version)).version)
+    response = shards.call(shard, "PublishWeights", publish_requests(blob, version, max_lag))
+    return int(response.version), float(response.waited_s)
 
 
 def fetch(
-    shards: ShardSet, min_version: int, timeout_s: float, call_timeout_s: float | None
+    shards: ShardSet,
+    min_version: int,
+    timeout_s: float,
+    call_timeout_s: float | None,
+    actor: str = "",
+    acting: bool = False,
 ) -> tuple[dict[str, torch.Tensor] | None, int]:
     """The rendezvous's latest weights, as ``(state_dict, version)``, waiting up to
-    ``timeout_s`` for a version ``>= min_version``, else ``(None, latest_version)``.
+    ``timeout_s`` for a version ``>= min_version``, else ``(None, latest_version)``; a named
+    ``actor`` tells the rendezvous whether it is ``acting`` from now on (bounded staleness).
 
     The call's deadline is ``timeout_s`` plus ``call_timeout_s`` (the client's; ``None``:
     none)."""
     shard = shards.rendezvous()
     request = pb.GetWeightsRequest(
-        min_version=min_version, timeout_ms=int(np.ceil(timeout_s * 1000))
+        min_version=min_version,
+        timeout_ms=int(np.ceil(timeout_s * 1000)),
+        actor=actor,
+        acting=acting,
     )
     deadline = None if call_timeout_s is None else timeout_s + call_timeout_s
     try:

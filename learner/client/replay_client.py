@@ -121,6 +121,8 @@ class ReplayClient:
         self.colocated = colocated
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.max_message_mb = max_message_mb
+        #: seconds this client's publications waited for acting actors (``max_lag``), in all
+        self.publish_wait_s = 0.0
         self._set = ShardSet(
             parts,
             channel_options(max_message_mb),
@@ -455,32 +457,63 @@ class ReplayClient:
         return _priorities.update_priorities(self._set, table, index, priorities)
 
     # -- weights -------------------------------------------------------------------------
-    def publish_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+    def publish_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        max_lag: int | None = None,
+    ) -> int:
         """Publish a state dict as ``version`` on the weights rendezvous (shard 0, or the
         lowest-numbered shard not lost for good); returns it.
 
         Parameter names are dot-separated parts of letters, digits, ``_`` and ``-``
         (``"fc.weight"``, ``"layers.0.bias"``); tensors travel as raw bytes.
+
+        ``max_lag`` (bounded staleness): the rendezvous stores the version only once every
+        env actor acting holds ``version - max_lag`` or newer, waiting for them within the
+        client's timeout (:class:`DeadlineExceededError` after it, nothing stored). The
+        seconds waited add up in :attr:`publish_wait_s`.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidDataError(f"version ({version!r}) must be a non-negative integer")
+        if max_lag is not None and (
+            isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0
+        ):
+            raise InvalidDataError(f"max_lag ({max_lag!r}) must be a non-negative integer")
         self._check_open()
-        return _weights.publish(self._set, state_dict, version)
+        version, waited = _weights.publish(self._set, state_dict, version, max_lag)
+        self.publish_wait_s += waited
+        return version
 
     def get_weights(
-        self, min_version: int = 0, timeout_s: float = 0
+        self,
+        min_version: int = 0,
+        timeout_s: float = 0,
+        *,
+        actor: str = "",
+        acting: bool = False,
     ) -> tuple[dict[str, torch.Tensor] | None, int]:
         """The latest published weights, as ``(state_dict, version)``.
 
         Waits up to ``timeout_s`` for a version ``>= min_version``; if there is none,
         returns ``(None, latest_version)`` (``-1`` when nothing was published).
+
+        An env actor names itself (``actor``) to take part in bounded staleness: ``acting``,
+        it acts from this call on with the version returned (its own, ``min_version - 1``,
+        when none is), and holds back publications with a ``max_lag`` until its next call;
+        not ``acting``, it holds nothing back.
         """
+        if not isinstance(actor, str) or not isinstance(acting, bool):
+            raise InvalidDataError(
+                f"actor ({actor!r}) must be a string and acting ({acting!r}) a bool"
+            )
         if isinstance(min_version, bool) or not isinstance(min_version, int):
             raise InvalidDataError(f"min_version ({min_version!r}) must be an integer")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s < 0:
             raise InvalidDataError(f"timeout_s ({timeout_s!r}) must be a number >= 0")
         self._check_open()
-        return _weights.fetch(self._set, min_version, timeout_s, self.timeout_s)
+        return _weights.fetch(self._set, min_version, timeout_s, self.timeout_s, actor, acting)
 
     # -- lifecycle -----------------------------------------------------------------------
     def close(self, timeout_s: float | None = None) -> None:

@@ -12,6 +12,7 @@ missing.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -316,6 +317,7 @@ class VersionedWeights:
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.version = -1
         self.requests: list[int] = []
+        self.scheduled: tuple[Any, ...] = ()  # (request number, state dict, version)
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.state_dict = {k: v.clone() for k, v in state_dict.items()}
@@ -323,6 +325,8 @@ class VersionedWeights:
 
     def get_weights(self, min_version: int = 0, timeout_s: float = 0):
         self.requests.append(min_version)
+        if self.scheduled and len(self.requests) == self.scheduled[0]:
+            self.publish(*self.scheduled[1:])  # as a learner would, just before this check
         if self.state_dict is None or self.version < min_version:
             return None, self.version
         return self.state_dict, self.version
@@ -347,23 +351,27 @@ def test_weights_are_pulled_every_k_steps_and_the_acting_version_is_recorded(mak
         seed=0,
     )
     policy = collector.policy.module
-    first = collector.run_chunk()  # env steps 0..11: checks at 0, 5, 10
+    first = collector.run_chunk()  # rows 0..11: checks at the start, before 5 and 10, at the end
     assert (first["policy_version"] == 0).all()
     assert (first["action"] == 0).all()
     assert torch.equal(policy.linear.bias, left["linear.bias"])
+    assert source.requests == [0, 1, 1, 1]
 
-    source.publish(right, 3)
-    second = collector.run_chunk()  # env steps 12..23: the check at 15 loads version 3
-    loaded_at = every * -(-chunk_len // every) - chunk_len  # row of env step 15
+    source.scheduled = (6, right, 3)  # published at the chunk's second check: before row 5
+    second = collector.run_chunk()
+    loaded_at = every
     assert (second["policy_version"][:, :loaded_at] == 0).all()
     assert (second["policy_version"][:, loaded_at:] == 3).all()
     assert (second["action"][:, :loaded_at] == 0).all()
     assert (second["action"][:, loaded_at:] == 1).all()
     assert torch.equal(policy.linear.bias, right["linear.bias"])
     assert collector.policy_version == 3
-    assert source.requests == [0, 1, 1, 1, 4]  # one cheap call per check
+    assert source.requests == [0, 1, 1, 1, 1, 1, 4, 4]  # one cheap call per check
     assert second["policy_version"].dtype == torch.int64
     # The version is stored with every step.
     batch = table.sample(64)
     assert set(batch["policy_version"].unique().tolist()) <= {0, 3}
+    # Of the 48 frames, rows 0..4 of the second chunk (2 lanes) were acted by version 0
+    # while version 3 was the newest at the check that ended them: 10 frames of lag 3.
+    assert collector.acting_lag.drain() == {"frames": 48, "total": 30, "max": 3}
     collector.close()

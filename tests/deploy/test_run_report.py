@@ -15,7 +15,7 @@ def row(t, frames, ret):
         "mean_return": ret,
         "buffer_fill": 0.5,
         "samples_per_insert": 1.0 if ret is not None else None,
-        "policy_lag": 0.5,
+        "acting_lag": 0.5,
         "not_a_column": "ignored",
     }
 

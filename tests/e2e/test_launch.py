@@ -104,9 +104,14 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
 
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    assert {"frames", "frames_per_s", "mean_return", "samples_per_insert", "policy_lag"} <= set(
-        header
-    )
+    assert {
+        "frames",
+        "frames_per_s",
+        "mean_return",
+        "samples_per_insert",
+        "acting_lag",
+        "sample_age",
+    } <= set(header)
     assert len(rows) >= 3  # header, progress rows, the final row
     frames = [int(r.split(",")[header.index("frames")]) for r in rows[1:]]
     assert frames == sorted(frames) and frames[-1] == summary["frames"]
@@ -153,6 +158,10 @@ def test_dqn_job_uses_a_running_serve_with_two_shards(tmp_path, start_server):
     assert not (run_dir / "replay").exists(), "no shards of its own with --replay"
     # The learner runs on the shards' host: it read both shards' rows from their files.
     assert [r["colocated_shards"] for r in summary["learners"]] == [[0, 1]], summary["learners"]
+    # The shipped config bounds the acting lag (max_policy_lag 20): in versions, and in
+    # gradient steps, publish_every (10) apart.
+    assert 0 <= summary["acting_lag"] <= summary["acting_lag_max"] <= 20, summary
+    assert summary["acting_lag_steps"] == pytest.approx(10 * summary["acting_lag"])
 
     from millpond import ReplayClient
 

@@ -119,9 +119,9 @@ def test_steps_lower_the_td_loss_on_fixed_data_and_publish_weights(client, kind,
         assert metrics["updates"] == i
         assert metrics["published"] == (i // 10 if i % 10 == 0 else None)
         assert metrics["version"] == i // 10
-        assert metrics["policy_lag_max"] == (i - 1) // 10
+        assert metrics["sample_age_max"] == (i - 1) // 10
         # acted by version 0, published before the first step: i - 1 steps since
-        assert metrics["policy_lag_steps_max"] == metrics["policy_lag_steps_mean"] == i - 1
+        assert metrics["sample_age_steps_max"] == metrics["sample_age_steps_mean"] == i - 1
         assert metrics["target_updated"] is False
     assert_published(client, learner, 4, learner.q_network)
     with torch.no_grad():
