@@ -343,9 +343,12 @@ def test_info_reports_where_the_table_is_stored(server1, table_name):
 
 
 @pytest.mark.parametrize("kind", ["uniform", "prioritized", "slices"])
-def test_iterate_streams_the_batches_sample_would_draw(server1, table_name, kind):
-    """A colocated iterator of a one-shard client asks several batches per call: the same
-    batches, in the same order, as one wire sample after another on a same-seeded table."""
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_iterate_streams_the_batches_sample_would_draw(server1, table_name, kind, prefetch):
+    """A colocated iterator of a one-shard client asks ``prefetch`` batches per call, drawn
+    as one batch of ``prefetch`` times the rows (every row is drawn on its own): the same
+    batches, in the same order, as wire samples of that many rows on a same-seeded table,
+    each cut in ``prefetch`` parts."""
     segments = _segments(30)
     batches = {}
     for mode in (False, True):
@@ -354,19 +357,57 @@ def test_iterate_streams_the_batches_sample_would_draw(server1, table_name, kind
             client.create_table(CONFIGS[kind](name))
             _fill(client, name, segments)
             if mode:
-                stream = client.iterate(name, 16, prefetch=3)
+                stream = client.iterate(name, 16, prefetch=prefetch)
                 batches[mode] = [next(stream) for _ in range(7)]
                 stream.close()
                 assert client._sampler._colocation._readers
                 info = client.info(name)
-                # 7 delivered, and at most the rest of the last call's 3 were drawn.
+                # 7 delivered, and at most the rest of the last call's were drawn.
                 steps = batches[mode][0].numel()
-                assert 7 * steps <= info["samples"] <= 9 * steps
+                calls = -(-7 // prefetch)
+                assert 7 * steps <= info["samples"] <= (calls + 1) * prefetch * steps
             else:
-                batches[mode] = [client.sample(name, 16) for _ in range(7)]
+                batches[mode] = [
+                    part
+                    for _ in range(-(-7 // prefetch))
+                    for part in client.sample(name, 16 * prefetch).split(16)
+                ][:7]
     for i, (got, expected) in enumerate(zip(batches[True], batches[False], strict=True)):
+        assert got.shape[0] == 16
         _assert_same(got, expected, f"batch {i}")
         _check_pattern(got)
+
+
+def test_a_joined_call_is_read_once_for_its_batches(server1, table_name, monkeypatch):
+    """The ``prefetch`` batches of one colocated call are read from the files in one go;
+    a table too small for them together is asked one batch at a time, as before."""
+    reads: list[int] = []
+    real_read = ColocatedReader.read
+
+    def read(self, slots, generations, rows, next_rows):
+        reads.append(len(rows))
+        return real_read(self, slots, generations, rows, next_rows)
+
+    monkeypatch.setattr(ColocatedReader, "read", read)
+    with ReplayClient(server1.address, colocated=True) as client:
+        small = f"{table_name}-small"
+        client.create_table(CONFIGS["uniform"](table_name))
+        client.create_table(TableConfig.uniform(small, capacity=40, seed=3))
+        for name in (table_name, small):
+            _fill(client, name, _segments(3 if name == small else 30))
+        stream = client.iterate(table_name, 16, prefetch=4)
+        held = [next(stream) for _ in range(8)]
+        stream.close()
+        assert reads[:2] == [64, 64]
+        for batch in held:  # each part is its own rows, intact after the others were read
+            assert batch.shape == (16,)
+            _check_pattern(batch)
+        reads.clear()
+        stream = client.iterate(small, 16, prefetch=4)  # 64 rows > 40 slots: one at a time
+        for _ in range(4):
+            _check_pattern(next(stream))
+        stream.close()
+        assert reads and set(reads) == {16}
 
 
 def test_iterate_asks_for_the_next_call_while_the_last_batch_of_one_is_read(server1, table_name):
@@ -401,7 +442,8 @@ def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this
     with ReplayClient(server1.address, colocated=True) as client:
         client.create_table(CONFIGS["uniform"](table_name))
         _fill(client, table_name, _segments(30))
-        stream = client.iterate(table_name, 16, prefetch=3)
+        # prefetch 1: a call per batch, so that each batch is a read of its own
+        stream = client.iterate(table_name, 16, prefetch=1)
         _check_pattern(next(stream))
         deadline = time.monotonic() + 10
         while len(reads) < 2 and time.monotonic() < deadline:
