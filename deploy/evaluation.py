@@ -59,7 +59,13 @@ class Evaluation:
 
     def as_dict(self) -> dict[str, Any]:
         """Its fields, mean and std, as ``summary.json`` records it."""
-        return {**asdict(self), "mean_return": self.mean_return, "std_return": self.std_return}
+        return {
+            **asdict(self),
+            "returns": list(self.returns),
+            "lengths": list(self.lengths),
+            "mean_return": self.mean_return,
+            "std_return": self.std_return,
+        }
 
 
 def evaluate(
