@@ -19,19 +19,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="millpond eval", description=__doc__)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a millpond launch run directory")
     p.add_argument("--episodes", type=int, default=10, help="episodes to play (default 10)")
-    p.add_argument(
-        "--video",
-        metavar="DIR",
-        help="record every episode as a video in DIR (gymnasium's RecordVideo; needs moviepy: "
-        "pip install 'millpond[video]')",
-    )
+    p.add_argument("--seed", type=int, default=0, help="episode i resets with SEED + i (0)")
+    video = "record each episode as a video in DIR (gymnasium's RecordVideo; needs moviepy)"
+    p.add_argument("--video", metavar="DIR", help=video)
     p.add_argument(
         "--env",
         metavar="ID",
         help="play in this gymnasium env instead of the run's (the run's env kwargs and "
         "wrappers applied; its spaces must be the run's)",
     )
-    p.add_argument("--seed", type=int, default=0, help="episode i resets with SEED + i (0)")
     p.add_argument(
         "--sample",
         action="store_true",
