@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import gymnasium as gym
+
 from millpond.errors import InvalidConfigError
 
 if TYPE_CHECKING:
@@ -96,21 +98,35 @@ def evaluate(
         from gymnasium.wrappers import RecordVideo
 
         env = RecordVideo(env, str(video_dir), episode_trigger=lambda _: True, name_prefix="eval")
-    returns: list[float] = []
-    lengths: list[int] = []
     try:
-        for i in range(episodes):
-            obs, _ = env.reset(seed=seed + i)
-            total, steps, done = 0.0, 0, False
-            while not done:
-                if cancel is not None and cancel.is_set():
-                    return None
-                obs, reward, terminated, truncated, _ = env.step(policy.act(obs))
-                total += float(reward)
-                steps += 1
-                done = bool(terminated or truncated)
-            returns.append(total)
-            lengths.append(steps)
+        return _play(policy, env, episodes, seed, frames, cancel)
+    except gym.error.DependencyNotInstalled as e:  # rendering, for the video
+        name = env_id or policy.config.env.id
+        raise InvalidConfigError(f"video: {name} cannot render: {e}") from None
     finally:
         env.close()  # RecordVideo writes its last video here
+
+
+def _play(
+    policy: TrainedPolicy,
+    env: gym.Env,
+    episodes: int,
+    seed: int,
+    frames: int | None,
+    cancel: threading.Event | None,
+) -> Evaluation | None:
+    returns: list[float] = []
+    lengths: list[int] = []
+    for i in range(episodes):
+        obs, _ = env.reset(seed=seed + i)
+        total, steps, done = 0.0, 0, False
+        while not done:
+            if cancel is not None and cancel.is_set():
+                return None
+            obs, reward, terminated, truncated, _ = env.step(policy.act(obs))
+            total += float(reward)
+            steps += 1
+            done = bool(terminated or truncated)
+        returns.append(total)
+        lengths.append(steps)
     return Evaluation(tuple(returns), tuple(lengths), policy.version, frames)

@@ -135,6 +135,17 @@ def test_video_without_moviepy_is_refused_by_name(tmp_path, capsys):
     assert not (tmp_path / "videos").exists()
 
 
+def test_video_records_every_episode(tmp_path):
+    pytest.importorskip("moviepy", reason="--video needs moviepy (the video extra)")
+    pytest.importorskip("pygame", reason="CartPole renders with pygame")
+    net = trained_run(tmp_path / "run", "cartpole-ppo.yaml")
+    result = load_policy(tmp_path / "run").evaluate(2, seed=3, video_dir=tmp_path / "videos")
+    assert list(result.returns) == reference_episodes(net, 2, seed=3)[0]  # the same play
+    videos = sorted(p.name for p in (tmp_path / "videos").iterdir())
+    assert videos == ["eval-episode-0.mp4", "eval-episode-1.mp4"]
+    assert all((tmp_path / "videos" / name).stat().st_size > 1000 for name in videos)
+
+
 def test_what_cannot_be_evaluated_is_refused_by_name(tmp_path):
     with pytest.raises(InvalidConfigError, match="no config.yaml"):
         load_policy(tmp_path)
