@@ -187,7 +187,8 @@ def load_policy(
     run_dir: str | Path, *, deterministic: bool = True, seed: int | None = None
 ) -> TrainedPolicy:
     """The trained policy of a ``millpond launch`` run directory: its ``config.yaml`` and
-    the learner's ``checkpoint.pt`` (see the module docstring).
+    the learner's ``checkpoint.pt`` (see the module docstring). It takes the run's env's
+    observations after the run's wrappers, as :meth:`TrainedPolicy.make_env` gives them.
 
     Args:
         run_dir: the run directory.
