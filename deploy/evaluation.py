@@ -13,16 +13,24 @@ import math
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import gymnasium as gym
 
 from millpond.errors import InvalidConfigError
 
-if TYPE_CHECKING:
-    from millpond.deploy.trained_policy import TrainedPolicy
+__all__ = ["Evaluation", "Player", "evaluate"]
 
-__all__ = ["Evaluation", "evaluate"]
+
+class Player(Protocol):
+    """What plays: a :class:`~millpond.deploy.trained_policy.TrainedPolicy`."""
+
+    version: int
+    config: Any  # the run's LaunchConfig
+
+    def act(self, observation: Any) -> Any: ...
+
+    def make_env(self, env_id: str | None = None, render_mode: str | None = None) -> gym.Env: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class Evaluation:
 
 
 def evaluate(
-    policy: TrainedPolicy,
+    policy: Player,
     episodes: int,
     *,
     seed: int = 0,
@@ -108,7 +116,7 @@ def evaluate(
 
 
 def _play(
-    policy: TrainedPolicy,
+    policy: Player,
     env: gym.Env,
     episodes: int,
     seed: int,
