@@ -132,6 +132,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         f"run.frames={args.max_frames}",
         f"ray.num_cpus={args.num_cpus}",
         "run.status_every_s=2",
+        "run.eval_episodes=0",  # the time measured is the training's, with no evaluation after
         *extra,
         *args.set,
     ]

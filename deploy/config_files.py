@@ -15,7 +15,7 @@ import yaml
 
 from millpond.errors import InvalidConfigError
 
-__all__ = ["apply_override", "one_line", "read_config_doc"]
+__all__ = ["apply_override", "one_line", "read_config_doc", "set_key"]
 
 
 def read_config_doc(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -52,13 +52,19 @@ def apply_override(doc: dict[str, Any], item: str) -> None:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
-    parts = key.strip().split(".")
+    set_key(doc, key.strip(), value, f"--set {item!r}")
+
+
+def set_key(doc: dict[str, Any], key: str, value: Any, what: str | None = None) -> None:
+    """Set the dotted ``key`` (``learner.ppo.lr``) of a nested mapping to ``value``, making
+    the sections on the way; ``what`` names the change in errors (the key by default)."""
+    parts = key.split(".")
     node = doc
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise InvalidConfigError(
-                f"--set {item!r}: {'.'.join(parts[: depth + 1])} is not a section"
+                f"{what or key}: {'.'.join(parts[: depth + 1])} is not a section"
             )
         node = child
     node[parts[-1]] = value

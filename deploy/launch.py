@@ -45,6 +45,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ import yaml
 
 from millpond.deploy.ray_start import init_ray, process_start, start_ray_while_importing
 from millpond.deploy.resume import read_resume_state
+from millpond.deploy.run_eval import RunEvaluation
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.deploy.status_rows import StatusRows
 from millpond.errors import InvalidConfigError, MillpondError
@@ -86,6 +88,9 @@ class Launch:
             (fresh episode ids); the weight version going on from the checkpoint's.
         owns_ray: Ray was started for this job (by :func:`run`, while the job's modules
             imported): the job shuts it down when it ends.
+        on_progress: called with each metrics row (a dict of
+            :data:`~millpond.deploy.run_report.COLUMNS`) as it is recorded; returning
+            ``False`` stops the job (as :meth:`stop` does).
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class Launch:
         out: Any = None,
         resume: bool = False,
         owns_ray: bool = False,
+        on_progress: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
         # Deferred: imports Ray and torch (see the module docstring).
         from millpond.deploy.learner_group import LearnerGroup
@@ -129,6 +135,15 @@ class Launch:
         self._startup: dict[str, float] = {}
         self._stopped_at: float | None = None
         self._rows = StatusRows(config, self._time_offset, self._started_at)
+        self._eval = RunEvaluation(config, self._say, r.frames if r else 0)
+        self._on_progress = on_progress
+        self._stop_reason = "interrupted"  # what a stop requested during the loop records
+
+    def stop(self) -> None:
+        """Stop the job cleanly, from any thread (its summary says ``stopped_by: stopped``);
+        a job still starting stops once its loop begins."""
+        self._stop_reason = "stopped"
+        self._stop_requested = True
 
     @property
     def version(self) -> int | None:
@@ -156,9 +171,12 @@ class Launch:
         try:
             self._start()
             reason = self._loop(report)
-        except (KeyboardInterrupt, _Stop):
+        except KeyboardInterrupt:
             reason = "interrupted"
             self._say("stopping: interrupted; shutting down cleanly")
+        except _Stop:
+            reason = self._stop_reason
+            self._say(f"stopping: {reason}; shutting down cleanly")
         finally:
             try:
                 summary = self._shutdown(report, reason)
@@ -310,6 +328,7 @@ class Launch:
             ):
                 return "return"
             self._learners.poll()
+            self._eval.poll(status.frames, self.client)
             if self._shards is not None:
                 for event in self._shards.poll():
                     self._say(event)
@@ -320,6 +339,8 @@ class Launch:
                 report.record(row)
                 note = self._shards.note() if self._shards is not None else ""
                 self._say(progress_line(row, c.run.frames) + note)
+                if self._on_progress is not None and self._on_progress(dict(row)) is False:
+                    self.stop()
             if now >= next_checkpoint:  # a crash loses at most this much learning
                 next_checkpoint = now + c.learner.checkpoint_every_s
                 with _logged("writing the learner checkpoint"):  # a lost rank 0: polled next
@@ -328,7 +349,7 @@ class Launch:
     def _status_row(self, elapsed: float) -> dict[str, Any]:
         status = self._fleet.status
         counters = self._rows.counters(self.client, self.table)
-        return self._rows.row(elapsed, status, counters, self._learners)
+        return self._eval.annotate(self._rows.row(elapsed, status, counters, self._learners))
 
     # -- shutdown --------------------------------------------------------------------------
     def _shutdown(self, report: RunReport, reason: str) -> dict[str, Any]:
@@ -338,6 +359,7 @@ class Launch:
         from millpond.deploy.placement import located
 
         self._stopped_at = round(time.time() - process_start(), 3)
+        self._eval.close()  # an evaluation still playing
 
         # Each step is guarded so that one failure does not leave the rest running.
         learners = self._learners
@@ -387,6 +409,10 @@ class Launch:
                 self.client.close(timeout_s=10)
         if self._started_ray:
             ray.shutdown()
+        with _logged("evaluating the policy"):  # after Ray: its CPUs are free again
+            self._eval.final(self.run_dir, reason, row["frames"] if row else None)
+        if row is not None:
+            self._eval.annotate(row)
         summary = self._summary(reason, final, row, checkpoint)
         if row is not None:
             report.record(row)
@@ -418,6 +444,7 @@ class Launch:
             "frames": frames,
             "episodes": episodes,
             "mean_return": final.mean_return if final else None,
+            **self._eval.summary(),
             "wall_s": elapsed,
             "frames_per_s": this_run_frames / this_run_s if this_run_s else None,
             "learner_steps": learners.steps,

@@ -317,6 +317,12 @@ class RunSection:
         tensorboard: TensorBoard event files of the metrics rows in ``RUN_DIR/tensorboard``:
             ``"auto"`` (when the ``tensorboard`` package is installed), ``"on"`` (or an
             error naming the extra) or ``"off"``. ``metrics.csv`` is written either way.
+        eval_episodes: episodes of each evaluation of the trained policy, played greedily
+            in the driver process (:mod:`millpond.deploy.run_eval`); ``0`` (the default):
+            none. With episodes, the run ends (its frames, return or time reached) by
+            evaluating ``checkpoint.pt``, as ``millpond eval RUN_DIR`` does.
+        eval_every_frames: also evaluate the latest published weights each time this many
+            more frames were collected, beside the training; ``None``: only at the end.
     """
 
     frames: int = 200_000
@@ -327,9 +333,18 @@ class RunSection:
     seed: int = 0
     timeout_s: float | None = None
     tensorboard: str = "auto"
+    eval_episodes: int = 0
+    eval_every_frames: int | None = None
 
     def __post_init__(self) -> None:
         _choice("run.tensorboard", self.tensorboard, ("auto", "on", "off"))
+        _at_least("run.eval_episodes", self.eval_episodes, 0)
+        if self.eval_every_frames is not None:
+            _at_least("run.eval_every_frames", self.eval_every_frames, 1)
+            if self.eval_episodes == 0:
+                raise InvalidConfigError(
+                    "run.eval_every_frames: evaluating needs run.eval_episodes >= 1"
+                )
         _at_least("run.frames", self.frames, 1)
         _at_least("run.return_window", self.return_window, 1)
         if self.status_every_s <= 0:

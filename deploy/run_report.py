@@ -2,7 +2,8 @@
 
 :class:`RunReport` appends one row per status interval to ``metrics.csv`` (flushed each
 time, so a killed run keeps its rows), and at the end draws ``return.png`` (mean return
-against frames, with frames/s and achieved samples-per-insert beneath) and writes
+against frames, with the greedy evaluations' returns when the run made any, and frames/s
+and achieved samples-per-insert beneath) and writes
 ``summary.json`` plus the human-readable table it prints.
 
 The same rows can go to TensorBoard (``tensorboard``) and to Weights & Biases: when the
@@ -53,6 +54,11 @@ COLUMNS: tuple[str, ...] = (
     "weights_version",
     "loss",
     "actor_restarts",
+    # A greedy evaluation of the policy that finished since the row before (run.eval_*):
+    # the frames when its weights were taken, its mean and std return.
+    "eval_frames",
+    "eval_return",
+    "eval_return_std",
 )
 
 
@@ -99,8 +105,13 @@ class RunReport:
             frames = int(row.get("frames") or 0)
             for key in COLUMNS[2:]:  # time and frames are the axes
                 value = row.get(key)
-                if isinstance(value, int | float) and math.isfinite(value):
-                    self._events.add_scalar(f"millpond/{key}", value, global_step=frames)
+                if key == "eval_frames" or not (
+                    isinstance(value, int | float) and math.isfinite(value)
+                ):
+                    continue
+                # An evaluation is of the weights at its own frames.
+                step = int(row["eval_frames"]) if key.startswith("eval_") else frames
+                self._events.add_scalar(f"millpond/{key}", value, global_step=step)
             self._events.flush()
         if self._wandb is not None:
             self._log_wandb(row)
@@ -149,7 +160,24 @@ class RunReport:
         fig, (top, middle, bottom) = plt.subplots(
             3, 1, figsize=(7, 7), sharex=True, height_ratios=(3, 1, 1)
         )
-        top.plot([r["frames"] for r in points], [r["mean_return"] for r in points], lw=2)
+        top.plot(
+            [r["frames"] for r in points],
+            [r["mean_return"] for r in points],
+            lw=2,
+            label="training episodes (mean)",
+        )
+        evals = [r for r in self.rows if _has(r, "eval_return")]
+        if evals:
+            top.errorbar(
+                [r["eval_frames"] for r in evals],
+                [r["eval_return"] for r in evals],
+                yerr=[r.get("eval_return_std") or 0 for r in evals],
+                fmt="o-",
+                color="tab:red",
+                capsize=3,
+                label="greedy evaluation (mean ± std)",
+            )
+            top.legend(loc="best", fontsize="small")
         top.set_ylabel("mean return")
         top.grid(alpha=0.3)
         top.set_title(title)
@@ -277,6 +305,11 @@ def progress_line(row: Mapping[str, Any], budget: int) -> str:
         f"acting lag {num('acting_lag', '.2f')} v / {num('acting_lag_steps')} steps "
         f"(max {num('acting_lag_max')} v)  "
         f"sample age {num('sample_age', '.1f')} v / {num('sample_age_steps')} steps"
+        + (
+            f"  eval {row['eval_return']:.1f}±{row.get('eval_return_std') or 0:.1f}"
+            if _has(row, "eval_return")
+            else ""
+        )
     )
 
 

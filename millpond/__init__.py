@@ -47,6 +47,14 @@ _PUBLIC = {
     "Table": "millpond.service.table",
     "FieldSpec": "millpond.spec",
     "TableSpec": "millpond.spec",
+    # Training jobs from Python, and what they trained.
+    "Job": "millpond.deploy.job",
+    "JobResult": "millpond.deploy.job",
+    "job_config": "millpond.deploy.job",
+    "LaunchConfig": "millpond.deploy.launch_config",
+    "load_config": "millpond.deploy.launch_config",
+    "TrainedPolicy": "millpond.deploy.trained_policy",
+    "load_policy": "millpond.deploy.trained_policy",
 }
 
 
@@ -62,6 +70,9 @@ __all__ = [
     "FieldSpec",
     "InvalidConfigError",
     "InvalidDataError",
+    "Job",
+    "JobResult",
+    "LaunchConfig",
     "MillpondError",
     "PermissionDeniedError",
     "RateLimiterTimeoutError",
@@ -78,6 +89,10 @@ __all__ = [
     "TableExistsError",
     "TableNotFoundError",
     "TableSpec",
+    "TrainedPolicy",
     "Writer",
     "__version__",
+    "job_config",
+    "load_config",
+    "load_policy",
 ]

@@ -31,6 +31,12 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "build_parser",
         "run",
     ),
+    "eval": (
+        "play a run's trained policy, print its mean return",
+        "millpond.deploy.eval_cli",
+        "build_parser",
+        "run",
+    ),
     "export": (
         "a table to TED (memmap), HDF5 or a Minari dataset",
         "millpond.deploy.dataset_cli",

@@ -76,3 +76,45 @@ def test_tensorboard_off_writes_no_events(tmp_path):
     report.record(row(1.0, 1000, 10.0))
     report.close()
     assert not (tmp_path / "run" / "tensorboard").exists()
+
+
+def red_pixels(path) -> int:
+    """Pixels of matplotlib's tab:red (the evaluation series) in a PNG."""
+    import matplotlib.image
+    import numpy as np
+
+    image = matplotlib.image.imread(str(path))[..., :3]
+    red = np.array([0xD6, 0x27, 0x28]) / 255
+    return int((np.abs(image - red).max(-1) < 0.02).sum())
+
+
+def test_evaluations_reach_the_csv_tensorboard_the_line_and_the_plot(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    plain = RunReport(tmp_path / "plain")
+    plain.record(row(1.0, 1000, 20.0))
+    plain.record(row(2.0, 2000, 25.5))
+    plain.plot("test")
+    plain.close()
+    assert red_pixels(plain.plot_path) == 0
+
+    report = RunReport(tmp_path / "run", tensorboard="on")
+    report.record(row(1.0, 1000, 20.0))
+    evaluated = {**row(2.0, 2000, 25.5), "eval_frames": 1500, "eval_return": 40.0}
+    report.record({**evaluated, "eval_return_std": 2.5})
+    report.plot("test")
+    report.close()
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert [(r["eval_frames"], r["eval_return"], r["eval_return_std"]) for r in rows] == [
+        ("", "", ""),
+        ("1500", "40", "2.5"),
+    ]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    # An evaluation is drawn at the frames of the weights it played, not of its row.
+    assert [(e.step, e.value) for e in events.Scalars("millpond/eval_return")] == [(1500, 40.0)]
+    assert "millpond/eval_frames" not in events.Tags()["scalars"]
+    assert red_pixels(report.plot_path) > 100
+    line = progress_line({**evaluated, "eval_return_std": 2.5}, budget=10_000)
+    assert line.endswith("eval 40.0±2.5")
+    assert "eval" not in progress_line(row(2.0, 2000, 25.5), budget=10_000)
