@@ -21,14 +21,21 @@ names those parameters, and returns an ``nn.Module``:
   the env's dtype; convert inside the module) or, for a ``Dict`` space, the TensorDict
   ``[P]`` of observations. It returns a tensor, or a mapping / TensorDict. A tensor is
   logits ``[P, n]`` for a ``Discrete(n)`` action space and the action itself otherwise.
-  A mapping holds ``"action"`` or ``"logits"``, and optionally ``"sample_log_prob"`` and
-  ``"state_value"``.
+  A mapping holds ``"action"``, ``"logits"``, or (``Box`` action spaces) ``"loc"`` and
+  ``"scale"``, and optionally ``"sample_log_prob"`` and ``"state_value"``.
 
 Logits (from either kind of module) act through a categorical distribution: sampled with
 the policy's seeded generator, or ``argmax`` with ``deterministic=True``; the log-probability
 of the chosen action is recorded as ``"sample_log_prob"``. (A probabilistic TensorDict
 module samples with torch's global generator: seed it with ``torch.manual_seed``.) The
-module is moved to the CPU and runs under ``torch.no_grad()``. Actions are cast to the action space's dtype before the env sees
+module is moved to the CPU and runs under ``torch.no_grad()``.
+
+``"loc"`` and ``"scale"`` (``[P, *action_shape]``, from e.g.
+:func:`millpond.learner.box_networks.mlp_sac_actor`) are a tanh-squashed Gaussian over a
+float ``Box`` with finite bounds (SAC's policy, :mod:`millpond.box_actions`): the policy
+draws ``u = loc + scale * noise`` with its seeded generator (``u = loc`` with
+``deterministic``, for evaluation), acts ``tanh(u)`` rescaled to ``[low, high]``, and
+records the log-probability of ``tanh(u)`` in ``[-1, 1]``. Actions are cast to the action space's dtype before the env sees
 them, and what is recorded is exactly what the env received.
 
 **Exploration.** :class:`EpsilonGreedy` (``Discrete`` action spaces) replaces each lane's
@@ -58,6 +65,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase, set_interaction_type
 from torch import nn
 
+from millpond.box_actions import BoxScale, squashed_gaussian
 from millpond.errors import InvalidConfigError, InvalidDataError
 
 __all__ = [
@@ -189,6 +197,7 @@ class ModulePolicy(ActorPolicy):
         self._generator.manual_seed(
             seed if seed is not None else int(torch.randint(2**62, (1,)).item())
         )
+        self._box: BoxScale | None = None  # the bounds, for squashed Gaussians (on first use)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.module.load_state_dict(dict(state_dict))
@@ -200,6 +209,8 @@ class ModulePolicy(ActorPolicy):
             action, logits = out.get("action"), out.get("logits")
             log_prob = next((out[k] for k in _LOG_PROB_KEYS if out.get(k) is not None), None)
             start = int(self.action_space.start) if self._discrete else 0
+            if action is None and out.get("loc") is not None:
+                action, log_prob = self._squashed_gaussian(out, num)
             if action is None:
                 if logits is None:
                     raise InvalidDataError(
@@ -243,6 +254,26 @@ class ModulePolicy(ActorPolicy):
             if value is not None:
                 result["state_value"] = value.detach()
         return result
+
+    def _squashed_gaussian(
+        self, out: TensorDictBase | Mapping[str, Any], num: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(action in the env's units, log-probability)`` of a tanh-squashed Gaussian."""
+        if self._box is None:
+            try:
+                self._box = BoxScale(self.action_space)
+            except InvalidConfigError as e:
+                raise InvalidDataError(f"the policy returned 'loc' and 'scale', but {e}") from None
+        box = self._box
+        if out.get("scale") is None:
+            raise InvalidDataError("the policy returned 'loc' without 'scale'")
+        loc = out["loc"].float().reshape(num, box.dim)
+        scale = out["scale"].float().reshape(num, box.dim)
+        noise = None
+        if not self.deterministic:
+            noise = torch.randn(loc.shape, generator=self._generator)
+        unit, log_prob = squashed_gaussian(loc, scale, noise)
+        return box.to_env(unit), log_prob
 
     def action_values(self, observation: TensorDictBase) -> torch.Tensor:
         """The module's value of each action for a TensorDict ``[N]`` of observations,

@@ -1,0 +1,352 @@
+"""A reference SAC learner on a uniform table, using only the public :class:`ReplayClient`.
+
+Each :meth:`SACLearner.step` is one gradient step of Soft Actor-Critic (Haarnoja et al.
+2018, "Soft Actor-Critic Algorithms and Applications": two Q-functions, no value network,
+a learned temperature) on one sampled batch of transitions ``(s, a, r, s', terminated)``:
+
+- **the critic**: twin Q-networks ``Q_1, Q_2`` regress onto the soft TD target, the
+  next action drawn from the current policy and valued by the *target* networks::
+
+      a' ~ pi(. | s'),   y = r + gamma (1 - terminated) (min_i Q'_i(s', a') - alpha log pi(a' | s'))
+      J_Q = sum_i 1/2 E[(Q_i(s, a) - y)^2]                       (the paper's eq. 5, per Q)
+
+  (a truncation bootstraps: only ``terminated`` ends the return);
+- **the policy**: a tanh-squashed Gaussian (:mod:`millpond.box_actions`), its action drawn
+  by the reparameterisation ``a = tanh(loc + scale * noise)`` so that the gradient flows
+  through the critic (the critic's parameters are held fixed for this term)::
+
+      J_pi = E[alpha log pi(a | s) - min_i Q_i(s, a)]            (eq. 12 with eq. 21's log pi)
+
+- **the temperature** (automatic entropy tuning, section 5), learned as ``log alpha`` (as
+  the authors' code, Stable-Baselines3 and TorchRL do) towards the target entropy
+  ``H = -dim(A)``::
+
+      J(alpha) = E[-log alpha (log pi(a | s) + H)]               (eq. 18)
+
+- **target networks**: ``theta' <- tau theta + (1 - tau) theta'`` after every
+  ``target_update_every`` steps (Polyak averaging).
+
+The three losses are taken at the same parameters (one backward pass: their parameters
+are disjoint) and one Adam per parameter group steps them, as TorchRL's ``SACLoss`` is
+used. Actions are stored as the env took them (its units); the learner maps them to
+``[-1, 1]`` (:class:`~millpond.box_actions.BoxScale`), where the critic reads them and where
+``log pi`` is a density.
+
+**Pacing.** As for :class:`~millpond.learner.DQNLearner`: the learner just samples, and the
+table's ``samples_per_insert`` sets the update-to-data ratio (``batch_size`` per frame:
+one gradient step per env step, Stable-Baselines3's ``train_freq=1, gradient_steps=1``).
+
+The actors run ``"millpond.learner.box_networks:mlp_sac_actor"`` (the same policy network),
+sampling the squashed Gaussian while they collect (``deterministic=True`` acts its mode,
+for evaluation), and pick up the weights published every ``publish_every`` steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+from millpond.box_actions import BoxScale, squashed_gaussian
+from millpond.checks import check_int, check_number
+from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner import distributed
+from millpond.learner._common import BatchSource, PublishClock, publish_module, published_version
+from millpond.learner.client import ReplayClient
+
+__all__ = ["SACConfig", "SACLearner", "Temperature", "polyak_update"]
+
+
+@dataclass(frozen=True)
+class SACConfig:
+    """Hyperparameters of :class:`SACLearner` (defaults: Stable-Baselines3's SAC).
+
+    Attributes:
+        batch_size: transitions per gradient step.
+        lr: Adam learning rate of the policy, the critic and the temperature.
+        gamma: discount factor.
+        tau: Polyak weight of the online critic in each target update.
+        target_update_every: gradient steps between target updates.
+        alpha_init: the temperature at the start (Stable-Baselines3: 1.0).
+        autotune_alpha: learn the temperature towards ``target_entropy``; ``False`` keeps
+            ``alpha_init``.
+        target_entropy: the entropy the temperature aims at; ``None``: ``-dim(A)``.
+        publish_every: gradient steps between weight publications for the actors.
+        observation_key: the batch key the networks read.
+        sample_timeout_s: how long :meth:`SACLearner.step` waits for a batch (the rate
+            limiter may hold it back); ``None``: the client's timeout.
+        prefetch: sample requests kept in flight while the learner updates
+            (:meth:`ReplayClient.iterate`); ``0`` samples each batch when it is needed.
+    """
+
+    batch_size: int = 256
+    lr: float = 3e-4
+    gamma: float = 0.99
+    tau: float = 0.005
+    target_update_every: int = 1
+    alpha_init: float = 1.0
+    autotune_alpha: bool = True
+    target_entropy: float | None = None
+    publish_every: int = 10
+    observation_key: str = "observation"
+    sample_timeout_s: float | None = None
+    prefetch: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "target_update_every", "publish_every"):
+            check_int(name, getattr(self, name), 1)
+        check_int("prefetch", self.prefetch, 0)
+        check_number("lr", self.lr, positive=True)
+        check_number("alpha_init", self.alpha_init, positive=True)
+        for name in ("gamma", "tau"):
+            value = getattr(self, name)
+            check_number(name, value)
+            if not 0 <= value <= 1:
+                raise InvalidConfigError(f"{name} ({value!r}) must be in [0, 1]")
+        if self.tau == 0:
+            raise InvalidConfigError("tau (0) must be in (0, 1]: the target would never move")
+        if self.target_entropy is not None and (
+            isinstance(self.target_entropy, bool)
+            or not isinstance(self.target_entropy, int | float)
+        ):
+            raise InvalidConfigError(f"target_entropy ({self.target_entropy!r}) must be a number")
+        if not isinstance(self.autotune_alpha, bool):
+            raise InvalidConfigError(f"autotune_alpha ({self.autotune_alpha!r}) must be a bool")
+        if self.sample_timeout_s is not None:
+            check_number("sample_timeout_s", self.sample_timeout_s)
+        if not isinstance(self.observation_key, str) or not self.observation_key:
+            raise InvalidConfigError(
+                f"observation_key ({self.observation_key!r}) must be a non-empty string"
+            )
+
+
+class Temperature(nn.Module):
+    """SAC's temperature ``alpha``, held as ``log_alpha`` (a parameter when learned)."""
+
+    def __init__(self, alpha: float, learned: bool = True) -> None:
+        super().__init__()
+        self.log_alpha = nn.Parameter(torch.tensor(float(alpha)).log(), requires_grad=learned)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """``exp(log_alpha)``, detached (the policy and critic losses treat it as given)."""
+        return self.log_alpha.detach().exp()
+
+
+@torch.no_grad()
+def polyak_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """``theta' <- tau theta + (1 - tau) theta'`` for every parameter of ``target``."""
+    for t, o in zip(target.parameters(), online.parameters(), strict=True):
+        t.lerp_(o, tau)
+
+
+class SACLearner:
+    """SAC with twin Q-networks, target networks and automatic entropy tuning.
+
+    Implements :class:`millpond.roles.Learner`.
+
+    Args:
+        client: the replay client.
+        table: a uniform table of transitions.
+        config: hyperparameters.
+        policy: the module the actors run: observations -> ``{"loc", "scale"}``
+            (:func:`~millpond.learner.box_networks.mlp_sac_actor`).
+        critic: ``(observations, actions in [-1, 1]) -> Q [2, B]``
+            (:class:`~millpond.learner.box_networks.TwinQ`).
+        action_space: the env's float ``Box`` action space (its bounds rescale actions).
+        version: the last published weight version; ``None``: the server's (``-1`` if none).
+        data_parallel: train as one rank of the initialised ``torch.distributed`` group
+            (each rank samples its own batch, gradients are averaged, rank 0 publishes).
+
+    Attributes:
+        policy, critic: the online networks.
+        target_critic: the critic's Polyak-averaged copy.
+        temperature: the :class:`Temperature`.
+        optimizer: one Adam over the three parameter groups (Adam is per parameter: the
+            same as one optimizer each).
+        updates: gradient steps taken.
+        version: the last published version.
+    """
+
+    def __init__(
+        self,
+        client: ReplayClient,
+        table: str,
+        config: SACConfig,
+        policy: nn.Module,
+        critic: nn.Module,
+        action_space: Any,
+        *,
+        version: int | None = None,
+        data_parallel: bool = False,
+    ) -> None:
+        if not isinstance(config, SACConfig):
+            raise InvalidConfigError(f"config must be a SACConfig, received {config!r}")
+        if not isinstance(policy, nn.Module) or not isinstance(critic, nn.Module):
+            raise InvalidConfigError("policy and critic must be torch nn.Modules")
+        if version is not None:
+            check_int("version", version, -1)
+        self.client = client
+        self.table = table
+        self.config = config
+        self.policy = policy
+        self.critic = critic
+        params = list(policy.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+        self.box = BoxScale(action_space, self.device)
+        self.target_critic = copy.deepcopy(critic)
+        self.target_critic.requires_grad_(False)
+        self.temperature = Temperature(config.alpha_init, config.autotune_alpha).to(self.device)
+        self.target_entropy = (
+            float(-self.box.dim) if config.target_entropy is None else float(config.target_entropy)
+        )
+        groups = [{"params": list(policy.parameters())}, {"params": list(critic.parameters())}]
+        if config.autotune_alpha:
+            groups.append({"params": [self.temperature.log_alpha]})
+        self.optimizer = torch.optim.Adam(groups, lr=config.lr, foreach=True)
+        self.updates = 0
+        self.version = published_version(client) if version is None else version
+        self._clock = PublishClock(self.version)
+        self.data_parallel = data_parallel
+        self._turn = distributed.BatchTurn(data_parallel, self.device)
+        self._batches = BatchSource(
+            client, table, config.batch_size, config.prefetch, config.sample_timeout_s
+        )
+
+    # -- the update ----------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """Sample a batch, take one gradient step of the three losses, maybe update the
+        target critic and publish.
+
+        Returns metrics: ``loss`` (the critic's), ``loss_actor``, ``loss_alpha``, ``alpha``,
+        ``entropy`` (``-log pi`` of the policy's actions, mean), ``td_error`` (mean
+        ``|y - Q_i(s, a)|`` over both Q's), ``q_value`` (mean ``Q_i(s, a)``), ``updates``,
+        ``target_updated``, ``published`` (the version published after this step, or
+        ``None``), ``version``, ``sample_s`` / ``update_s`` and, when the batch records it,
+        the policy lag (``policy_lag_mean`` / ``_max`` in versions, ``policy_lag_steps_mean``
+        / ``_max`` in gradient steps).
+        """
+        c = self.config
+        started = time.perf_counter()
+        batch = self._turn.take(self._batches.next)
+        sampled = time.perf_counter()
+        metrics: dict[str, Any] = {}
+        if "policy_version" in batch:
+            metrics.update(
+                self._clock.lag_metrics(batch["policy_version"], self.version, self.updates)
+            )
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
+        losses = self.losses(batch)
+        self.optimizer.zero_grad()
+        (losses["loss_critic"] + losses["loss_actor"] + losses["loss_alpha"]).backward()
+        if self.data_parallel:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            distributed.average_gradients(params, batch.shape[0])
+        self.optimizer.step()
+        self.updates += 1
+        metrics["target_updated"] = self.updates % c.target_update_every == 0
+        if metrics["target_updated"]:
+            polyak_update(self.target_critic, self.critic, c.tau)
+        metrics["published"] = None
+        if self.updates % c.publish_every == 0:
+            metrics["published"] = self.publish()
+        metrics.update(
+            loss=float(losses["loss_critic"].detach()),
+            loss_actor=float(losses["loss_actor"].detach()),
+            loss_alpha=float(losses["loss_alpha"].detach()),
+            alpha=float(losses["alpha"]),
+            entropy=float(losses["entropy"]),
+            td_error=float(losses["td_error"].abs().mean()),
+            q_value=float(losses["q_value"].mean()),
+            updates=self.updates,
+            version=self.version,
+        )
+        metrics["sample_s"] = sampled - started
+        metrics["update_s"] = time.perf_counter() - sampled
+        return metrics
+
+    def losses(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
+        """The three losses of a batch of transitions ``[B]``, at the current parameters.
+
+        Returns ``loss_critic``, ``loss_actor``, ``loss_alpha`` (scalars with gradients),
+        and, detached: ``alpha``, ``entropy``, ``td_error`` ``[2, B]`` (``y - Q_i(s, a)``),
+        ``q_value`` ``[2, B]``, ``target`` ``[B]``, ``log_prob`` ``[B]``. Draws two noise
+        tensors from torch's global generator: the next actions', then the actions'.
+        """
+        if batch.ndim != 1:
+            raise InvalidDataError(
+                f"SAC trains on transitions [B]; the table returned {list(batch.shape)} "
+                "(use a uniform table)"
+            )
+        if "weight" in batch:
+            raise InvalidDataError(
+                f"table {self.table!r} returned importance weights; SAC samples a uniform table"
+            )
+        obs = batch[self.config.observation_key]
+        action = self.box.to_unit(batch["action"].reshape(batch.shape[0], self.box.dim))
+        alpha = self.temperature.alpha
+        y = self.target(batch, alpha)
+        q = self.critic(obs, action)  # [2, B]
+        td_error = y - q
+        loss_critic = 0.5 * td_error.pow(2).mean(-1).sum()
+        new_action, log_prob = self._draw(obs)
+        q_pi = torch.func.functional_call(self.critic, self._frozen_critic(), (obs, new_action))
+        loss_actor = (alpha * log_prob - q_pi.min(0).values).mean()
+        log_prob = log_prob.detach()
+        loss_alpha = -(self.temperature.log_alpha * (log_prob + self.target_entropy)).mean()
+        return {
+            "loss_critic": loss_critic,
+            "loss_actor": loss_actor,
+            "loss_alpha": loss_alpha,
+            "alpha": alpha,
+            "entropy": -log_prob.mean(),
+            "td_error": td_error.detach(),
+            "q_value": q.detach(),
+            "target": y,
+            "log_prob": log_prob,
+        }
+
+    @torch.no_grad()
+    def target(self, batch: TensorDictBase, alpha: torch.Tensor | None = None) -> torch.Tensor:
+        """The soft TD target ``y`` of each transition, ``[B]`` (module docstring)."""
+        c = self.config
+        alpha = self.temperature.alpha if alpha is None else alpha
+        next_action, next_log_prob = self._draw(batch["next", c.observation_key])
+        next_q = self.target_critic(batch["next", c.observation_key], next_action).min(0).values
+        reward = batch["next", "reward"].reshape(-1).to(next_q.dtype)
+        alive = 1.0 - batch["next", "terminated"].reshape(-1).to(next_q.dtype)
+        return reward + c.gamma * alive * (next_q - alpha * next_log_prob)
+
+    def _draw(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reparameterised action of the policy in ``[-1, 1]`` ``[B, dim]``, and its
+        log-probability ``[B]``."""
+        out = self.policy(obs)
+        n = obs.shape[0]
+        loc = out["loc"].reshape(n, self.box.dim)
+        scale = out["scale"].reshape(n, self.box.dim)
+        return squashed_gaussian(loc, scale, torch.randn_like(loc))
+
+    def _frozen_critic(self) -> dict[str, torch.Tensor]:
+        """The critic's parameters detached: the policy's loss moves the policy only."""
+        return {name: p.detach() for name, p in self.critic.named_parameters()}
+
+    def close(self) -> None:
+        """Cancel prefetched sample requests (a no-op without prefetch)."""
+        self._batches.close()
+
+    def publish(self) -> int:
+        """Publish the policy's weights as version :attr:`version` ``+ 1``; returns it.
+
+        :meth:`step` calls it every ``publish_every`` steps. Call it once before the actors
+        start, so that they act with the learner's initial weights.
+        """
+        self.version = publish_module(
+            self.client, self.policy, self.version, self._clock, self.updates, self.data_parallel
+        )
+        return self.version

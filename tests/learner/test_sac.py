@@ -1,0 +1,142 @@
+"""SACLearner: its three losses on one fixed batch against TorchRL's own ``SACLoss`` with the
+same weights, its Polyak update against a plain loop, and steps on real Pendulum
+experience collected by the real :class:`millpond.actors.Collector` through a real
+in-process server.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torchrl.modules import ProbabilisticActor, TanhNormal
+from torchrl.objectives import SACLoss, ValueEstimators
+
+from millpond import ReplayClient, TableConfig
+from millpond.box_actions import BoxScale
+from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner.box_networks import TwinQ, mlp_sac_actor
+from millpond.learner.sac import SACConfig, SACLearner, polyak_update
+from tests.learner._helpers import assert_published, write_chunk
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OBS = gym.spaces.Box(-np.inf, np.inf, (5,), np.float32)
+# two actions with different bounds, so that the rescaling to [-1, 1] is exercised
+ACT = gym.spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([2.0, 3.0], np.float32))
+
+
+def make_learner(client: ReplayClient, config: SACConfig, seed: int = 0) -> SACLearner:
+    torch.manual_seed(seed)
+    policy = mlp_sac_actor(OBS, ACT, (32, 32))
+    critic = TwinQ(OBS, ACT, (32, 32))
+    return SACLearner(client, "replay", config, policy, critic, ACT, version=-1)
+
+
+def fixed_batch(n: int = 64, seed: int = 1) -> TensorDict:
+    """Transitions ``[n]`` in the env's units, some terminated, some truncated."""
+    g = torch.Generator().manual_seed(seed)
+    box = BoxScale(ACT)
+    terminated = torch.rand(n, generator=g) < 0.3
+    truncated = (torch.rand(n, generator=g) < 0.3) & ~terminated
+    return TensorDict(
+        {
+            "observation": torch.randn(n, 5, generator=g),
+            "action": box.to_env(torch.rand(n, 2, generator=g) * 2 - 1),
+            "next": {
+                "observation": torch.randn(n, 5, generator=g),
+                "reward": torch.randn(n, 1, generator=g),
+                "terminated": terminated.unsqueeze(-1),
+                "truncated": truncated.unsqueeze(-1),
+                "done": (terminated | truncated).unsqueeze(-1),
+            },
+        },
+        [n],
+    )
+
+
+class _LocScale(nn.Module):
+    """The learner's policy as TorchRL's actor reads it: ``(loc, scale)``."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.policy(observation)
+        return out["loc"], out["scale"]
+
+
+class _OneQ(nn.Module):
+    """One of the twin Q-networks as TorchRL's Q-value network: ``Q(s, a) [..., 1]``."""
+
+    def __init__(self, q: nn.Module) -> None:
+        super().__init__()
+        self.q = q
+
+    def forward(self, observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        return self.q(torch.cat([observation, action], -1)).unsqueeze(-1)
+
+
+def torchrl_loss(learner: SACLearner) -> SACLoss:
+    """TorchRL's ``SACLoss`` (version 2: no value network) on the learner's own networks, in
+    the learner's ``[-1, 1]`` action units, its target critic and temperature copied in."""
+    actor = ProbabilisticActor(
+        TensorDictModule(_LocScale(learner.policy), ["observation"], ["loc", "scale"]),
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+        # the exact tanh (not TorchRL's clamped "safe" one), as the paper writes it
+        distribution_kwargs={"low": -1.0, "high": 1.0, "tanh_loc": False, "safe_tanh": False},
+        return_log_prob=True,
+    )
+    qs = [
+        TensorDictModule(_OneQ(q), ["observation", "action"], ["state_action_value"])
+        for q in (learner.critic.q1, learner.critic.q2)
+    ]
+    loss = SACLoss(
+        actor,
+        qs,
+        num_qvalue_nets=2,
+        loss_function="l2",
+        alpha_init=float(learner.temperature.alpha),
+        target_entropy=learner.target_entropy,
+    )
+    loss.make_value_estimator(ValueEstimators.TD0, gamma=learner.config.gamma)
+    with torch.no_grad():
+        for i, q in enumerate((learner.target_critic.q1, learner.target_critic.q2)):
+            for name, p in q.named_parameters():
+                loss.target_qvalue_network_params["module", "q", *name.split(".")][i].copy_(p)
+    return loss
+
+
+def test_losses_match_torchrl_sacloss(client):
+    """On one fixed batch, with the same weights and the same noise, the critic, actor and
+    alpha losses equal TorchRL's ``SACLoss``'s; TorchRL's ``"l2"`` Q loss is the squared
+    error summed over the two Q's, twice the paper's ``1/2 E[(Q - y)^2]`` (which
+    Stable-Baselines3 also uses), hence the factor 2. The target critic differs from the
+    online one (a few Polyak steps towards perturbed weights), so the target uses it."""
+    config = SACConfig(batch_size=64, gamma=0.97, alpha_init=0.3)
+    learner = make_learner(client, config)
+    with torch.no_grad():
+        for p in learner.target_critic.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = fixed_batch()
+    ours_batch = batch.clone()
+    theirs_batch = batch.clone()
+    theirs_batch["action"] = learner.box.to_unit(batch["action"])
+    theirs = torchrl_loss(learner)
+
+    torch.manual_seed(123)  # both draw the next actions' noise, then the actions'
+    ours = learner.losses(ours_batch)
+    torch.manual_seed(123)
+    out = theirs(theirs_batch)
+
+    torch.testing.assert_close(2 * ours["loss_critic"], out["loss_qvalue"])
+    torch.testing.assert_close(ours["loss_actor"], out["loss_actor"])
+    torch.testing.assert_close(ours["loss_alpha"], out["loss_alpha"])
+    torch.testing.assert_close(ours["entropy"], out["entropy"])
+    torch.testing.assert_close(ours["alpha"], out["alpha"])
