@@ -3,7 +3,8 @@ the job's config and the learner's network make, and the fleet driven from a bac
 thread.
 
 The env actors build the learner's policy network (``mlp`` or ``nature_cnn``, a policy
-head for PPO, a Q head for DQN) so that the weights the learner publishes load into theirs.
+head for PPO, a Q head for DQN, SAC's squashed Gaussian policy) so that the weights the
+learner publishes load into theirs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from millpond.actors.envs import make_env
 from millpond.actors.fleet import ActorFleet, FleetStatus
 from millpond.actors.policies import EpsilonGreedy
 from millpond.actors.ray_actor import ActorConfig
+from millpond.deploy.algorithms import check_action_space
 from millpond.errors import InvalidConfigError
 from millpond.learner.networks import network_for
 
@@ -29,8 +31,8 @@ __all__ = ["EnvFleet", "actor_config", "env_spaces", "network_of"]
 
 def env_spaces(config: LaunchConfig) -> tuple[Any, Any]:
     """The env's observation and action spaces, from one env made (and closed) as every
-    lane makes it, so that the learner's networks see the actors' spaces; a wrong env id
-    is a config error."""
+    lane makes it, so that the learner's networks see the actors' spaces; a wrong env id,
+    or an action space the learner's algorithm cannot act in, is a config error."""
     c = config
     try:
         probe = make_env(c.env.id, c.env.kwargs, c.env.wrappers)
@@ -40,6 +42,7 @@ def env_spaces(config: LaunchConfig) -> tuple[Any, Any]:
         raise InvalidConfigError(f"env: cannot make {c.env.id!r}: {e}") from None
     spaces = probe.observation_space, probe.action_space
     probe.close()
+    check_action_space(c.learner.algorithm, spaces[1], c.env.id)
     return spaces
 
 
@@ -62,7 +65,8 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         epsilon = EpsilonGreedy(
             c.actors.epsilon_start, c.actors.epsilon_end, c.actors.epsilon_decay_frames
         )
-    head = "policy" if c.learner.algorithm == "ppo" else "q"
+    head = {"ppo": "policy", "dqn": "q", "sac": "sac_actor"}[c.learner.algorithm]
+    module = "box_networks" if c.learner.algorithm == "sac" else "networks"
     if network == "nature_cnn":
         factory, kwargs = f"nature_cnn_{head}", {}
     else:
@@ -77,7 +81,7 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         vectorization_mode=c.env.vectorization_mode,
         env_kwargs=dict(c.env.kwargs),
         env_wrappers=tuple(c.env.wrappers),
-        policy=f"millpond.learner.networks:{factory}",
+        policy=f"millpond.learner.{module}:{factory}",
         policy_kwargs=kwargs,
         deterministic=c.actors.deterministic,
         epsilon=epsilon,

@@ -3,8 +3,9 @@
 A config file has one section per part of the job (``env``, ``replay``, ``actors``,
 ``learner``, ``run``, ``ray``), each a mapping of the fields of the dataclass below of
 the same name; every field has a default, so a file names only what it changes. The
-learner's hyperparameters are the fields of :class:`~millpond.learner.PPOConfig` or
-:class:`~millpond.learner.DQNConfig` (``learner.ppo`` / ``learner.dqn``) and the table is a
+learner's hyperparameters are the fields of :class:`~millpond.learner.PPOConfig`,
+:class:`~millpond.learner.DQNConfig` or :class:`~millpond.learner.SACConfig`
+(``learner.ppo`` / ``learner.dqn`` / ``learner.sac``) and the table is a
 :class:`~millpond.TableConfig` mapping (``replay.table``), as in ``millpond serve
 --tables``.
 
@@ -28,11 +29,13 @@ from typing import Any
 from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.processor_specs import ProcessorSpec, check_processors
 from millpond.config import SLICE_SAMPLERS, TableConfig
+from millpond.deploy.algorithms import ALGORITHMS
 from millpond.deploy.config_files import read_config_doc
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
 from millpond.learner.networks import NETWORKS
 from millpond.learner.ppo import PPOConfig
+from millpond.learner.sac import SACConfig
 from millpond.service.auth import load_tokens
 
 __all__ = [
@@ -233,17 +236,22 @@ class LearnerSection:
     than one (a ``torch.distributed`` group: gloo on CPU, NCCL on GPU).
 
     Attributes:
-        algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices).
+        algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices),
+            both for ``Discrete`` actions; ``"sac"`` (uniform table) for ``Box`` actions.
+            An env whose action space the algorithm cannot act in is refused before
+            anything starts (:mod:`millpond.deploy.algorithms`).
         network: ``"mlp"``, ``"nature_cnn"`` (the Nature-DQN CNN on ``[C, H, W]`` frames;
             for PPO one torso shared by the policy and the critic) or ``"auto"`` (the
             default): the CNN for 3-D ``uint8`` observations (stacked Atari frames), the MLP
             otherwise (see :func:`millpond.learner.networks.network_for`).
-        hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network); the
-            Nature CNN's fully connected layer is 512 wide.
+        hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network; SAC's
+            policy and each of its two Q-networks, with ReLU); the Nature CNN's fully
+            connected layer is 512 wide.
         dueling: DQN's MLP Q-network with a dueling head
             (:class:`~millpond.learner.networks.DuelingQ`), for learner and actors alike.
         ppo: :class:`~millpond.learner.PPOConfig` fields.
         dqn: :class:`~millpond.learner.DQNConfig` fields.
+        sac: :class:`~millpond.learner.SACConfig` fields.
         threads: torch intra-op threads of each learner (small machines: 1).
         checkpoint_every_s: seconds between learner checkpoints in the run directory.
         num_learners: learner processes; each samples its own batches, their gradients
@@ -265,6 +273,7 @@ class LearnerSection:
     dueling: bool = False
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
+    sac: SACConfig = field(default_factory=SACConfig)
     threads: int = 1
     checkpoint_every_s: float = 60.0
     num_learners: int = 1
@@ -289,12 +298,16 @@ class LearnerSection:
                 "learner.device: 'cuda' needs learner.num_gpus > 0 (Ray hides the GPUs from "
                 "a learner that reserves none)"
             )
-        _choice("learner.algorithm", self.algorithm, ("ppo", "dqn"))
+        _choice("learner.algorithm", self.algorithm, tuple(ALGORITHMS))
         _choice("learner.network", self.network, NETWORKS)
         _at_least("learner.threads", self.threads, 1)
         _at_least("learner.checkpoint_every_s", self.checkpoint_every_s, 1)
         for i, width in enumerate(self.hidden_sizes):
             _at_least(f"learner.hidden_sizes[{i}]", width, 1)
+        if self.algorithm == "sac" and self.network == "nature_cnn":
+            raise InvalidConfigError(
+                "learner.network: sac's networks are MLPs; 'nature_cnn' is for ppo and dqn"
+            )
         if self.dueling and (self.algorithm != "dqn" or self.network == "nature_cnn"):
             raise InvalidConfigError(
                 "learner.dueling: the dueling head is for DQN's MLP Q-network, not "
@@ -371,7 +384,9 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         table = self.replay.table_config()
-        wants = ("queue",) if self.learner.algorithm == "ppo" else ("uniform", "prioritized")
+        wants = {"ppo": ("queue",), "sac": ("uniform",)}.get(
+            self.learner.algorithm, ("uniform", "prioritized")
+        )
         if self.learner.algorithm == "dqn" and self.learner.dqn.n_step > 1:
             wants = SLICE_SAMPLERS
         if table.sampler not in wants:

@@ -16,6 +16,8 @@ _PUBLIC = {
     "PPOConfig": "millpond.learner.ppo",
     "PPOLearner": "millpond.learner.ppo",
     "ReplayClient": "millpond.learner.client",
+    "SACConfig": "millpond.learner.sac",
+    "SACLearner": "millpond.learner.sac",
     "TableConfig": "millpond.config",
     "Writer": "millpond.learner.client",
 }
@@ -29,6 +31,8 @@ __all__ = [
     "PPOConfig",
     "PPOLearner",
     "ReplayClient",
+    "SACConfig",
+    "SACLearner",
     "TableConfig",
     "Writer",
 ]

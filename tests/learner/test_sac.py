@@ -109,7 +109,7 @@ def torchrl_loss(learner: SACLearner) -> SACLoss:
     with torch.no_grad():
         for i, q in enumerate((learner.target_critic.q1, learner.target_critic.q2)):
             for name, p in q.named_parameters():
-                loss.target_qvalue_network_params["module", "q", *name.split(".")][i].copy_(p)
+                loss.target_qvalue_network_params[("module", "q", *name.split("."))][i].copy_(p)
     return loss
 
 
@@ -140,3 +140,94 @@ def test_losses_match_torchrl_sacloss(client):
     torch.testing.assert_close(ours["loss_alpha"], out["loss_alpha"])
     torch.testing.assert_close(ours["entropy"], out["entropy"])
     torch.testing.assert_close(ours["alpha"], out["alpha"])
+
+
+def test_polyak_update_matches_a_plain_loop():
+    """``theta' <- tau theta + (1 - tau) theta'``, element by element, for every parameter
+    of the twin critic (written out over Python floats)."""
+    torch.manual_seed(0)
+    online, target = TwinQ(OBS, ACT, (8, 8)), TwinQ(OBS, ACT, (8, 8))
+    tau = 0.005
+    expected = {
+        name: [tau * o + (1 - tau) * t for o, t in zip(p.flatten().tolist(), tp.flatten().tolist())]
+        for (name, p), tp in zip(online.named_parameters(), target.parameters())
+    }
+    polyak_update(target, online, tau)
+    for name, p in target.named_parameters():
+        torch.testing.assert_close(p.flatten(), torch.tensor(expected[name]), rtol=1e-6, atol=1e-7)
+    before = [p.clone() for p in online.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, online.parameters()))  # untouched
+
+
+def test_config_is_checked():
+    for kwargs, field in (
+        ({"tau": 0.0}, "tau"),
+        ({"tau": 1.5}, "tau"),
+        ({"gamma": -0.1}, "gamma"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"alpha_init": 0.0}, "alpha_init"),
+        ({"target_entropy": "auto"}, "target_entropy"),
+        ({"autotune_alpha": 1}, "autotune_alpha"),
+    ):
+        with pytest.raises(InvalidConfigError, match=field):
+            SACConfig(**kwargs)
+
+
+def test_steps_on_collected_pendulum_experience_and_publishes_the_policy(client):
+    """The real collector acts with the learner's published policy on Pendulum-v1 (its
+    actions in the env's [-2, 2], float32), the steps go into a uniform table, and the
+    learner trains on them: each step moves the target critic by Polyak averaging, the
+    temperature is learned, and the weights published load into the actors."""
+    from millpond.actors import Collector
+
+    env = gym.make("Pendulum-v1")
+    obs_space, act_space = env.observation_space, env.action_space
+    env.close()
+    client.create_table(TableConfig.uniform("replay", capacity=4096, seed=1))
+    torch.manual_seed(0)
+    config = SACConfig(batch_size=32, publish_every=5, lr=1e-3)
+    learner = SACLearner(
+        client,
+        "replay",
+        config,
+        mlp_sac_actor(obs_space, act_space, (32, 32)),
+        TwinQ(obs_space, act_space, (32, 32)),
+        act_space,
+    )
+    assert learner.publish() == 0
+    with Collector(
+        "Pendulum-v1",
+        num_envs=2,
+        chunk_len=64,
+        policy="millpond.learner.box_networks:mlp_sac_actor",
+        policy_kwargs={"hidden": (32, 32)},
+        weight_source=client,
+        seed=3,
+    ) as collector:
+        chunk = collector.collect()
+        assert collector.policy.version == 0
+    assert chunk["action"].dtype == torch.float32 and chunk["action"].shape == (2, 64, 1)
+    assert float(chunk["action"].abs().max()) <= 2.0
+    write_chunk(client, "replay", chunk)
+
+    log_alpha = float(learner.temperature.log_alpha)
+    for _ in range(10):
+        target_before = [p.clone() for p in learner.target_critic.parameters()]
+        metrics = learner.step()
+        for t, o, before in zip(
+            learner.target_critic.parameters(), learner.critic.parameters(), target_before
+        ):
+            torch.testing.assert_close(t, torch.lerp(before, o, config.tau))
+        assert metrics["policy_lag_max"] >= 0 and np.isfinite(metrics["loss"])
+    assert learner.updates == 10 and metrics["published"] == learner.version == 2
+    assert float(learner.temperature.log_alpha) != log_alpha
+    assert_published(client, learner, 2, learner.policy)
+
+
+def test_refuses_weighted_or_slice_batches(client):
+    learner = make_learner(client, SACConfig())
+    batch = fixed_batch(8)
+    with pytest.raises(InvalidDataError, match="uniform table"):
+        learner.losses(batch.clone().set("weight", torch.ones(8)))
+    with pytest.raises(InvalidDataError, match=r"transitions \[B\]"):
+        learner.losses(torch.stack([batch, batch], 1))
