@@ -109,7 +109,9 @@ class SACConfig:
             if not 0 <= value <= 1:
                 raise InvalidConfigError(f"{name} ({value!r}) must be in [0, 1]")
         if self.tau == 0:
-            raise InvalidConfigError("tau (0) must be in (0, 1]: the target would never move")
+            raise InvalidConfigError(
+                f"tau ({self.tau!r}) must be in (0, 1]: the target would never move"
+            )
         if self.target_entropy is not None and (
             isinstance(self.target_entropy, bool)
             or not isinstance(self.target_entropy, int | float)

@@ -28,6 +28,7 @@ def write(tmp_path, text):
         ("cartpole-ppo.yaml", "queue"),
         ("cartpole-dqn.yaml", "uniform"),
         ("cartpole-rainbow.yaml", "prioritized_slices"),
+        ("pendulum-sac.yaml", "uniform"),
     ],
 )
 def test_shipped_configs_load(name, sampler):
@@ -89,7 +90,7 @@ def test_overrides_apply_before_checking(tmp_path):
         ("learner: {hidden_sizes: 64}\n", [], "learner.hidden_sizes: expected a list"),
         ("learner: {hidden_sizes: [64, x]}\n", [], "learner.hidden_sizes[1]: expected an integer"),
         ("learner: {ppo: {gamma: 2}}\n", [], "learner.ppo.gamma"),
-        ("learner: {algorithm: sac}\n", [], "learner.algorithm: 'sac' is not one of ppo, dqn"),
+        ("learner: {algorithm: a2c}\n", [], "learner.algorithm: 'a2c' is not one of ppo, dqn, sac"),
         ("env: [1, 2]\n", [], "env: expected a mapping"),
         ("replay: {table: {name: t, capacity: 10, colour: red}}\n", [], "replay.table: unknown"),
         ("", ["run.frames=lots"], "run.frames: expected an integer, got 'lots'"),
@@ -300,3 +301,25 @@ def test_apex_priorities_are_for_dqn_on_a_prioritized_table(tmp_path):
     config = load_config(write(tmp_path, job))
     assert actor_config(config, "t", "mlp").priorities == ApexPriorities(0.9, 1, 0.01)
     assert actor_config(LaunchConfig(), "t", "mlp").priorities is None
+
+
+def test_sac_takes_a_uniform_table_and_mlp_networks(tmp_path):
+    sac = "learner: {algorithm: sac}\n"  # the default table is a queue
+    with pytest.raises(InvalidConfigError, match=r"replay.table.sampler: sac needs a uniform"):
+        load_config(write(tmp_path, sac))
+    uniform = sac + "replay: {table: {name: t, sampler: uniform, capacity: 100}}\n"
+    assert load_config(write(tmp_path, uniform)).learner.sac.batch_size == 256
+    with pytest.raises(InvalidConfigError, match=r"learner.network: sac's networks are MLPs"):
+        load_config(write(tmp_path, uniform), ["learner.network=nature_cnn"])
+    with pytest.raises(InvalidConfigError, match=r"learner.sac.tau \(0.0\) must be in \(0, 1\]"):
+        load_config(write(tmp_path, uniform), ["learner.sac.tau=0.0"])
+
+
+def test_pendulum_sac_actors_run_the_learners_policy_network():
+    """The actors build SAC's squashed Gaussian policy with the learner's widths, and
+    sample it (not its mode) while they collect."""
+    config = load_config(CONFIGS / "pendulum-sac.yaml")
+    actor = actor_config(config, "replay", "mlp")
+    assert actor.policy == "millpond.learner.box_networks:mlp_sac_actor"
+    assert actor.policy_kwargs == {"hidden": (256, 256)}
+    assert actor.deterministic is False and actor.epsilon is None
