@@ -12,11 +12,25 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from millpond.checks import check_int
+from millpond.errors import InvalidConfigError
 from millpond.learner import distributed
 from millpond.learner.client import ReplayClient
 
 #: Versions a :class:`PublishClock` remembers (a DQN publishing every 10 steps: 1M steps).
 _REMEMBERED = 100_000
+
+
+def check_learner_args(config: object, kind: type, version: int | None, **modules: object) -> None:
+    """Raise :class:`InvalidConfigError` unless ``config`` is a ``kind``, each of
+    ``modules`` a torch ``nn.Module`` and ``version`` (if given) at least ``-1``."""
+    if not isinstance(config, kind):
+        raise InvalidConfigError(f"config must be a {kind.__name__}, received {config!r}")
+    for name, module in modules.items():
+        if not isinstance(module, nn.Module):
+            raise InvalidConfigError(f"{name} must be a torch nn.Module")
+    if version is not None:
+        check_int("version", version, -1)
 
 
 def published_version(client: ReplayClient) -> int:

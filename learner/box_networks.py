@@ -43,6 +43,7 @@ class SquashedGaussianActor(nn.Module):
         observation_space: a ``Box`` or ``Discrete`` space (as :class:`MLP` takes).
         action_space: a float ``Box`` with finite bounds.
         hidden: widths of the hidden layers.
+        log_std_bounds: where ``log(scale)`` is clamped.
     """
 
     def __init__(
@@ -50,16 +51,18 @@ class SquashedGaussianActor(nn.Module):
         observation_space: gym.Space,
         action_space: gym.Space,
         hidden: Sequence[int] = (256, 256),
+        log_std_bounds: tuple[float, float] = (LOG_STD_MIN, LOG_STD_MAX),
     ) -> None:
         super().__init__()
         scale = BoxScale(action_space)
         self.action_shape = scale.shape
+        self.log_std_bounds = (float(log_std_bounds[0]), float(log_std_bounds[1]))
         self.mlp = MLP(observation_space, 2 * scale.dim, hidden, out_std=0.01, activation="relu")
 
     def forward(self, observation: torch.Tensor) -> dict[str, torch.Tensor]:
         out = self.mlp(observation)
         loc, log_std = out.chunk(2, dim=-1)
-        log_std = log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
+        log_std = log_std.clamp(*self.log_std_bounds)
         shape = (*out.shape[:-1], *self.action_shape)
         return {"loc": loc.reshape(shape), "scale": log_std.exp().reshape(shape)}
 

@@ -56,7 +56,13 @@ from millpond.box_actions import BoxScale, squashed_gaussian
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
-from millpond.learner._common import BatchSource, PublishClock, publish_module, published_version
+from millpond.learner._common import (
+    BatchSource,
+    PublishClock,
+    check_learner_args,
+    publish_module,
+    published_version,
+)
 from millpond.learner.client import ReplayClient
 
 __all__ = ["SACConfig", "SACLearner", "Temperature", "polyak_update"]
@@ -71,15 +77,15 @@ class SACConfig:
         lr: Adam learning rate of the policy, the critic and the temperature.
         gamma: discount factor.
         tau: Polyak weight of the online critic in each target update.
-        target_update_every: gradient steps between target updates.
+        target_entropy: the entropy the temperature aims at; ``None``: ``-dim(A)``.
         alpha_init: the temperature at the start (Stable-Baselines3: 1.0).
         autotune_alpha: learn the temperature towards ``target_entropy``; ``False`` keeps
             ``alpha_init``.
-        target_entropy: the entropy the temperature aims at; ``None``: ``-dim(A)``.
+        target_update_every: gradient steps between target updates.
         publish_every: gradient steps between weight publications for the actors.
-        observation_key: the batch key the networks read.
         sample_timeout_s: how long :meth:`SACLearner.step` waits for a batch (the rate
             limiter may hold it back); ``None``: the client's timeout.
+        observation_key: the batch key the networks read.
         prefetch: sample requests kept in flight while the learner updates
             (:meth:`ReplayClient.iterate`); ``0`` samples each batch when it is needed.
     """
@@ -88,13 +94,13 @@ class SACConfig:
     lr: float = 3e-4
     gamma: float = 0.99
     tau: float = 0.005
-    target_update_every: int = 1
+    target_entropy: float | None = None
     alpha_init: float = 1.0
     autotune_alpha: bool = True
-    target_entropy: float | None = None
+    target_update_every: int = 1
     publish_every: int = 10
-    observation_key: str = "observation"
     sample_timeout_s: float | None = None
+    observation_key: str = "observation"
     prefetch: int = 0
 
     def __post_init__(self) -> None:
@@ -103,15 +109,11 @@ class SACConfig:
         check_int("prefetch", self.prefetch, 0)
         check_number("lr", self.lr, positive=True)
         check_number("alpha_init", self.alpha_init, positive=True)
+        check_number("gamma", self.gamma)
+        check_number("tau", self.tau, positive=True)  # 0: the target would never move
         for name in ("gamma", "tau"):
-            value = getattr(self, name)
-            check_number(name, value)
-            if not 0 <= value <= 1:
-                raise InvalidConfigError(f"{name} ({value!r}) must be in [0, 1]")
-        if self.tau == 0:
-            raise InvalidConfigError(
-                f"tau ({self.tau!r}) must be in (0, 1]: the target would never move"
-            )
+            if getattr(self, name) > 1:
+                raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be <= 1")
         if self.target_entropy is not None and (
             isinstance(self.target_entropy, bool)
             or not isinstance(self.target_entropy, int | float)
@@ -187,12 +189,7 @@ class SACLearner:
         version: int | None = None,
         data_parallel: bool = False,
     ) -> None:
-        if not isinstance(config, SACConfig):
-            raise InvalidConfigError(f"config must be a SACConfig, received {config!r}")
-        if not isinstance(policy, nn.Module) or not isinstance(critic, nn.Module):
-            raise InvalidConfigError("policy and critic must be torch nn.Modules")
-        if version is not None:
-            check_int("version", version, -1)
+        check_learner_args(config, SACConfig, version, policy=policy, critic=critic)
         self.client = client
         self.table = table
         self.config = config
