@@ -43,8 +43,6 @@ for evaluation), and pick up the weights published every ``publish_every`` steps
 
 from __future__ import annotations
 
-import copy
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,17 +50,10 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from millpond.box_actions import BoxScale, squashed_gaussian
+from millpond.box_actions import squashed_gaussian
 from millpond.checks import check_int, check_number
-from millpond.errors import InvalidConfigError, InvalidDataError
-from millpond.learner import distributed
-from millpond.learner._common import (
-    BatchSource,
-    PublishClock,
-    check_learner_args,
-    publish_module,
-    published_version,
-)
+from millpond.errors import InvalidConfigError
+from millpond.learner._actor_critic import ActorCriticLearner, polyak_update
 from millpond.learner.client import ReplayClient
 
 __all__ = ["SACConfig", "SACLearner", "Temperature", "polyak_update"]
@@ -142,14 +133,7 @@ class Temperature(nn.Module):
         return self.log_alpha.detach().exp()
 
 
-@torch.no_grad()
-def polyak_update(target: nn.Module, online: nn.Module, tau: float) -> None:
-    """``theta' <- tau theta + (1 - tau) theta'`` for every parameter of ``target``."""
-    for t, o in zip(target.parameters(), online.parameters(), strict=True):
-        t.lerp_(o, tau)
-
-
-class SACLearner:
+class SACLearner(ActorCriticLearner):
     """SAC with twin Q-networks, target networks and automatic entropy tuning.
 
     Implements :class:`millpond.roles.Learner`.
@@ -171,8 +155,9 @@ class SACLearner:
         policy, critic: the online networks.
         target_critic: the critic's Polyak-averaged copy.
         temperature: the :class:`Temperature`.
-        optimizer: one Adam over the three parameter groups (Adam is per parameter: the
-            same as one optimizer each).
+        target_entropy: the entropy the temperature aims at.
+        optimizer: one Adam over the policy's, the critic's and (learned) the temperature's
+            parameters (Adam is per parameter: the same as one optimizer each).
         updates: gradient steps taken.
         version: the last published version.
     """
@@ -189,86 +174,23 @@ class SACLearner:
         version: int | None = None,
         data_parallel: bool = False,
     ) -> None:
-        check_learner_args(config, SACConfig, version, policy=policy, critic=critic)
-        self.client = client
-        self.table = table
-        self.config = config
-        self.policy = policy
-        self.critic = critic
-        params = list(policy.parameters())
-        self.device = params[0].device if params else torch.device("cpu")
-        self.box = BoxScale(action_space, self.device)
-        self.target_critic = copy.deepcopy(critic)
-        self.target_critic.requires_grad_(False)
+        super().__init__(
+            client,
+            table,
+            config,
+            policy,
+            critic,
+            action_space,
+            version=version,
+            data_parallel=data_parallel,
+            config_type=SACConfig,
+        )
         self.temperature = Temperature(config.alpha_init, config.autotune_alpha).to(self.device)
         self.target_entropy = (
             float(-self.box.dim) if config.target_entropy is None else float(config.target_entropy)
         )
-        groups = [{"params": list(policy.parameters())}, {"params": list(critic.parameters())}]
-        if config.autotune_alpha:
-            groups.append({"params": [self.temperature.log_alpha]})
-        self.optimizer = torch.optim.Adam(groups, lr=config.lr, foreach=True)
-        self.updates = 0
-        self.version = published_version(client) if version is None else version
-        self._clock = PublishClock(self.version)
-        self.data_parallel = data_parallel
-        self._turn = distributed.BatchTurn(data_parallel, self.device)
-        self._batches = BatchSource(
-            client, table, config.batch_size, config.prefetch, config.sample_timeout_s
-        )
-
-    # -- the update ----------------------------------------------------------------------
-    def step(self) -> dict[str, Any]:
-        """Sample a batch, take one gradient step of the three losses, maybe update the
-        target critic and publish.
-
-        Returns metrics: ``loss`` (the critic's), ``loss_actor``, ``loss_alpha``, ``alpha``,
-        ``entropy`` (``-log pi`` of the policy's actions, mean), ``td_error`` (mean
-        ``|y - Q_i(s, a)|`` over both Q's), ``q_value`` (mean ``Q_i(s, a)``), ``updates``,
-        ``target_updated``, ``published`` (the version published after this step, or
-        ``None``), ``version``, ``sample_s`` / ``update_s`` and, when the batch records it,
-        the policy lag (``policy_lag_mean`` / ``_max`` in versions, ``policy_lag_steps_mean``
-        / ``_max`` in gradient steps).
-        """
-        c = self.config
-        started = time.perf_counter()
-        batch = self._turn.take(self._batches.next)
-        sampled = time.perf_counter()
-        metrics: dict[str, Any] = {}
-        if "policy_version" in batch:
-            metrics.update(
-                self._clock.lag_metrics(batch["policy_version"], self.version, self.updates)
-            )
-        if self.device.type != "cpu":
-            batch = batch.to(self.device)
-        losses = self.losses(batch)
-        self.optimizer.zero_grad()
-        (losses["loss_critic"] + losses["loss_actor"] + losses["loss_alpha"]).backward()
-        if self.data_parallel:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            distributed.average_gradients(params, batch.shape[0])
-        self.optimizer.step()
-        self.updates += 1
-        metrics["target_updated"] = self.updates % c.target_update_every == 0
-        if metrics["target_updated"]:
-            polyak_update(self.target_critic, self.critic, c.tau)
-        metrics["published"] = None
-        if self.updates % c.publish_every == 0:
-            metrics["published"] = self.publish()
-        metrics.update(
-            loss=float(losses["loss_critic"].detach()),
-            loss_actor=float(losses["loss_actor"].detach()),
-            loss_alpha=float(losses["loss_alpha"].detach()),
-            alpha=float(losses["alpha"]),
-            entropy=float(losses["entropy"]),
-            td_error=float(losses["td_error"].abs().mean()),
-            q_value=float(losses["q_value"].mean()),
-            updates=self.updates,
-            version=self.version,
-        )
-        metrics["sample_s"] = sampled - started
-        metrics["update_s"] = time.perf_counter() - sampled
-        return metrics
+        learned = [[self.temperature.log_alpha]] if config.autotune_alpha else []
+        self.optimizer = self._make_optimizer(*learned)
 
     def losses(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
         """The three losses of a batch of transitions ``[B]``, at the current parameters.
@@ -278,25 +200,16 @@ class SACLearner:
         ``q_value`` ``[2, B]``, ``target`` ``[B]``, ``log_prob`` ``[B]``. Draws two noise
         tensors from torch's global generator: the next actions', then the actions'.
         """
-        if batch.ndim != 1:
-            raise InvalidDataError(
-                f"SAC trains on transitions [B]; the table returned {list(batch.shape)} "
-                "(use a uniform table)"
-            )
-        if "weight" in batch:
-            raise InvalidDataError(
-                f"table {self.table!r} returned importance weights; SAC samples a uniform table"
-            )
-        obs = batch[self.config.observation_key]
-        action = self.box.to_unit(batch["action"].reshape(batch.shape[0], self.box.dim))
+        obs, action = self._transitions(batch)
         alpha = self.temperature.alpha
         y = self.target(batch, alpha)
         q = self.critic(obs, action)  # [2, B]
         td_error = y - q
         loss_critic = 0.5 * td_error.pow(2).mean(-1).sum()
         new_action, log_prob = self._draw(obs)
-        q_pi = torch.func.functional_call(self.critic, self._frozen_critic(), (obs, new_action))
-        loss_actor = (alpha * log_prob - q_pi.min(0).values).mean()
+        loss_actor = (
+            alpha * log_prob - self._frozen_critic_q(obs, new_action).min(0).values
+        ).mean()
         log_prob = log_prob.detach()
         loss_alpha = -(self.temperature.log_alpha * (log_prob + self.target_entropy)).mean()
         return {
@@ -314,13 +227,18 @@ class SACLearner:
     @torch.no_grad()
     def target(self, batch: TensorDictBase, alpha: torch.Tensor | None = None) -> torch.Tensor:
         """The soft TD target ``y`` of each transition, ``[B]`` (module docstring)."""
-        c = self.config
         alpha = self.temperature.alpha if alpha is None else alpha
-        next_action, next_log_prob = self._draw(batch["next", c.observation_key])
-        next_q = self.target_critic(batch["next", c.observation_key], next_action).min(0).values
-        reward = batch["next", "reward"].reshape(-1).to(next_q.dtype)
-        alive = 1.0 - batch["next", "terminated"].reshape(-1).to(next_q.dtype)
-        return reward + c.gamma * alive * (next_q - alpha * next_log_prob)
+        next_obs = batch["next", self.config.observation_key]
+        next_action, next_log_prob = self._draw(next_obs)
+        next_q = self.target_critic(next_obs, next_action).min(0).values
+        return self._bootstrap(batch, next_q - alpha * next_log_prob)
+
+    def update_targets(self) -> bool:
+        """The target critic moves by ``tau`` every ``target_update_every`` steps."""
+        if self.updates % self.config.target_update_every != 0:
+            return False
+        polyak_update(self.target_critic, self.critic, self.config.tau)
+        return True
 
     def _draw(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterised action of the policy in ``[-1, 1]`` ``[B, dim]``, and its
@@ -330,22 +248,3 @@ class SACLearner:
         loc = out["loc"].reshape(n, self.box.dim)
         scale = out["scale"].reshape(n, self.box.dim)
         return squashed_gaussian(loc, scale, torch.randn_like(loc))
-
-    def _frozen_critic(self) -> dict[str, torch.Tensor]:
-        """The critic's parameters detached: the policy's loss moves the policy only."""
-        return {name: p.detach() for name, p in self.critic.named_parameters()}
-
-    def close(self) -> None:
-        """Cancel prefetched sample requests (a no-op without prefetch)."""
-        self._batches.close()
-
-    def publish(self) -> int:
-        """Publish the policy's weights as version :attr:`version` ``+ 1``; returns it.
-
-        :meth:`step` calls it every ``publish_every`` steps. Call it once before the actors
-        start, so that they act with the learner's initial weights.
-        """
-        self.version = publish_module(
-            self.client, self.policy, self.version, self._clock, self.updates, self.data_parallel
-        )
-        return self.version
