@@ -46,6 +46,13 @@ logits are known, ``"sample_log_prob"`` is the behaviour policy's: ``log((1 - ep
 log-probability is recorded. Without exploration, it is the log-probability of the action
 under the policy's distribution (also for the mode, with ``deterministic``).
 
+:class:`GaussianNoise` (``Box`` action spaces: TD3, DDPG) adds ``sigma * N(0, 1)`` to
+each action element in ``[-1, 1]`` units (``sigma`` times half the element's range in the
+env's units) and clips the result to the bounds, as Stable-Baselines3's
+``NormalActionNoise`` does; ``deterministic`` policies such as
+:func:`millpond.learner.box_networks.mlp_td3_actor` explore that way. No log-probability is
+recorded for noisy actions.
+
 **Weights.** :meth:`ModulePolicy.load_state_dict` loads new weights and ``version`` is
 the version that acts (``-1`` until weights were loaded from a source).
 """
@@ -71,6 +78,7 @@ from millpond.errors import InvalidConfigError, InvalidDataError
 __all__ = [
     "ActorPolicy",
     "EpsilonGreedy",
+    "GaussianNoise",
     "ModulePolicy",
     "PolicySpec",
     "RandomPolicy",
@@ -121,6 +129,26 @@ class EpsilonGreedy:
         return float(self.eps_start + (self.eps_end - self.eps_start) * frac)
 
 
+@dataclass(frozen=True)
+class GaussianNoise:
+    """Gaussian exploration noise for ``Box`` action spaces (TD3's, DDPG's).
+
+    Attributes:
+        sigma: the noise's standard deviation in ``[-1, 1]`` units of each action element
+            (``0.1``: a tenth of half its range).
+    """
+
+    sigma: float = 0.1
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.sigma, bool)
+            or not isinstance(self.sigma, int | float)
+            or self.sigma < 0
+        ):
+            raise InvalidConfigError(f"sigma ({self.sigma!r}) must be a number >= 0")
+
+
 class ActorPolicy:
     """What the loop calls: ``policy(observations [P], frames) -> {key: tensor [P, ...]}``.
 
@@ -165,6 +193,7 @@ class ModulePolicy(ActorPolicy):
         action_space: the single-lane action space.
         deterministic: take the distribution's mode instead of sampling.
         epsilon: epsilon-greedy exploration (``Discrete`` action spaces only).
+        noise: Gaussian exploration noise (float ``Box`` action spaces only).
         seed: seeds the generator used for categorical sampling and exploration.
     """
 
@@ -176,6 +205,7 @@ class ModulePolicy(ActorPolicy):
         *,
         deterministic: bool = False,
         epsilon: EpsilonGreedy | None = None,
+        noise: GaussianNoise | None = None,
         seed: int | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
@@ -198,6 +228,12 @@ class ModulePolicy(ActorPolicy):
             seed if seed is not None else int(torch.randint(2**62, (1,)).item())
         )
         self._box: BoxScale | None = None  # the bounds, for squashed Gaussians (on first use)
+        self.noise = noise
+        if noise is not None:
+            try:
+                self._box = BoxScale(action_space)
+            except InvalidConfigError as e:
+                raise InvalidConfigError(f"Gaussian exploration noise: {e}") from None
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.module.load_state_dict(dict(state_dict))
@@ -243,6 +279,8 @@ class ModulePolicy(ActorPolicy):
                         pi = nn.functional.one_hot(pi.argmax(-1), n).float()
                     taken = pi.gather(-1, (action - start).long().unsqueeze(-1)).squeeze(-1)
                     log_prob = torch.log((1 - eps) * taken + eps / n)
+            elif self.noise is not None:
+                action, log_prob = self._add_noise(action, num), None
             elif log_prob is None and logits is not None:
                 lp = torch.log_softmax(logits.float(), -1).reshape(num, -1)
                 log_prob = lp.gather(-1, (action.reshape(num) - start).long().unsqueeze(-1))
@@ -274,6 +312,13 @@ class ModulePolicy(ActorPolicy):
             noise = torch.randn(loc.shape, generator=self._generator)
         unit, log_prob = squashed_gaussian(loc, scale, noise)
         return box.to_env(unit), log_prob
+
+    def _add_noise(self, action: torch.Tensor, num: int) -> torch.Tensor:
+        """``action`` plus Gaussian noise in ``[-1, 1]`` units, clipped to the bounds."""
+        box, sigma = self._box, self.noise.sigma  # type: ignore[union-attr]
+        unit = box.to_unit(action.float().reshape(num, box.dim))
+        noise = torch.randn(unit.shape, generator=self._generator) * sigma
+        return box.to_env(torch.clamp(unit + noise, -1.0, 1.0))
 
     def action_values(self, observation: TensorDictBase) -> torch.Tensor:
         """The module's value of each action for a TensorDict ``[N]`` of observations,
@@ -355,12 +400,13 @@ def make_policy(
     policy_kwargs: Mapping[str, Any] | None = None,
     deterministic: bool = False,
     epsilon: EpsilonGreedy | None = None,
+    noise: GaussianNoise | None = None,
     seed: int | None = None,
 ) -> ActorPolicy:
     """The :class:`ActorPolicy` for ``policy`` (see the module docstring for the contract)."""
     if policy is None:
-        if epsilon is not None:
-            raise InvalidConfigError("epsilon-greedy needs a policy; the random policy has none")
+        if epsilon is not None or noise is not None:
+            raise InvalidConfigError("exploration needs a policy; the random policy has none")
         return RandomPolicy(action_space, num_envs, seed)
     if isinstance(policy, ActorPolicy):
         return policy
@@ -388,5 +434,6 @@ def make_policy(
         action_space,
         deterministic=deterministic,
         epsilon=epsilon,
+        noise=noise,
         seed=seed,
     )

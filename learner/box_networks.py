@@ -11,6 +11,9 @@ stacks with ReLU between them (the SAC paper's and Stable-Baselines3's networks)
   ``tanh(u)`` rescaled to the action space's bounds (:mod:`millpond.box_actions`), the
   learner differentiates through the same draw. ``log(scale)`` is clamped to ``[-20, 2]``,
   as in the paper's code and Stable-Baselines3.
+- :class:`DeterministicActor` (TD3's policy) maps observations to ``tanh`` of an MLP,
+  rescaled to the bounds; the actors add Gaussian exploration noise
+  (:class:`~millpond.actors.GaussianNoise`).
 - :class:`TwinQ` holds two independent ``Q(s, a)`` networks (the clipped double-Q of
   Fujimoto et al. 2018 that SAC's second version uses). They read actions in ``[-1, 1]``
   (:meth:`~millpond.box_actions.BoxScale.to_unit`), so their inputs are on one scale
@@ -30,7 +33,15 @@ from millpond.box_actions import BoxScale
 from millpond.errors import InvalidConfigError
 from millpond.learner.networks import MLP
 
-__all__ = ["LOG_STD_MAX", "LOG_STD_MIN", "SquashedGaussianActor", "TwinQ", "mlp_sac_actor"]
+__all__ = [
+    "LOG_STD_MAX",
+    "LOG_STD_MIN",
+    "DeterministicActor",
+    "SquashedGaussianActor",
+    "TwinQ",
+    "mlp_sac_actor",
+    "mlp_td3_actor",
+]
 
 #: Bounds of the policy's ``log(scale)`` (the paper's code, Stable-Baselines3).
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
@@ -65,6 +76,34 @@ class SquashedGaussianActor(nn.Module):
         log_std = log_std.clamp(*self.log_std_bounds)
         shape = (*out.shape[:-1], *self.action_shape)
         return {"loc": loc.reshape(shape), "scale": log_std.exp().reshape(shape)}
+
+
+class DeterministicActor(nn.Module):
+    """``observation -> action`` in the env's units, ``[*B, *action_shape]``: TD3's policy,
+    ``tanh`` of an MLP rescaled to the action space's bounds.
+
+    Args:
+        observation_space: a ``Box`` or ``Discrete`` space (as :class:`MLP` takes).
+        action_space: a float ``Box`` with finite bounds.
+        hidden: widths of the hidden layers.
+    """
+
+    def __init__(
+        self, observation_space: gym.Space, action_space: gym.Space, hidden: Sequence[int]
+    ) -> None:
+        super().__init__()
+        self.box = BoxScale(action_space)
+        self.mlp = MLP(observation_space, self.box.dim, hidden, out_std=0.01, activation="relu")
+
+    def unit(self, observation: torch.Tensor) -> torch.Tensor:
+        """The action in ``[-1, 1]``, ``[*B, dim]`` (what the critic reads)."""
+        return torch.tanh(self.mlp(observation))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        unit = self.unit(observation)
+        if unit.device != self.box.low.device:
+            self.box = self.box.to(unit.device)
+        return self.box.to_env(unit).reshape(*unit.shape[:-1], *self.box.shape)
 
 
 class _ContinuousQ(nn.Module):
@@ -118,3 +157,11 @@ def mlp_sac_actor(
     """SAC's policy for a ``Box`` action space (an actor factory: the actors sample its
     squashed Gaussian, or act its mode with ``deterministic=True``)."""
     return SquashedGaussianActor(observation_space, action_space, hidden)
+
+
+def mlp_td3_actor(
+    observation_space: gym.Space, action_space: gym.Space, hidden: Sequence[int] = (256, 256)
+) -> DeterministicActor:
+    """TD3's policy for a ``Box`` action space (an actor factory: the actors add
+    :class:`~millpond.actors.GaussianNoise` to its actions while they collect)."""
+    return DeterministicActor(observation_space, action_space, hidden)

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from tensordict import TensorDict
 from torch import distributions as D
 
 from millpond import ReplayClient, TableConfig
-from millpond.actors import Collector, make_policy
+from millpond.actors import Collector, GaussianNoise, make_policy
 from millpond.box_actions import BoxScale
+from millpond.errors import InvalidConfigError
 from millpond.service.server import ServerConfig, create_server
 from tests.learner._helpers import write_chunk
 
@@ -124,3 +126,43 @@ def test_box_actions_round_trip_exactly_through_the_service(tmp_path):
     finally:
         client.close()
         server.stop(grace=0.5)
+
+
+def test_gaussian_noise_is_added_in_unit_space_and_clipped_to_the_bounds():
+    """TD3's deterministic policy with :class:`GaussianNoise`: without noise it acts its
+    action; with ``sigma`` the action moves by ``sigma * N(0, 1)`` times half each
+    element's range (drawn from the policy's seeded generator), clipped to the bounds."""
+    from millpond.actors import GaussianNoise
+
+    torch.manual_seed(0)
+    obs = TensorDict({"observation": torch.randn(6, 4)}, [6])
+    kwargs = {"policy_kwargs": {"hidden": (16,)}, "deterministic": True, "seed": 9}
+    td3 = "millpond.learner.box_networks:mlp_td3_actor"
+    torch.manual_seed(1)
+    plain = make_policy(td3, OBS, ACT, 6, **kwargs)
+    torch.manual_seed(1)
+    noisy = make_policy(td3, OBS, ACT, 6, noise=GaussianNoise(0.5), **kwargs)
+    clean = plain(obs, 0)["action"]
+    with torch.no_grad():
+        torch.testing.assert_close(clean, plain.module(obs["observation"]))
+    out = noisy(obs, 0)
+    assert "sample_log_prob" not in out
+    box = BoxScale(ACT)
+    noise = torch.randn((6, 3), generator=torch.Generator().manual_seed(9)) * 0.5
+    expected = box.to_env(torch.clamp(box.to_unit(clean) + noise, -1, 1))
+    torch.testing.assert_close(out["action"], expected)
+    assert bool((out["action"] >= torch.from_numpy(LOW)).all())
+    assert bool((out["action"] <= torch.from_numpy(HIGH)).all())
+    huge = make_policy(td3, OBS, ACT, 6, noise=GaussianNoise(100.0), **kwargs)(obs, 0)["action"]
+    assert bool(((huge == torch.from_numpy(LOW)) | (huge == torch.from_numpy(HIGH))).any())
+
+
+def test_gaussian_noise_needs_a_bounded_float_box():
+    linear = torch.nn.Linear(4, 3)
+    with pytest.raises(InvalidConfigError, match=r"Gaussian exploration noise: .*Discrete\(3\)"):
+        make_policy(linear, OBS, gym.spaces.Discrete(3), 2, noise=GaussianNoise(0.1))
+    unbounded = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+    with pytest.raises(InvalidConfigError, match="infinite bounds"):
+        make_policy(linear, OBS, unbounded, 2, noise=GaussianNoise(0.1))
+    with pytest.raises(InvalidConfigError, match="sigma"):
+        GaussianNoise(-1.0)
