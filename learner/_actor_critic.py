@@ -3,23 +3,27 @@ the actors run, twin Q-networks with a Polyak-averaged target copy, one Adam ove
 parameter group, and one step that samples, backpropagates the sum of the algorithm's
 losses (their parameters are disjoint), updates, moves the targets and publishes.
 
-Each algorithm gives :meth:`ActorCriticLearner.losses` (its losses on one batch, at the
-current parameters, as TorchRL's loss modules compute them) and
-:meth:`ActorCriticLearner.update_targets` (which target networks move after a step).
+Each algorithm names its config class (``config_type``) and gives
+:meth:`ActorCriticLearner._setup` (what it holds beyond the shared networks),
+:meth:`ActorCriticLearner.losses` (its losses on one batch, at the current parameters, as
+TorchRL's loss modules compute them) and :meth:`ActorCriticLearner.update_targets` (which
+target networks move after a step).
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from tensordict import TensorDictBase
 from torch import nn
 
 from millpond.box_actions import BoxScale
-from millpond.errors import InvalidDataError
+from millpond.checks import check_int, check_number
+from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
 from millpond.learner._common import (
     BatchSource,
@@ -30,10 +34,54 @@ from millpond.learner._common import (
 )
 from millpond.learner.client import ReplayClient
 
-__all__ = ["ActorCriticLearner", "polyak_update"]
+__all__ = ["ActorCriticConfig", "ActorCriticLearner", "polyak_update"]
 
 #: The losses a step backpropagates, those of them an algorithm's ``losses`` returns.
 LOSS_KEYS = ("loss_critic", "loss_actor", "loss_alpha")
+
+
+@dataclass(frozen=True)
+class ActorCriticConfig:
+    """The hyperparameters SAC and TD3 share (their configs add their own).
+
+    Attributes:
+        batch_size: transitions per gradient step.
+        lr: Adam learning rate of every network (and SAC's temperature).
+        sample_timeout_s: how long a step waits for a batch (the rate limiter may hold it
+            back); ``None``: the client's timeout.
+        gamma: discount factor.
+        tau: Polyak weight of the online networks in each target update.
+        publish_every: gradient steps between weight publications for the actors.
+        observation_key: the batch key the networks read.
+        prefetch: sample requests kept in flight while the learner updates
+            (:meth:`ReplayClient.iterate`); ``0`` samples each batch when it is needed.
+    """
+
+    batch_size: int = 256
+    lr: float = 3e-4
+    sample_timeout_s: float | None = None
+    gamma: float = 0.99
+    tau: float = 0.005
+    publish_every: int = 10
+    observation_key: str = "observation"
+    prefetch: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "publish_every"):
+            check_int(name, getattr(self, name), 1)
+        check_int("prefetch", self.prefetch, 0)
+        check_number("lr", self.lr, positive=True)
+        check_number("gamma", self.gamma)
+        check_number("tau", self.tau, positive=True)  # 0: the targets would never move
+        for name in ("gamma", "tau"):
+            if getattr(self, name) > 1:
+                raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be <= 1")
+        if self.sample_timeout_s is not None:
+            check_number("sample_timeout_s", self.sample_timeout_s)
+        if not isinstance(self.observation_key, str) or not self.observation_key:
+            raise InvalidConfigError(
+                f"observation_key ({self.observation_key!r}) must be a non-empty string"
+            )
 
 
 @torch.no_grad()
@@ -59,7 +107,6 @@ class ActorCriticLearner:
         version: the last published weight version; ``None``: the server's (``-1`` if none).
         data_parallel: train as one rank of the initialised ``torch.distributed`` group
             (each rank samples its own batch, gradients are averaged, rank 0 publishes).
-        config_type: the config class the algorithm takes.
 
     Attributes:
         policy, critic: the online networks.
@@ -71,6 +118,9 @@ class ActorCriticLearner:
         version: the last published version.
     """
 
+    #: The algorithm's config class.
+    config_type: ClassVar[type] = object
+
     def __init__(
         self,
         client: ReplayClient,
@@ -80,11 +130,10 @@ class ActorCriticLearner:
         critic: nn.Module,
         action_space: Any,
         *,
-        version: int | None,
-        data_parallel: bool,
-        config_type: type,
+        version: int | None = None,
+        data_parallel: bool = False,
     ) -> None:
-        check_learner_args(config, config_type, version, policy=policy, critic=critic)
+        check_learner_args(config, self.config_type, version, policy=policy, critic=critic)
         self.client = client
         self.table = table
         self.config = config
@@ -103,12 +152,15 @@ class ActorCriticLearner:
         self._batches = BatchSource(
             client, table, config.batch_size, config.prefetch, config.sample_timeout_s
         )
-
-    def _make_optimizer(self, *extra: list[nn.Parameter]) -> torch.optim.Optimizer:
-        groups = [self.policy.parameters(), self.critic.parameters(), *extra]
-        return torch.optim.Adam(
-            [{"params": list(g)} for g in groups], lr=self.config.lr, foreach=True
+        groups = [self.policy.parameters(), self.critic.parameters(), *self._setup()]
+        self.optimizer = torch.optim.Adam(
+            [{"params": list(g)} for g in groups], lr=config.lr, foreach=True
         )
+
+    def _setup(self) -> list[list[nn.Parameter]]:
+        """Build what the algorithm holds beyond the policy, the critic and its target;
+        the parameter groups it trains besides theirs."""
+        return []
 
     # -- the update ----------------------------------------------------------------------
     def step(self) -> dict[str, Any]:

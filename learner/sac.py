@@ -44,7 +44,6 @@ for evaluation), and pick up the weights published every ``publish_every`` steps
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -53,58 +52,33 @@ from torch import nn
 from millpond.box_actions import squashed_gaussian
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError
-from millpond.learner._actor_critic import ActorCriticLearner, polyak_update
-from millpond.learner.client import ReplayClient
+from millpond.learner._actor_critic import ActorCriticConfig, ActorCriticLearner, polyak_update
 
 __all__ = ["SACConfig", "SACLearner", "Temperature", "polyak_update"]
 
 
 @dataclass(frozen=True)
-class SACConfig:
-    """Hyperparameters of :class:`SACLearner` (defaults: Stable-Baselines3's SAC).
+class SACConfig(ActorCriticConfig):
+    """Hyperparameters of :class:`SACLearner` (defaults: Stable-Baselines3's SAC): the
+    fields of :class:`~millpond.learner._actor_critic.ActorCriticConfig` and
 
     Attributes:
-        batch_size: transitions per gradient step.
-        lr: Adam learning rate of the policy, the critic and the temperature.
-        gamma: discount factor.
-        tau: Polyak weight of the online critic in each target update.
-        target_entropy: the entropy the temperature aims at; ``None``: ``-dim(A)``.
         alpha_init: the temperature at the start (Stable-Baselines3: 1.0).
         autotune_alpha: learn the temperature towards ``target_entropy``; ``False`` keeps
             ``alpha_init``.
+        target_entropy: the entropy the temperature aims at; ``None``: ``-dim(A)``.
         target_update_every: gradient steps between target updates.
-        publish_every: gradient steps between weight publications for the actors.
-        sample_timeout_s: how long :meth:`SACLearner.step` waits for a batch (the rate
-            limiter may hold it back); ``None``: the client's timeout.
-        observation_key: the batch key the networks read.
-        prefetch: sample requests kept in flight while the learner updates
-            (:meth:`ReplayClient.iterate`); ``0`` samples each batch when it is needed.
     """
 
-    batch_size: int = 256
-    lr: float = 3e-4
-    gamma: float = 0.99
-    tau: float = 0.005
-    target_entropy: float | None = None
     alpha_init: float = 1.0
     autotune_alpha: bool = True
+    target_entropy: float | None = None
     target_update_every: int = 1
-    publish_every: int = 10
-    sample_timeout_s: float | None = None
-    observation_key: str = "observation"
-    prefetch: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "target_update_every", "publish_every"):
-            check_int(name, getattr(self, name), 1)
-        check_int("prefetch", self.prefetch, 0)
-        check_number("lr", self.lr, positive=True)
+        super().__post_init__()
+        check_int("target_update_every", self.target_update_every, 1)
         check_number("alpha_init", self.alpha_init, positive=True)
-        check_number("gamma", self.gamma)
-        check_number("tau", self.tau, positive=True)  # 0: the target would never move
-        for name in ("gamma", "tau"):
-            if getattr(self, name) > 1:
-                raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be <= 1")
         if self.target_entropy is not None and (
             isinstance(self.target_entropy, bool)
             or not isinstance(self.target_entropy, int | float)
@@ -112,12 +86,6 @@ class SACConfig:
             raise InvalidConfigError(f"target_entropy ({self.target_entropy!r}) must be a number")
         if not isinstance(self.autotune_alpha, bool):
             raise InvalidConfigError(f"autotune_alpha ({self.autotune_alpha!r}) must be a bool")
-        if self.sample_timeout_s is not None:
-            check_number("sample_timeout_s", self.sample_timeout_s)
-        if not isinstance(self.observation_key, str) or not self.observation_key:
-            raise InvalidConfigError(
-                f"observation_key ({self.observation_key!r}) must be a non-empty string"
-            )
 
 
 class Temperature(nn.Module):
@@ -136,61 +104,29 @@ class Temperature(nn.Module):
 class SACLearner(ActorCriticLearner):
     """SAC with twin Q-networks, target networks and automatic entropy tuning.
 
-    Implements :class:`millpond.roles.Learner`.
-
-    Args:
-        client: the replay client.
-        table: a uniform table of transitions.
-        config: hyperparameters.
-        policy: the module the actors run: observations -> ``{"loc", "scale"}``
-            (:func:`~millpond.learner.box_networks.mlp_sac_actor`).
-        critic: ``(observations, actions in [-1, 1]) -> Q [2, B]``
-            (:class:`~millpond.learner.box_networks.TwinQ`).
-        action_space: the env's float ``Box`` action space (its bounds rescale actions).
-        version: the last published weight version; ``None``: the server's (``-1`` if none).
-        data_parallel: train as one rank of the initialised ``torch.distributed`` group
-            (each rank samples its own batch, gradients are averaged, rank 0 publishes).
+    Implements :class:`millpond.roles.Learner`; takes the arguments of
+    :class:`~millpond.learner._actor_critic.ActorCriticLearner`, its ``policy`` mapping
+    observations to ``{"loc", "scale"}`` (:func:`~millpond.learner.box_networks.mlp_sac_actor`).
 
     Attributes:
-        policy, critic: the online networks.
-        target_critic: the critic's Polyak-averaged copy.
         temperature: the :class:`Temperature`.
         target_entropy: the entropy the temperature aims at.
-        optimizer: one Adam over the policy's, the critic's and (learned) the temperature's
-            parameters (Adam is per parameter: the same as one optimizer each).
-        updates: gradient steps taken.
-        version: the last published version.
+        optimizer: one Adam over the policy's, the critic's and (when learned) the
+            temperature's parameters.
+
+    The other attributes are :class:`~millpond.learner._actor_critic.ActorCriticLearner`'s
+    (``policy``, ``critic``, ``target_critic``, ``updates``, ``version``...).
     """
 
-    def __init__(
-        self,
-        client: ReplayClient,
-        table: str,
-        config: SACConfig,
-        policy: nn.Module,
-        critic: nn.Module,
-        action_space: Any,
-        *,
-        version: int | None = None,
-        data_parallel: bool = False,
-    ) -> None:
-        super().__init__(
-            client,
-            table,
-            config,
-            policy,
-            critic,
-            action_space,
-            version=version,
-            data_parallel=data_parallel,
-            config_type=SACConfig,
-        )
+    config_type = SACConfig
+
+    def _setup(self) -> list[list[nn.Parameter]]:
+        config = self.config
         self.temperature = Temperature(config.alpha_init, config.autotune_alpha).to(self.device)
         self.target_entropy = (
             float(-self.box.dim) if config.target_entropy is None else float(config.target_entropy)
         )
-        learned = [[self.temperature.log_alpha]] if config.autotune_alpha else []
-        self.optimizer = self._make_optimizer(*learned)
+        return [[self.temperature.log_alpha]] if config.autotune_alpha else []
 
     def losses(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
         """The three losses of a batch of transitions ``[B]``, at the current parameters.

@@ -33,124 +33,61 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 from torch import nn
 
 from millpond.checks import check_int, check_number
-from millpond.errors import InvalidConfigError
-from millpond.learner._actor_critic import ActorCriticLearner, polyak_update
-from millpond.learner.client import ReplayClient
+from millpond.learner._actor_critic import ActorCriticConfig, ActorCriticLearner, polyak_update
 
 __all__ = ["TD3Config", "TD3Learner"]
 
 
 @dataclass(frozen=True)
-class TD3Config:
-    """Hyperparameters of :class:`TD3Learner` (defaults: Stable-Baselines3's TD3).
+class TD3Config(ActorCriticConfig):
+    """Hyperparameters of :class:`TD3Learner` (defaults: Stable-Baselines3's TD3, its
+    learning rate 1e-3): the fields of
+    :class:`~millpond.learner._actor_critic.ActorCriticConfig` and
 
     Attributes:
-        batch_size: transitions per gradient step.
-        lr: Adam learning rate of the policy and the critic.
-        gamma: discount factor.
-        tau: Polyak weight of the online networks in each target update.
         policy_delay: critic steps per policy step (and target update).
         target_noise: standard deviation of the target policy's smoothing noise, in
             ``[-1, 1]`` action units.
         target_noise_clip: the smoothing noise is clipped to ``[-c, c]``.
-        publish_every: gradient steps between weight publications for the actors.
-        sample_timeout_s: how long :meth:`TD3Learner.step` waits for a batch; ``None``:
-            the client's timeout.
-        observation_key: the batch key the networks read.
-        prefetch: sample requests kept in flight while the learner updates.
     """
 
-    batch_size: int = 256
     lr: float = 1e-3
-    gamma: float = 0.99
-    tau: float = 0.005
     policy_delay: int = 2
     target_noise: float = 0.2
     target_noise_clip: float = 0.5
-    publish_every: int = 10
-    sample_timeout_s: float | None = None
-    observation_key: str = "observation"
-    prefetch: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "policy_delay", "publish_every"):
-            check_int(name, getattr(self, name), 1)
-        check_int("prefetch", self.prefetch, 0)
-        check_number("lr", self.lr, positive=True)
-        check_number("gamma", self.gamma)
-        check_number("tau", self.tau, positive=True)  # 0: the targets would never move
-        for name in ("gamma", "tau"):
-            if getattr(self, name) > 1:
-                raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be <= 1")
+        super().__post_init__()
+        check_int("policy_delay", self.policy_delay, 1)
         check_number("target_noise", self.target_noise)
         check_number("target_noise_clip", self.target_noise_clip)
-        if self.sample_timeout_s is not None:
-            check_number("sample_timeout_s", self.sample_timeout_s)
-        if not isinstance(self.observation_key, str) or not self.observation_key:
-            raise InvalidConfigError(
-                f"observation_key ({self.observation_key!r}) must be a non-empty string"
-            )
 
 
 class TD3Learner(ActorCriticLearner):
     """TD3: twin Q-networks, target policy smoothing, delayed policy and target updates.
 
-    Implements :class:`millpond.roles.Learner`.
-
-    Args:
-        client: the replay client.
-        table: a uniform table of transitions.
-        config: hyperparameters.
-        policy: the module the actors run: observations -> actions in the env's units,
-            with a ``unit(observations)`` method giving them in ``[-1, 1]``
-            (:func:`~millpond.learner.box_networks.mlp_td3_actor`).
-        critic: ``(observations, actions in [-1, 1]) -> Q [2, B]``
-            (:class:`~millpond.learner.box_networks.TwinQ`).
-        action_space: the env's float ``Box`` action space.
-        version: the last published weight version; ``None``: the server's (``-1`` if none).
-        data_parallel: train as one rank of the initialised ``torch.distributed`` group.
+    Implements :class:`millpond.roles.Learner`; takes the arguments of
+    :class:`~millpond.learner._actor_critic.ActorCriticLearner`, its ``policy`` mapping
+    observations to actions in the env's units, with a ``unit(observations)`` method giving
+    them in ``[-1, 1]`` (:func:`~millpond.learner.box_networks.mlp_td3_actor`).
 
     Attributes:
-        policy, critic: the online networks.
-        target_policy, target_critic: their Polyak-averaged copies.
-        optimizer: one Adam over the policy's and the critic's parameters.
-        updates: gradient steps taken.
-        version: the last published version.
+        target_policy: the policy's Polyak-averaged copy (beside ``target_critic`` and the
+            other attributes of :class:`~millpond.learner._actor_critic.ActorCriticLearner`).
     """
 
-    def __init__(
-        self,
-        client: ReplayClient,
-        table: str,
-        config: TD3Config,
-        policy: nn.Module,
-        critic: nn.Module,
-        action_space: Any,
-        *,
-        version: int | None = None,
-        data_parallel: bool = False,
-    ) -> None:
-        super().__init__(
-            client,
-            table,
-            config,
-            policy,
-            critic,
-            action_space,
-            version=version,
-            data_parallel=data_parallel,
-            config_type=TD3Config,
-        )
-        self.target_policy = copy.deepcopy(policy)
+    config_type = TD3Config
+
+    def _setup(self) -> list[list[nn.Parameter]]:
+        self.target_policy = copy.deepcopy(self.policy)
         self.target_policy.requires_grad_(False)
-        self.optimizer = self._make_optimizer()
+        return []
 
     def losses(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
         """The losses of a batch of transitions ``[B]`` at the current parameters:

@@ -21,6 +21,7 @@ from millpond.box_actions import BoxScale
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner.box_networks import TwinQ, mlp_sac_actor
 from millpond.learner.sac import SACConfig, SACLearner, polyak_update
+from millpond.learner.td3 import TD3Config
 from tests.learner._helpers import assert_published, write_chunk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,6 +83,25 @@ class _OneQ(nn.Module):
         return self.q(torch.cat([observation, action], -1)).unsqueeze(-1)
 
 
+def torchrl_qvalue_nets(critic: TwinQ) -> list[TensorDictModule]:
+    """The twin critic's two Q-networks as TorchRL's Q-value modules."""
+    return [
+        TensorDictModule(_OneQ(q), ["observation", "action"], ["state_action_value"])
+        for q in (critic.q1, critic.q2)
+    ]
+
+
+@torch.no_grad()
+def copy_params(params, module: nn.Module, prefix: tuple[str, ...]) -> None:
+    """``module``'s parameters into a loss's parameter TensorDict under ``prefix``; for a
+    :class:`TwinQ`, Q-network ``i`` into row ``i`` of TorchRL's stacked parameters."""
+    nets = [(None, module)] if not isinstance(module, TwinQ) else enumerate((module.q1, module.q2))
+    for index, net in nets:
+        for name, p in net.named_parameters():
+            target = params[(*prefix, *name.split("."))]
+            (target if index is None else target[index]).copy_(p)
+
+
 def torchrl_loss(learner: SACLearner) -> SACLoss:
     """TorchRL's ``SACLoss`` (version 2: no value network) on the learner's own networks, in
     the learner's ``[-1, 1]`` action units, its target critic and temperature copied in."""
@@ -93,23 +113,16 @@ def torchrl_loss(learner: SACLearner) -> SACLoss:
         distribution_kwargs={"low": -1.0, "high": 1.0, "tanh_loc": False, "safe_tanh": False},
         return_log_prob=True,
     )
-    qs = [
-        TensorDictModule(_OneQ(q), ["observation", "action"], ["state_action_value"])
-        for q in (learner.critic.q1, learner.critic.q2)
-    ]
     loss = SACLoss(
         actor,
-        qs,
+        torchrl_qvalue_nets(learner.critic),
         num_qvalue_nets=2,
         loss_function="l2",
         alpha_init=float(learner.temperature.alpha),
         target_entropy=learner.target_entropy,
     )
     loss.make_value_estimator(ValueEstimators.TD0, gamma=learner.config.gamma)
-    with torch.no_grad():
-        for i, q in enumerate((learner.target_critic.q1, learner.target_critic.q2)):
-            for name, p in q.named_parameters():
-                loss.target_qvalue_network_params[("module", "q", *name.split("."))][i].copy_(p)
+    copy_params(loss.target_qvalue_network_params, learner.target_critic, ("module", "q"))
     return loss
 
 
@@ -159,18 +172,24 @@ def test_polyak_update_matches_a_plain_loop():
     assert all(torch.equal(a, b) for a, b in zip(before, online.parameters()))  # untouched
 
 
-def test_config_is_checked():
-    for kwargs, field in (
-        ({"tau": 0.0}, "tau"),
-        ({"tau": 1.5}, "tau"),
-        ({"gamma": -0.1}, "gamma"),
-        ({"batch_size": 0}, "batch_size"),
-        ({"alpha_init": 0.0}, "alpha_init"),
-        ({"target_entropy": "auto"}, "target_entropy"),
-        ({"autotune_alpha": 1}, "autotune_alpha"),
-    ):
-        with pytest.raises(InvalidConfigError, match=field):
-            SACConfig(**kwargs)
+@pytest.mark.parametrize(
+    ("config", "kwargs", "field"),
+    [
+        (SACConfig, {"tau": 0.0}, "tau"),
+        (SACConfig, {"tau": 1.5}, "tau"),
+        (SACConfig, {"gamma": -0.1}, "gamma"),
+        (SACConfig, {"batch_size": 0}, "batch_size"),
+        (SACConfig, {"alpha_init": 0.0}, "alpha_init"),
+        (SACConfig, {"target_entropy": "auto"}, "target_entropy"),
+        (SACConfig, {"autotune_alpha": 1}, "autotune_alpha"),
+        (TD3Config, {"policy_delay": 0}, "policy_delay"),
+        (TD3Config, {"target_noise": -0.1}, "target_noise"),
+        (TD3Config, {"gamma": 1.5}, "gamma"),
+    ],
+)
+def test_configs_are_checked(config, kwargs, field):
+    with pytest.raises(InvalidConfigError, match=rf"^{field} \("):
+        config(**kwargs)
 
 
 def test_steps_on_collected_pendulum_experience_and_publishes_the_policy(client):

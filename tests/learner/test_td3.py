@@ -14,11 +14,10 @@ from torchrl.objectives import TD3Loss, ValueEstimators
 
 from millpond import ReplayClient, TableConfig
 from millpond.actors import GaussianNoise
-from millpond.errors import InvalidConfigError
 from millpond.learner.box_networks import TwinQ, mlp_td3_actor
 from millpond.learner.td3 import TD3Config, TD3Learner
 from tests.learner._helpers import assert_published, write_chunk
-from tests.learner.test_sac import ACT, OBS, _OneQ, fixed_batch
+from tests.learner.test_sac import ACT, OBS, copy_params, fixed_batch, torchrl_qvalue_nets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,25 +39,14 @@ class _Unit(nn.Module):
         return self.policy.unit(observation)
 
 
-def _copy_into(params, module: nn.Module, prefix: tuple[str, ...], index: int | None) -> None:
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            target = params[(*prefix, *name.split("."))]
-            (target if index is None else target[index]).copy_(p)
-
-
 def torchrl_loss(learner: TD3Learner) -> TD3Loss:
     """TorchRL's ``TD3Loss`` on the learner's networks in ``[-1, 1]`` action units, its
     target policy and critic copied in."""
     c = learner.config
     actor = TensorDictModule(_Unit(learner.policy), ["observation"], ["action"])
-    qs = [
-        TensorDictModule(_OneQ(q), ["observation", "action"], ["state_action_value"])
-        for q in (learner.critic.q1, learner.critic.q2)
-    ]
     loss = TD3Loss(
         actor,
-        qs,
+        torchrl_qvalue_nets(learner.critic),
         bounds=(-1.0, 1.0),
         num_qvalue_nets=2,
         policy_noise=c.target_noise,
@@ -66,9 +54,8 @@ def torchrl_loss(learner: TD3Learner) -> TD3Loss:
         loss_function="l2",
     )
     loss.make_value_estimator(ValueEstimators.TD0, gamma=c.gamma)
-    _copy_into(loss.target_actor_network_params, learner.target_policy, ("module", "policy"), None)
-    for i, q in enumerate((learner.target_critic.q1, learner.target_critic.q2)):
-        _copy_into(loss.target_qvalue_network_params, q, ("module", "q"), i)
+    copy_params(loss.target_actor_network_params, learner.target_policy, ("module", "policy"))
+    copy_params(loss.target_qvalue_network_params, learner.target_critic, ("module", "q"))
     return loss
 
 
@@ -185,14 +172,3 @@ def test_steps_on_pendulum_experience_collected_with_noise_and_publishes(client)
         metrics = learner.step()
     assert metrics["published"] == learner.version == 2 and learner.updates == 8
     assert_published(client, learner, 2, learner.policy)
-
-
-def test_config_is_checked():
-    for kwargs, field in (
-        ({"tau": 0.0}, "tau"),
-        ({"policy_delay": 0}, "policy_delay"),
-        ({"target_noise": -0.1}, "target_noise"),
-        ({"gamma": 1.5}, "gamma"),
-    ):
-        with pytest.raises(InvalidConfigError, match=field):
-            TD3Config(**kwargs)
