@@ -1,8 +1,8 @@
 """The learner algorithms of ``millpond launch`` and the action spaces each one takes, checked
 before anything of the job starts.
 
-PPO and DQN act on ``Discrete`` actions, SAC on float ``Box`` actions with finite bounds (its
-policy squashes into them). :func:`check_action_space` refuses a mismatch naming both the
+PPO and DQN act on ``Discrete`` actions, SAC and TD3 on float ``Box`` actions with finite
+bounds (their policies squash into them). :func:`check_action_space` refuses a mismatch naming both the
 algorithm and the env's space. The launcher checks it twice: from the YAML alone, with
 gymnasium alone (:func:`action_space_of`), while Ray's module imports, so that a mismatch
 never starts Ray; and on the checked config, with the env made as every lane makes it
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["ALGORITHMS", "action_space_of", "check_action_space"]
 
 #: What ``learner.algorithm`` takes, and the action space each needs.
-ALGORITHMS: dict[str, str] = {"ppo": "Discrete", "dqn": "Discrete", "sac": "Box"}
+ALGORITHMS: dict[str, str] = {"ppo": "Discrete", "dqn": "Discrete", "sac": "Box", "td3": "Box"}
 
 
 def check_action_space(algorithm: str, space: gym.Space, env_id: str) -> None:
@@ -39,7 +39,7 @@ def check_action_space(algorithm: str, space: gym.Space, env_id: str) -> None:
         fits = np.issubdtype(space.dtype, np.floating)
         if fits and not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
             raise InvalidConfigError(
-                f"learner.algorithm: sac squashes its actions into the bounds of the action "
+                f"learner.algorithm: {algorithm} squashes its actions into the bounds of the action "
                 f"space, and env {env_id!r} has infinite ones ({space}); wrap the env, e.g. "
                 "gymnasium.wrappers:RescaleAction"
             )

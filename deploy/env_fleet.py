@@ -3,7 +3,7 @@ the job's config and the learner's network make, and the fleet driven from a bac
 thread.
 
 The env actors build the learner's policy network (``mlp`` or ``nature_cnn``, a policy
-head for PPO, a Q head for DQN, SAC's squashed Gaussian policy) so that the weights the
+head for PPO, a Q head for DQN, SAC's squashed Gaussian or TD3's deterministic policy) so that the weights the
 learner publishes load into theirs.
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from millpond.actors.apex import ApexPriorities
 from millpond.actors.envs import make_env
 from millpond.actors.fleet import ActorFleet, FleetStatus
-from millpond.actors.policies import EpsilonGreedy
+from millpond.actors.policies import EpsilonGreedy, GaussianNoise
 from millpond.actors.ray_actor import ActorConfig
 from millpond.deploy.algorithms import check_action_space
 from millpond.errors import InvalidConfigError
@@ -65,8 +65,10 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         epsilon = EpsilonGreedy(
             c.actors.epsilon_start, c.actors.epsilon_end, c.actors.epsilon_decay_frames
         )
-    head = {"ppo": "policy", "dqn": "q", "sac": "sac_actor"}[c.learner.algorithm]
-    module = "box_networks" if c.learner.algorithm == "sac" else "networks"
+    head = {"ppo": "policy", "dqn": "q", "sac": "sac_actor", "td3": "td3_actor"}[
+        c.learner.algorithm
+    ]
+    module = "box_networks" if c.learner.algorithm in ("sac", "td3") else "networks"
     if network == "nature_cnn":
         factory, kwargs = f"nature_cnn_{head}", {}
     else:
@@ -85,6 +87,11 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         policy_kwargs=kwargs,
         deterministic=c.actors.deterministic,
         epsilon=epsilon,
+        noise=(
+            GaussianNoise(c.actors.exploration_noise)
+            if c.actors.exploration_noise is not None
+            else None
+        ),
         weight_sync_every=c.actors.weight_sync_every,
         max_in_flight=c.actors.max_in_flight,
         processors=tuple(c.actors.processors) or None,

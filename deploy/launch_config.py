@@ -4,8 +4,9 @@ A config file has one section per part of the job (``env``, ``replay``, ``actors
 ``learner``, ``run``, ``ray``), each a mapping of the fields of the dataclass below of
 the same name; every field has a default, so a file names only what it changes. The
 learner's hyperparameters are the fields of :class:`~millpond.learner.PPOConfig`,
-:class:`~millpond.learner.DQNConfig` or :class:`~millpond.learner.SACConfig`
-(``learner.ppo`` / ``learner.dqn`` / ``learner.sac``) and the table is a
+:class:`~millpond.learner.DQNConfig`, :class:`~millpond.learner.SACConfig` or
+:class:`~millpond.learner.TD3Config` (``learner.ppo`` / ``dqn`` / ``sac`` / ``td3``) and the
+table is a
 :class:`~millpond.TableConfig` mapping (``replay.table``), as in ``millpond serve
 --tables``.
 
@@ -36,6 +37,7 @@ from millpond.learner.dqn import DQNConfig
 from millpond.learner.networks import NETWORKS
 from millpond.learner.ppo import PPOConfig
 from millpond.learner.sac import SACConfig
+from millpond.learner.td3 import TD3Config
 from millpond.service.auth import load_tokens
 
 __all__ = [
@@ -185,6 +187,9 @@ class ActorsSection:
         epsilon_start: epsilon-greedy exploration at frame 0; ``None`` for none.
         epsilon_end: epsilon after ``epsilon_decay_frames`` frames (per actor).
         epsilon_decay_frames: frames over which epsilon decays linearly.
+        exploration_noise: Gaussian exploration noise for ``Box`` actions (TD3): its
+            standard deviation in ``[-1, 1]`` units of each action element
+            (:class:`~millpond.actors.GaussianNoise`); ``None`` for none.
         max_restarts: how often Ray restarts a crashed actor.
         max_in_flight: unacknowledged segments a writer allows before it blocks.
         apex_priorities: Ape-X (DQN on a prioritized table): each actor gives the steps it
@@ -210,6 +215,7 @@ class ActorsSection:
     epsilon_start: float | None = None
     epsilon_end: float = 0.05
     epsilon_decay_frames: int = 10_000
+    exploration_noise: float | None = None
     max_restarts: int = 3
     max_in_flight: int = 64
     apex_priorities: bool = False
@@ -228,6 +234,8 @@ class ActorsSection:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 1:
                 raise InvalidConfigError(f"actors.{name}: {value!r} must be in [0, 1]")
+        if self.exploration_noise is not None:
+            _at_least("actors.exploration_noise", self.exploration_noise, 0)
 
 
 @dataclass(frozen=True)
@@ -237,7 +245,8 @@ class LearnerSection:
 
     Attributes:
         algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices),
-            both for ``Discrete`` actions; ``"sac"`` (uniform table) for ``Box`` actions.
+            both for ``Discrete`` actions; ``"sac"`` or ``"td3"`` (uniform table) for ``Box``
+            actions.
             An env whose action space the algorithm cannot act in is refused before
             anything starts (:mod:`millpond.deploy.algorithms`).
         network: ``"mlp"``, ``"nature_cnn"`` (the Nature-DQN CNN on ``[C, H, W]`` frames;
@@ -245,13 +254,14 @@ class LearnerSection:
             default): the CNN for 3-D ``uint8`` observations (stacked Atari frames), the MLP
             otherwise (see :func:`millpond.learner.networks.network_for`).
         hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network; SAC's
-            policy and each of its two Q-networks, with ReLU); the Nature CNN's fully
-            connected layer is 512 wide.
+            and TD3's policy and each of their two Q-networks, with ReLU); the Nature CNN's
+            fully connected layer is 512 wide.
         dueling: DQN's MLP Q-network with a dueling head
             (:class:`~millpond.learner.networks.DuelingQ`), for learner and actors alike.
         ppo: :class:`~millpond.learner.PPOConfig` fields.
         dqn: :class:`~millpond.learner.DQNConfig` fields.
         sac: :class:`~millpond.learner.SACConfig` fields.
+        td3: :class:`~millpond.learner.TD3Config` fields.
         threads: torch intra-op threads of each learner (small machines: 1).
         checkpoint_every_s: seconds between learner checkpoints in the run directory.
         num_learners: learner processes; each samples its own batches, their gradients
@@ -274,6 +284,7 @@ class LearnerSection:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
     sac: SACConfig = field(default_factory=SACConfig)
+    td3: TD3Config = field(default_factory=TD3Config)
     threads: int = 1
     checkpoint_every_s: float = 60.0
     num_learners: int = 1
@@ -304,9 +315,10 @@ class LearnerSection:
         _at_least("learner.checkpoint_every_s", self.checkpoint_every_s, 1)
         for i, width in enumerate(self.hidden_sizes):
             _at_least(f"learner.hidden_sizes[{i}]", width, 1)
-        if self.algorithm == "sac" and self.network == "nature_cnn":
+        if self.algorithm in ("sac", "td3") and self.network == "nature_cnn":
             raise InvalidConfigError(
-                "learner.network: sac's networks are MLPs; 'nature_cnn' is for ppo and dqn"
+                f"learner.network: {self.algorithm}'s networks are MLPs; 'nature_cnn' is for "
+                "ppo and dqn"
             )
         if self.dueling and (self.algorithm != "dqn" or self.network == "nature_cnn"):
             raise InvalidConfigError(
@@ -384,7 +396,7 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         table = self.replay.table_config()
-        wants = {"ppo": ("queue",), "sac": ("uniform",)}.get(
+        wants = {"ppo": ("queue",), "sac": ("uniform",), "td3": ("uniform",)}.get(
             self.learner.algorithm, ("uniform", "prioritized")
         )
         if self.learner.algorithm == "dqn" and self.learner.dqn.n_step > 1:
@@ -398,6 +410,11 @@ class LaunchConfig:
             raise InvalidConfigError(
                 "replay.table.strict_length: n-step DQN needs false, so that every stored step "
                 "(the last n_step - 1 of each episode included) begins an n-step target"
+            )
+        if self.actors.exploration_noise is not None and self.learner.algorithm != "td3":
+            raise InvalidConfigError(
+                "actors.exploration_noise: Gaussian exploration noise is for td3's "
+                f"deterministic policy (here {self.learner.algorithm})"
             )
         if self.actors.apex_priorities and (
             self.learner.algorithm != "dqn" or not table.has_priorities

@@ -83,8 +83,8 @@ def make_learner(
     except InvalidConfigError as e:
         raise InvalidConfigError(f"learner.network: {e}") from None
     cnn = network == "nature_cnn"
-    if c.algorithm == "sac":
-        return _make_sac(
+    if c.algorithm in ("sac", "td3"):
+        return _make_actor_critic(
             config, client, table, obs_space, act_space, cnn, device, data_parallel, version
         )
     # Short sample waits keep each run call close to its time and responsive to the driver.
@@ -115,7 +115,7 @@ def make_learner(
     )
 
 
-def _make_sac(
+def _make_actor_critic(
     config: LaunchConfig,
     client: Any,
     table: str,
@@ -126,21 +126,28 @@ def _make_sac(
     data_parallel: bool,
     version: int | None,
 ) -> Any:
-    """:func:`make_learner` for ``sac``: the squashed Gaussian policy and the twin critic."""
-    from millpond.learner.box_networks import TwinQ, mlp_sac_actor
+    """:func:`make_learner` for ``sac`` (the squashed Gaussian policy) and ``td3`` (the
+    deterministic one), each with the twin critic."""
+    from millpond.learner.box_networks import TwinQ, mlp_sac_actor, mlp_td3_actor
     from millpond.learner.sac import SACLearner
+    from millpond.learner.td3 import TD3Learner
 
     c = config.learner
     if cnn:
         raise InvalidConfigError(
-            "learner.network: sac's networks are MLPs; these observations take the Nature "
-            "CNN (learner.network: auto)"
+            f"learner.network: {c.algorithm}'s networks are MLPs; these observations take "
+            "the Nature CNN (learner.network: auto)"
         )
     hidden = tuple(c.hidden_sizes)
-    cfg = replace(c.sac, sample_timeout_s=c.sac.sample_timeout_s or 2.0)
-    policy = mlp_sac_actor(obs_space, act_space, hidden).to(device)
+    make_policy, learner, algo = (
+        (mlp_sac_actor, SACLearner, c.sac)
+        if c.algorithm == "sac"
+        else (mlp_td3_actor, TD3Learner, c.td3)
+    )
+    cfg = replace(algo, sample_timeout_s=algo.sample_timeout_s or 2.0)
+    policy = make_policy(obs_space, act_space, hidden).to(device)
     critic = TwinQ(obs_space, act_space, hidden).to(device)
-    return SACLearner(
+    return learner(
         client,
         table,
         cfg,
@@ -389,7 +396,15 @@ class LearnerActor:
         return True
 
     def _modules(self) -> dict[str, torch.nn.Module]:
-        names = ("policy", "critic", "q_network", "target_network", "target_critic", "temperature")
+        names = (
+            "policy",
+            "critic",
+            "q_network",
+            "target_network",
+            "target_critic",
+            "target_policy",
+            "temperature",
+        )
         modules = {n: getattr(self.learner, n, None) for n in names}
         return {n: m for n, m in modules.items() if isinstance(m, torch.nn.Module)}
 

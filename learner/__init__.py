@@ -18,6 +18,8 @@ _PUBLIC = {
     "ReplayClient": "millpond.learner.client",
     "SACConfig": "millpond.learner.sac",
     "SACLearner": "millpond.learner.sac",
+    "TD3Config": "millpond.learner.td3",
+    "TD3Learner": "millpond.learner.td3",
     "TableConfig": "millpond.config",
     "Writer": "millpond.learner.client",
 }
@@ -33,6 +35,8 @@ __all__ = [
     "ReplayClient",
     "SACConfig",
     "SACLearner",
+    "TD3Config",
+    "TD3Learner",
     "TableConfig",
     "Writer",
 ]

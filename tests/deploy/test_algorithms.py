@@ -18,7 +18,7 @@ BOX = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
         (
             "ppo",
             BOX,
-            r"ppo needs a Discrete action space, and env 'E' has Box.* \(for this space: sac\)",
+            r"ppo needs a Discrete action space, and env 'E' has Box.* \(for this space: sac or td3\)",
         ),
         ("dqn", BOX, r"dqn needs a Discrete action space"),
         (

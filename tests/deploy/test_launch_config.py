@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from millpond.actors import ApexPriorities
+from millpond.actors import ApexPriorities, GaussianNoise
 from millpond.deploy.config_files import apply_override
 from millpond.deploy.env_fleet import actor_config
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
@@ -29,6 +29,7 @@ def write(tmp_path, text):
         ("cartpole-dqn.yaml", "uniform"),
         ("cartpole-rainbow.yaml", "prioritized_slices"),
         ("pendulum-sac.yaml", "uniform"),
+        ("pendulum-td3.yaml", "uniform"),
     ],
 )
 def test_shipped_configs_load(name, sampler):
@@ -90,7 +91,11 @@ def test_overrides_apply_before_checking(tmp_path):
         ("learner: {hidden_sizes: 64}\n", [], "learner.hidden_sizes: expected a list"),
         ("learner: {hidden_sizes: [64, x]}\n", [], "learner.hidden_sizes[1]: expected an integer"),
         ("learner: {ppo: {gamma: 2}}\n", [], "learner.ppo.gamma"),
-        ("learner: {algorithm: a2c}\n", [], "learner.algorithm: 'a2c' is not one of ppo, dqn, sac"),
+        (
+            "learner: {algorithm: a2c}\n",
+            [],
+            "learner.algorithm: 'a2c' is not one of ppo, dqn, sac, td3",
+        ),
         ("env: [1, 2]\n", [], "env: expected a mapping"),
         ("replay: {table: {name: t, capacity: 10, colour: red}}\n", [], "replay.table: unknown"),
         ("", ["run.frames=lots"], "run.frames: expected an integer, got 'lots'"),
@@ -323,3 +328,15 @@ def test_pendulum_sac_actors_run_the_learners_policy_network():
     assert actor.policy == "millpond.learner.box_networks:mlp_sac_actor"
     assert actor.policy_kwargs == {"hidden": (256, 256)}
     assert actor.deterministic is False and actor.epsilon is None
+
+
+def test_pendulum_td3_actors_act_the_policy_with_gaussian_noise(tmp_path):
+    config = load_config(CONFIGS / "pendulum-td3.yaml")
+    actor = actor_config(config, "replay", "mlp")
+    assert actor.policy == "millpond.learner.box_networks:mlp_td3_actor"
+    assert actor.deterministic is True and actor.noise == GaussianNoise(0.1)
+    assert config.learner.td3.policy_delay == 2
+    with pytest.raises(InvalidConfigError, match=r"actors.exploration_noise: .*td3.* \(here sac\)"):
+        load_config(CONFIGS / "pendulum-sac.yaml", ["actors.exploration_noise=0.1"])
+    with pytest.raises(InvalidConfigError, match=r"actors.exploration_noise: -0.1 must be >= 0"):
+        load_config(CONFIGS / "pendulum-td3.yaml", ["actors.exploration_noise=-0.1"])

@@ -75,7 +75,7 @@ def test_a_ray_section_that_is_not_plain_starts_no_ray_before_the_config_is_chec
             "cartpole-ppo.yaml",
             "Pendulum-v1",
             "ppo needs a Discrete action space, and env "
-            "'Pendulum-v1' has Box(-2.0, 2.0, (1,), float32) (for this space: sac)",
+            "'Pendulum-v1' has Box(-2.0, 2.0, (1,), float32) (for this space: sac or td3)",
         ),
         ("cartpole-dqn.yaml", "MountainCarContinuous-v0", "dqn needs a Discrete action space"),
         (
