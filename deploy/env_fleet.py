@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from millpond.deploy.launch_config import LaunchConfig
     from millpond.learner.client import ReplayClient
 
-__all__ = ["EnvFleet", "actor_config", "env_spaces", "network_of"]
+__all__ = ["EnvFleet", "actor_config", "env_spaces", "fleet_options", "network_of"]
 
 
 def env_spaces(config: LaunchConfig) -> tuple[Any, Any]:
@@ -104,6 +104,21 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
     )
 
 
+def fleet_options(config: LaunchConfig) -> dict[str, Any]:
+    """The :class:`~millpond.actors.ActorFleet` settings of the job's config: its actors,
+    their placement and restarts, and ``run.return_window`` as the episodes the fleet's
+    mean return averages over."""
+    c = config
+    return {
+        "num_actors": c.actors.num_actors,
+        "num_cpus": c.actors.num_cpus,
+        "resources": dict(c.actors.resources),
+        "label_selector": dict(c.actors.label_selector) or None,
+        "max_restarts": c.actors.max_restarts,
+        "window": c.run.return_window,
+    }
+
+
 class EnvFleet:
     """The job's :class:`~millpond.actors.ActorFleet` and the thread that drives it.
 
@@ -134,11 +149,7 @@ class EnvFleet:
         self.fleet = ActorFleet(
             client,
             actor,
-            num_actors=c.actors.num_actors,
-            num_cpus=c.actors.num_cpus,
-            resources=dict(c.actors.resources),
-            label_selector=dict(c.actors.label_selector) or None,
-            max_restarts=c.actors.max_restarts,
+            **fleet_options(c),
             first_index=first_index,
             frames=frames,
             episodes=episodes,

@@ -8,7 +8,7 @@ import pytest
 
 from millpond.actors import ApexPriorities, GaussianNoise
 from millpond.deploy.config_files import apply_override
-from millpond.deploy.env_fleet import actor_config
+from millpond.deploy.env_fleet import actor_config, fleet_options
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.errors import InvalidConfigError
 from millpond.learner import DQNConfig, PPOConfig
@@ -340,3 +340,12 @@ def test_pendulum_td3_actors_act_the_policy_with_gaussian_noise(tmp_path):
         load_config(CONFIGS / "pendulum-sac.yaml", ["actors.exploration_noise=0.1"])
     with pytest.raises(InvalidConfigError, match=r"actors.exploration_noise: -0.1 must be >= 0"):
         load_config(CONFIGS / "pendulum-td3.yaml", ["actors.exploration_noise=-0.1"])
+
+
+def test_the_fleets_mean_return_averages_run_return_window_episodes():
+    """``run.return_window`` is the window of the fleet's mean return (the progress line's
+    return and ``run.stop_at_return``'s test), not the fleet's default of 100 episodes."""
+    config = load_config(CONFIGS / "pendulum-sac.yaml")
+    assert config.run.return_window == 10
+    assert fleet_options(config)["window"] == 10
+    assert fleet_options(load_config(CONFIGS / "cartpole-ppo.yaml"))["window"] == 100
