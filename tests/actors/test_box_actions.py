@@ -96,26 +96,37 @@ def test_squashed_gaussian_actions_stay_in_bounds_with_their_log_prob():
     assert torch.equal(saturated, torch.tensor([[2.0, 0.0, 0.5]]).expand(6, 3))
 
 
-def test_box_actions_round_trip_exactly_through_the_service(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_box_actions_round_trip_exactly_through_the_service(tmp_path, packed):
     """The collector records the actions each lane's env received (float32, bit for bit),
     and the rows sampled back from a uniform table hold those actions beside their
-    observations."""
+    observations, written segment by segment or (as env actors write) packed as columns."""
     envs = [RecordingEnv() for _ in range(3)]
     vector = SyncVectorEnv([lambda e=e: e for e in envs], autoreset_mode=AutoresetMode.SAME_STEP)
-    with Collector(
-        vector, num_envs=3, chunk_len=20, policy=FACTORY, policy_kwargs={"hidden": (16,)}, seed=1
-    ) as c:
-        chunk = c.collect()
-    for lane, env in enumerate(envs):
-        taken = torch.from_numpy(np.stack(env.taken))
-        assert taken.dtype == torch.float32
-        assert torch.equal(chunk["action"][lane], taken)
-
     server, port = create_server(ServerConfig(dir=str(tmp_path / "s")))
     client = ReplayClient(f"127.0.0.1:{port}", timeout_s=10)
     try:
         client.create_table(TableConfig.uniform("replay", capacity=1024, seed=2))
-        write_chunk(client, "replay", chunk)
+        with (
+            client.writer("replay") as writer,
+            Collector(
+                vector,
+                writer if packed else None,
+                num_envs=3,
+                chunk_len=20,
+                policy=FACTORY,
+                policy_kwargs={"hidden": (16,)},
+                seed=1,
+            ) as c,
+        ):
+            chunk = c.run_chunk() if packed else c.collect()
+            writer.flush(timeout_s=10)
+        if not packed:
+            write_chunk(client, "replay", chunk)
+        for lane, env in enumerate(envs):
+            taken = torch.from_numpy(np.stack(env.taken))
+            assert taken.dtype == torch.float32
+            assert torch.equal(chunk["action"][lane], taken)
         batch = client.sample("replay", 64)
         assert batch["action"].dtype == torch.float32 and batch["action"].shape == (64, 3)
         flat_obs = chunk["observation"].reshape(-1, 4)
