@@ -27,7 +27,7 @@ a learned temperature) on one sampled batch of transitions ``(s, a, r, s', termi
   ``target_update_every`` steps (Polyak averaging).
 
 The three losses are taken at the same parameters (one backward pass: their parameters
-are disjoint) and one Adam per parameter group steps them, as TorchRL's ``SACLoss`` is
+are disjoint) and one Adam over their parameter groups steps them, as TorchRL's ``SACLoss`` is
 used. Actions are stored as the env took them (its units); the learner maps them to
 ``[-1, 1]`` (:class:`~millpond.box_actions.BoxScale`), where the critic reads them and where
 ``log pi`` is a density.
