@@ -27,6 +27,7 @@ from .lanes import LaneBuffer
 from .policies import (
     ActorPolicy,
     EpsilonGreedy,
+    GaussianNoise,
     ModulePolicy,
     PolicySpec,
     RandomPolicy,
@@ -61,6 +62,7 @@ __all__ = [
     "EpsilonGreedy",
     "ExperienceProcessor",
     "FleetStatus",
+    "GaussianNoise",
     "HindsightRelabeler",
     "LaneBuffer",
     "ModulePolicy",

@@ -98,7 +98,7 @@ from .envs import (
 )
 from .episode_ids import EPISODES_PER_INCARNATION
 from .lanes import LaneBuffer
-from .policies import ActorPolicy, EpsilonGreedy, PolicySpec, make_policy
+from .policies import ActorPolicy, EpsilonGreedy, GaussianNoise, PolicySpec, make_policy
 from .processors import ExperienceProcessor, PassThrough, ProcessorChain
 
 __all__ = ["Collector", "PriorityFn"]
@@ -131,6 +131,7 @@ class Collector:
         policy_kwargs: keyword arguments for the policy factory.
         deterministic: act with the policy's mode instead of sampling.
         epsilon: epsilon-greedy exploration (``Discrete`` actions).
+        noise: Gaussian exploration noise (``Box`` actions).
         weight_source: where to get new weights from (see the module docstring).
         weight_sync_every: env steps between checks for new weights within a chunk (a
             chunk's start and end are checked too).
@@ -159,6 +160,7 @@ class Collector:
         policy_kwargs: Mapping[str, Any] | None = None,
         deterministic: bool = False,
         epsilon: EpsilonGreedy | None = None,
+        noise: GaussianNoise | None = None,
         weight_source: WeightSource | None = None,
         weight_sync_every: int = 100,
         actor_name: str = "",
@@ -215,6 +217,7 @@ class Collector:
                 policy_kwargs=policy_kwargs,
                 deterministic=deterministic,
                 epsilon=epsilon,
+                noise=noise,
                 seed=seed,
             )
         except BaseException:

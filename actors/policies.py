@@ -21,14 +21,21 @@ names those parameters, and returns an ``nn.Module``:
   the env's dtype; convert inside the module) or, for a ``Dict`` space, the TensorDict
   ``[P]`` of observations. It returns a tensor, or a mapping / TensorDict. A tensor is
   logits ``[P, n]`` for a ``Discrete(n)`` action space and the action itself otherwise.
-  A mapping holds ``"action"`` or ``"logits"``, and optionally ``"sample_log_prob"`` and
-  ``"state_value"``.
+  A mapping holds ``"action"``, ``"logits"``, or (``Box`` action spaces) ``"loc"`` and
+  ``"scale"``, and optionally ``"sample_log_prob"`` and ``"state_value"``.
 
 Logits (from either kind of module) act through a categorical distribution: sampled with
 the policy's seeded generator, or ``argmax`` with ``deterministic=True``; the log-probability
 of the chosen action is recorded as ``"sample_log_prob"``. (A probabilistic TensorDict
 module samples with torch's global generator: seed it with ``torch.manual_seed``.) The
-module is moved to the CPU and runs under ``torch.no_grad()``. Actions are cast to the action space's dtype before the env sees
+module is moved to the CPU and runs under ``torch.no_grad()``.
+
+``"loc"`` and ``"scale"`` (``[P, *action_shape]``, from e.g.
+:func:`millpond.learner.box_networks.mlp_sac_actor`) are a tanh-squashed Gaussian over a
+float ``Box`` with finite bounds (SAC's policy, :mod:`millpond.box_actions`): the policy
+draws ``u = loc + scale * noise`` with its seeded generator (``u = loc`` with
+``deterministic``, for evaluation), acts ``tanh(u)`` rescaled to ``[low, high]``, and
+records the log-probability of ``tanh(u)`` in ``[-1, 1]``. Actions are cast to the action space's dtype before the env sees
 them, and what is recorded is exactly what the env received.
 
 **Exploration.** :class:`EpsilonGreedy` (``Discrete`` action spaces) replaces each lane's
@@ -38,6 +45,13 @@ logits are known, ``"sample_log_prob"`` is the behaviour policy's: ``log((1 - ep
 + eps / n)``, with ``pi`` the greedy one-hot choice when ``deterministic``; otherwise no
 log-probability is recorded. Without exploration, it is the log-probability of the action
 under the policy's distribution (also for the mode, with ``deterministic``).
+
+:class:`GaussianNoise` (``Box`` action spaces: TD3, DDPG) adds ``sigma * N(0, 1)`` to
+each action element in ``[-1, 1]`` units (``sigma`` times half the element's range in the
+env's units) and clips the result to the bounds, as Stable-Baselines3's
+``NormalActionNoise`` does; ``deterministic`` policies such as
+:func:`millpond.learner.box_networks.mlp_td3_actor` explore that way. No log-probability is
+recorded for noisy actions.
 
 **Weights.** :meth:`ModulePolicy.load_state_dict` loads new weights and ``version`` is
 the version that acts (``-1`` until weights were loaded from a source).
@@ -58,11 +72,13 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase, set_interaction_type
 from torch import nn
 
+from millpond.box_actions import BoxScale, squashed_gaussian
 from millpond.errors import InvalidConfigError, InvalidDataError
 
 __all__ = [
     "ActorPolicy",
     "EpsilonGreedy",
+    "GaussianNoise",
     "ModulePolicy",
     "PolicySpec",
     "RandomPolicy",
@@ -113,6 +129,26 @@ class EpsilonGreedy:
         return float(self.eps_start + (self.eps_end - self.eps_start) * frac)
 
 
+@dataclass(frozen=True)
+class GaussianNoise:
+    """Gaussian exploration noise for ``Box`` action spaces (TD3's, DDPG's).
+
+    Attributes:
+        sigma: the noise's standard deviation in ``[-1, 1]`` units of each action element
+            (``0.1``: a tenth of half its range).
+    """
+
+    sigma: float = 0.1
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.sigma, bool)
+            or not isinstance(self.sigma, int | float)
+            or self.sigma < 0
+        ):
+            raise InvalidConfigError(f"sigma ({self.sigma!r}) must be a number >= 0")
+
+
 class ActorPolicy:
     """What the loop calls: ``policy(observations [P], frames) -> {key: tensor [P, ...]}``.
 
@@ -157,6 +193,7 @@ class ModulePolicy(ActorPolicy):
         action_space: the single-lane action space.
         deterministic: take the distribution's mode instead of sampling.
         epsilon: epsilon-greedy exploration (``Discrete`` action spaces only).
+        noise: Gaussian exploration noise (float ``Box`` action spaces only).
         seed: seeds the generator used for categorical sampling and exploration.
     """
 
@@ -168,6 +205,7 @@ class ModulePolicy(ActorPolicy):
         *,
         deterministic: bool = False,
         epsilon: EpsilonGreedy | None = None,
+        noise: GaussianNoise | None = None,
         seed: int | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
@@ -189,6 +227,13 @@ class ModulePolicy(ActorPolicy):
         self._generator.manual_seed(
             seed if seed is not None else int(torch.randint(2**62, (1,)).item())
         )
+        self._box: BoxScale | None = None  # the bounds, for squashed Gaussians (on first use)
+        self.noise = noise
+        if noise is not None:
+            try:
+                self._box = BoxScale(action_space)
+            except InvalidConfigError as e:
+                raise InvalidConfigError(f"Gaussian exploration noise: {e}") from None
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.module.load_state_dict(dict(state_dict))
@@ -200,6 +245,8 @@ class ModulePolicy(ActorPolicy):
             action, logits = out.get("action"), out.get("logits")
             log_prob = next((out[k] for k in _LOG_PROB_KEYS if out.get(k) is not None), None)
             start = int(self.action_space.start) if self._discrete else 0
+            if action is None and out.get("loc") is not None:
+                action, log_prob = self._squashed_gaussian(out, num)
             if action is None:
                 if logits is None:
                     raise InvalidDataError(
@@ -232,6 +279,8 @@ class ModulePolicy(ActorPolicy):
                         pi = nn.functional.one_hot(pi.argmax(-1), n).float()
                     taken = pi.gather(-1, (action - start).long().unsqueeze(-1)).squeeze(-1)
                     log_prob = torch.log((1 - eps) * taken + eps / n)
+            elif self.noise is not None:
+                action, log_prob = self._add_noise(action, num), None
             elif log_prob is None and logits is not None:
                 lp = torch.log_softmax(logits.float(), -1).reshape(num, -1)
                 log_prob = lp.gather(-1, (action.reshape(num) - start).long().unsqueeze(-1))
@@ -243,6 +292,33 @@ class ModulePolicy(ActorPolicy):
             if value is not None:
                 result["state_value"] = value.detach()
         return result
+
+    def _squashed_gaussian(
+        self, out: TensorDictBase | Mapping[str, Any], num: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(action in the env's units, log-probability)`` of a tanh-squashed Gaussian."""
+        if self._box is None:
+            try:
+                self._box = BoxScale(self.action_space)
+            except InvalidConfigError as e:
+                raise InvalidDataError(f"the policy returned 'loc' and 'scale', but {e}") from None
+        box = self._box
+        if out.get("scale") is None:
+            raise InvalidDataError("the policy returned 'loc' without 'scale'")
+        loc = out["loc"].float().reshape(num, box.dim)
+        scale = out["scale"].float().reshape(num, box.dim)
+        noise = None
+        if not self.deterministic:
+            noise = torch.randn(loc.shape, generator=self._generator)
+        unit, log_prob = squashed_gaussian(loc, scale, noise)
+        return box.to_env(unit), log_prob
+
+    def _add_noise(self, action: torch.Tensor, num: int) -> torch.Tensor:
+        """``action`` plus Gaussian noise in ``[-1, 1]`` units, clipped to the bounds."""
+        box, sigma = self._box, self.noise.sigma  # type: ignore[union-attr]
+        unit = box.to_unit(action.float().reshape(num, box.dim))
+        noise = torch.randn(unit.shape, generator=self._generator) * sigma
+        return box.to_env(torch.clamp(unit + noise, -1.0, 1.0))
 
     def action_values(self, observation: TensorDictBase) -> torch.Tensor:
         """The module's value of each action for a TensorDict ``[N]`` of observations,
@@ -324,12 +400,13 @@ def make_policy(
     policy_kwargs: Mapping[str, Any] | None = None,
     deterministic: bool = False,
     epsilon: EpsilonGreedy | None = None,
+    noise: GaussianNoise | None = None,
     seed: int | None = None,
 ) -> ActorPolicy:
     """The :class:`ActorPolicy` for ``policy`` (see the module docstring for the contract)."""
     if policy is None:
-        if epsilon is not None:
-            raise InvalidConfigError("epsilon-greedy needs a policy; the random policy has none")
+        if epsilon is not None or noise is not None:
+            raise InvalidConfigError("exploration needs a policy; the random policy has none")
         return RandomPolicy(action_space, num_envs, seed)
     if isinstance(policy, ActorPolicy):
         return policy
@@ -357,5 +434,6 @@ def make_policy(
         action_space,
         deterministic=deterministic,
         epsilon=epsilon,
+        noise=noise,
         seed=seed,
     )

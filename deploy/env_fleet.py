@@ -3,7 +3,8 @@ the job's config and the learner's network make, and the fleet driven from a bac
 thread.
 
 The env actors build the learner's policy network (``mlp`` or ``nature_cnn``, a policy
-head for PPO, a Q head for DQN) so that the weights the learner publishes load into theirs.
+head for PPO, a Q head for DQN, SAC's squashed Gaussian or TD3's deterministic policy) so that the weights the
+learner publishes load into theirs.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from millpond.actors.apex import ApexPriorities
 from millpond.actors.envs import make_env
 from millpond.actors.fleet import ActorFleet, FleetStatus
-from millpond.actors.policies import EpsilonGreedy
+from millpond.actors.policies import EpsilonGreedy, GaussianNoise
 from millpond.actors.ray_actor import ActorConfig
+from millpond.deploy.algorithms import check_action_space
 from millpond.errors import InvalidConfigError
 from millpond.learner.networks import network_for
 
@@ -24,13 +26,13 @@ if TYPE_CHECKING:
     from millpond.deploy.launch_config import LaunchConfig
     from millpond.learner.client import ReplayClient
 
-__all__ = ["EnvFleet", "actor_config", "env_spaces", "network_of"]
+__all__ = ["EnvFleet", "actor_config", "env_spaces", "fleet_options", "network_of"]
 
 
 def env_spaces(config: LaunchConfig) -> tuple[Any, Any]:
     """The env's observation and action spaces, from one env made (and closed) as every
-    lane makes it, so that the learner's networks see the actors' spaces; a wrong env id
-    is a config error."""
+    lane makes it, so that the learner's networks see the actors' spaces; a wrong env id,
+    or an action space the learner's algorithm cannot act in, is a config error."""
     c = config
     try:
         probe = make_env(c.env.id, c.env.kwargs, c.env.wrappers)
@@ -40,6 +42,7 @@ def env_spaces(config: LaunchConfig) -> tuple[Any, Any]:
         raise InvalidConfigError(f"env: cannot make {c.env.id!r}: {e}") from None
     spaces = probe.observation_space, probe.action_space
     probe.close()
+    check_action_space(c.learner.algorithm, spaces[1], c.env.id)
     return spaces
 
 
@@ -62,7 +65,10 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         epsilon = EpsilonGreedy(
             c.actors.epsilon_start, c.actors.epsilon_end, c.actors.epsilon_decay_frames
         )
-    head = "policy" if c.learner.algorithm == "ppo" else "q"
+    head = {"ppo": "policy", "dqn": "q", "sac": "sac_actor", "td3": "td3_actor"}[
+        c.learner.algorithm
+    ]
+    module = "box_networks" if c.learner.algorithm in ("sac", "td3") else "networks"
     if network == "nature_cnn":
         factory, kwargs = f"nature_cnn_{head}", {}
     else:
@@ -77,10 +83,15 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         vectorization_mode=c.env.vectorization_mode,
         env_kwargs=dict(c.env.kwargs),
         env_wrappers=tuple(c.env.wrappers),
-        policy=f"millpond.learner.networks:{factory}",
+        policy=f"millpond.learner.{module}:{factory}",
         policy_kwargs=kwargs,
         deterministic=c.actors.deterministic,
         epsilon=epsilon,
+        noise=(
+            GaussianNoise(c.actors.exploration_noise)
+            if c.actors.exploration_noise is not None
+            else None
+        ),
         weight_sync_every=c.actors.weight_sync_every,
         max_in_flight=c.actors.max_in_flight,
         processors=tuple(c.actors.processors) or None,
@@ -91,6 +102,21 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         ),
         seed=c.run.seed,
     )
+
+
+def fleet_options(config: LaunchConfig) -> dict[str, Any]:
+    """The :class:`~millpond.actors.ActorFleet` settings of the job's config: its actors,
+    their placement and restarts, and ``run.return_window`` as the episodes the fleet's
+    mean return averages over."""
+    c = config
+    return {
+        "num_actors": c.actors.num_actors,
+        "num_cpus": c.actors.num_cpus,
+        "resources": dict(c.actors.resources),
+        "label_selector": dict(c.actors.label_selector) or None,
+        "max_restarts": c.actors.max_restarts,
+        "window": c.run.return_window,
+    }
 
 
 class EnvFleet:
@@ -123,11 +149,7 @@ class EnvFleet:
         self.fleet = ActorFleet(
             client,
             actor,
-            num_actors=c.actors.num_actors,
-            num_cpus=c.actors.num_cpus,
-            resources=dict(c.actors.resources),
-            label_selector=dict(c.actors.label_selector) or None,
-            max_restarts=c.actors.max_restarts,
+            **fleet_options(c),
             first_index=first_index,
             frames=frames,
             episodes=episodes,

@@ -3,8 +3,10 @@
 A config file has one section per part of the job (``env``, ``replay``, ``actors``,
 ``learner``, ``run``, ``ray``), each a mapping of the fields of the dataclass below of
 the same name; every field has a default, so a file names only what it changes. The
-learner's hyperparameters are the fields of :class:`~millpond.learner.PPOConfig` or
-:class:`~millpond.learner.DQNConfig` (``learner.ppo`` / ``learner.dqn``) and the table is a
+learner's hyperparameters are the fields of :class:`~millpond.learner.PPOConfig`,
+:class:`~millpond.learner.DQNConfig`, :class:`~millpond.learner.SACConfig` or
+:class:`~millpond.learner.TD3Config` (``learner.ppo`` / ``dqn`` / ``sac`` / ``td3``) and the
+table is a
 :class:`~millpond.TableConfig` mapping (``replay.table``), as in ``millpond serve
 --tables``.
 
@@ -28,11 +30,14 @@ from typing import Any
 from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.processor_specs import ProcessorSpec, check_processors
 from millpond.config import SLICE_SAMPLERS, TableConfig
+from millpond.deploy.algorithms import ALGORITHMS
 from millpond.deploy.config_files import read_config_doc
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
 from millpond.learner.networks import NETWORKS
 from millpond.learner.ppo import PPOConfig
+from millpond.learner.sac import SACConfig
+from millpond.learner.td3 import TD3Config
 from millpond.service.auth import load_tokens
 
 __all__ = [
@@ -182,6 +187,9 @@ class ActorsSection:
         epsilon_start: epsilon-greedy exploration at frame 0; ``None`` for none.
         epsilon_end: epsilon after ``epsilon_decay_frames`` frames (per actor).
         epsilon_decay_frames: frames over which epsilon decays linearly.
+        exploration_noise: Gaussian exploration noise for ``Box`` actions (TD3): its
+            standard deviation in ``[-1, 1]`` units of each action element
+            (:class:`~millpond.actors.GaussianNoise`); ``None`` for none.
         max_restarts: how often Ray restarts a crashed actor.
         max_in_flight: unacknowledged segments a writer allows before it blocks.
         apex_priorities: Ape-X (DQN on a prioritized table): each actor gives the steps it
@@ -207,6 +215,7 @@ class ActorsSection:
     epsilon_start: float | None = None
     epsilon_end: float = 0.05
     epsilon_decay_frames: int = 10_000
+    exploration_noise: float | None = None
     max_restarts: int = 3
     max_in_flight: int = 64
     apex_priorities: bool = False
@@ -225,6 +234,8 @@ class ActorsSection:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 1:
                 raise InvalidConfigError(f"actors.{name}: {value!r} must be in [0, 1]")
+        if self.exploration_noise is not None:
+            _at_least("actors.exploration_noise", self.exploration_noise, 0)
 
 
 @dataclass(frozen=True)
@@ -233,17 +244,24 @@ class LearnerSection:
     than one (a ``torch.distributed`` group: gloo on CPU, NCCL on GPU).
 
     Attributes:
-        algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices).
+        algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices),
+            both for ``Discrete`` actions; ``"sac"`` or ``"td3"`` (uniform table) for ``Box``
+            actions.
+            An env whose action space the algorithm cannot act in is refused before
+            anything starts (:mod:`millpond.deploy.algorithms`).
         network: ``"mlp"``, ``"nature_cnn"`` (the Nature-DQN CNN on ``[C, H, W]`` frames;
             for PPO one torso shared by the policy and the critic) or ``"auto"`` (the
             default): the CNN for 3-D ``uint8`` observations (stacked Atari frames), the MLP
             otherwise (see :func:`millpond.learner.networks.network_for`).
-        hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network); the
-            Nature CNN's fully connected layer is 512 wide.
+        hidden_sizes: hidden layer widths of the MLPs (policy, critic or Q-network; SAC's
+            and TD3's policy and each of their two Q-networks, with ReLU); the Nature CNN's
+            fully connected layer is 512 wide.
         dueling: DQN's MLP Q-network with a dueling head
             (:class:`~millpond.learner.networks.DuelingQ`), for learner and actors alike.
         ppo: :class:`~millpond.learner.PPOConfig` fields.
         dqn: :class:`~millpond.learner.DQNConfig` fields.
+        sac: :class:`~millpond.learner.SACConfig` fields.
+        td3: :class:`~millpond.learner.TD3Config` fields.
         threads: torch intra-op threads of each learner (small machines: 1).
         checkpoint_every_s: seconds between learner checkpoints in the run directory.
         num_learners: learner processes; each samples its own batches, their gradients
@@ -265,6 +283,8 @@ class LearnerSection:
     dueling: bool = False
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
+    sac: SACConfig = field(default_factory=SACConfig)
+    td3: TD3Config = field(default_factory=TD3Config)
     threads: int = 1
     checkpoint_every_s: float = 60.0
     num_learners: int = 1
@@ -289,12 +309,17 @@ class LearnerSection:
                 "learner.device: 'cuda' needs learner.num_gpus > 0 (Ray hides the GPUs from "
                 "a learner that reserves none)"
             )
-        _choice("learner.algorithm", self.algorithm, ("ppo", "dqn"))
+        _choice("learner.algorithm", self.algorithm, tuple(ALGORITHMS))
         _choice("learner.network", self.network, NETWORKS)
         _at_least("learner.threads", self.threads, 1)
         _at_least("learner.checkpoint_every_s", self.checkpoint_every_s, 1)
         for i, width in enumerate(self.hidden_sizes):
             _at_least(f"learner.hidden_sizes[{i}]", width, 1)
+        if self.algorithm in ("sac", "td3") and self.network == "nature_cnn":
+            raise InvalidConfigError(
+                f"learner.network: {self.algorithm}'s networks are MLPs; 'nature_cnn' is for "
+                "ppo and dqn"
+            )
         if self.dueling and (self.algorithm != "dqn" or self.network == "nature_cnn"):
             raise InvalidConfigError(
                 "learner.dueling: the dueling head is for DQN's MLP Q-network, not "
@@ -386,7 +411,9 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         table = self.replay.table_config()
-        wants = ("queue",) if self.learner.algorithm == "ppo" else ("uniform", "prioritized")
+        wants = {"ppo": ("queue",), "sac": ("uniform",), "td3": ("uniform",)}.get(
+            self.learner.algorithm, ("uniform", "prioritized")
+        )
         if self.learner.algorithm == "dqn" and self.learner.dqn.n_step > 1:
             wants = SLICE_SAMPLERS
         if table.sampler not in wants:
@@ -398,6 +425,11 @@ class LaunchConfig:
             raise InvalidConfigError(
                 "replay.table.strict_length: n-step DQN needs false, so that every stored step "
                 "(the last n_step - 1 of each episode included) begins an n-step target"
+            )
+        if self.actors.exploration_noise is not None and self.learner.algorithm != "td3":
+            raise InvalidConfigError(
+                "actors.exploration_noise: Gaussian exploration noise is for td3's "
+                f"deterministic policy (here {self.learner.algorithm})"
             )
         if self.actors.apex_priorities and (
             self.learner.algorithm != "dqn" or not table.has_priorities

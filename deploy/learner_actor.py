@@ -62,8 +62,8 @@ def make_learner(
     data_parallel: bool = False,
     version: int | None = None,
 ) -> Any:
-    """The job's :class:`~millpond.learner.PPOLearner` or :class:`~millpond.learner.DQNLearner`,
-    its networks built for the env's spaces and moved to ``device``; ``version``: the last
+    """The job's :class:`~millpond.learner.PPOLearner`, :class:`~millpond.learner.DQNLearner`
+    or :class:`~millpond.learner.SACLearner`, its networks built for the env's spaces and moved to ``device``; ``version``: the last
     published weight version (``None``: the one the service holds)."""
     from millpond.learner.dqn import DQNLearner
     from millpond.learner.networks import (
@@ -83,6 +83,10 @@ def make_learner(
     except InvalidConfigError as e:
         raise InvalidConfigError(f"learner.network: {e}") from None
     cnn = network == "nature_cnn"
+    if c.algorithm in ("sac", "td3"):
+        return _make_actor_critic(
+            config, client, table, obs_space, act_space, cnn, device, data_parallel, version
+        )
     # Short sample waits keep each run call close to its time and responsive to the driver.
     if c.algorithm == "ppo":
         cfg = replace(c.ppo, sample_timeout_s=c.ppo.sample_timeout_s or 2.0)
@@ -108,6 +112,50 @@ def make_learner(
     )
     return DQNLearner(
         client, table, cfg, q.to(device), data_parallel=data_parallel, version=version
+    )
+
+
+def _make_actor_critic(
+    config: LaunchConfig,
+    client: Any,
+    table: str,
+    obs_space: Any,
+    act_space: Any,
+    cnn: bool,
+    device: torch.device | str,
+    data_parallel: bool,
+    version: int | None,
+) -> Any:
+    """:func:`make_learner` for ``sac`` (the squashed Gaussian policy) and ``td3`` (the
+    deterministic one), each with the twin critic."""
+    from millpond.learner.box_networks import TwinQ, mlp_sac_actor, mlp_td3_actor
+    from millpond.learner.sac import SACLearner
+    from millpond.learner.td3 import TD3Learner
+
+    c = config.learner
+    if cnn:
+        raise InvalidConfigError(
+            f"learner.network: {c.algorithm}'s networks are MLPs; these observations take "
+            "the Nature CNN (learner.network: auto)"
+        )
+    hidden = tuple(c.hidden_sizes)
+    make_policy, learner, algo = (
+        (mlp_sac_actor, SACLearner, c.sac)
+        if c.algorithm == "sac"
+        else (mlp_td3_actor, TD3Learner, c.td3)
+    )
+    cfg = replace(algo, sample_timeout_s=algo.sample_timeout_s or 2.0)
+    policy = make_policy(obs_space, act_space, hidden).to(device)
+    critic = TwinQ(obs_space, act_space, hidden).to(device)
+    return learner(
+        client,
+        table,
+        cfg,
+        policy,
+        critic,
+        act_space,
+        data_parallel=data_parallel,
+        version=version,
     )
 
 
@@ -354,7 +402,15 @@ class LearnerActor:
         return True
 
     def _modules(self) -> dict[str, torch.nn.Module]:
-        names = ("policy", "critic", "q_network", "target_network")
+        names = (
+            "policy",
+            "critic",
+            "q_network",
+            "target_network",
+            "target_critic",
+            "target_policy",
+            "temperature",
+        )
         modules = {n: getattr(self.learner, n, None) for n in names}
         return {n: m for n, m in modules.items() if isinstance(m, torch.nn.Module)}
 

@@ -18,8 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+from millpond.deploy.algorithms import action_space_of, check_action_space
 from millpond.deploy.config_files import read_config_doc
-from millpond.errors import MillpondError
+from millpond.errors import InvalidConfigError, MillpondError
 
 __all__ = ["init_ray", "process_start", "start_ray_while_importing"]
 
@@ -73,11 +74,14 @@ def start_ray_while_importing(args: argparse.Namespace, overrides: list[str]) ->
 
     The ``ray`` section is read from the file as it stands (the whole config is checked
     after, and a bad one stops Ray again); where it cannot be read plainly, or Ray runs
-    already, nothing starts here.
+    already, nothing starts here. Nor does it where the learner's algorithm does not fit
+    the env's action space (:mod:`millpond.deploy.algorithms`, checked with gymnasium
+    while Ray imports): the job's own check then refuses the config before Ray.
     """
     try:
         path = args.config if args.config is not None else Path(args.resume) / "config.yaml"
-        section = read_config_doc(path, overrides).get("ray", {})
+        doc = read_config_doc(path, overrides)
+        section = doc.get("ray", {})
     except (MillpondError, OSError):
         return False
     section = {} if section is None else section
@@ -92,7 +96,20 @@ def start_ray_while_importing(args: argparse.Namespace, overrides: list[str]) ->
     if not plain:
         return False
 
+    misfit: list[InvalidConfigError] = []
+    checked = threading.Event()
+
     def load() -> None:
+        try:
+            found = action_space_of(doc)
+            if found is not None:
+                check_action_space(*found)
+        except InvalidConfigError as e:
+            misfit.append(e)
+        except Exception:  # anything else: the job's own check decides
+            pass
+        finally:
+            checked.set()
         for name in _JOB_MODULES:
             # An import that fails here fails again, with its traceback, where it is used.
             with contextlib.suppress(Exception):
@@ -104,6 +121,9 @@ def start_ray_while_importing(args: argparse.Namespace, overrides: list[str]) ->
         import ray  # here, side by side with the job's imports
 
         if ray.is_initialized():  # a program's own Ray: Launch joins it
+            return False
+        checked.wait()
+        if misfit:  # refused by the job's check, with nothing started
             return False
         init_ray(address, num_cpus)
     finally:

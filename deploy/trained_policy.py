@@ -14,7 +14,8 @@ its observations go to :meth:`TrainedPolicy.act` as they come.
 
 How it acts follows the algorithm (:data:`ACTING`): PPO's categorical policy takes its
 mode (``argmax`` of the logits) or, with ``deterministic=False``, samples; DQN acts by
-``argmax Q``. A new learner adds its entry there: the checkpoint entry of the network its
+``argmax Q``; SAC's squashed Gaussian takes ``tanh`` of its mean (or samples), TD3's
+policy is deterministic, both scaled to the env's action bounds. A new learner adds its entry there: the checkpoint entry of the network its
 actors act with (the weights it publishes), and whether that policy can sample.
 """
 
@@ -48,6 +49,8 @@ __all__ = ["ACTING", "TrainedPolicy", "build_policy", "load_policy"]
 ACTING: dict[str, tuple[str, bool]] = {
     "ppo": ("policy", True),
     "dqn": ("q_network", False),
+    "sac": ("policy", True),  # the squashed Gaussian; its mode is tanh(mean)
+    "td3": ("policy", False),  # deterministic; exploration noise is the actors' alone
 }
 
 

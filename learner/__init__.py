@@ -16,6 +16,10 @@ _PUBLIC = {
     "PPOConfig": "millpond.learner.ppo",
     "PPOLearner": "millpond.learner.ppo",
     "ReplayClient": "millpond.learner.client",
+    "SACConfig": "millpond.learner.sac",
+    "SACLearner": "millpond.learner.sac",
+    "TD3Config": "millpond.learner.td3",
+    "TD3Learner": "millpond.learner.td3",
     "TableConfig": "millpond.config",
     "Writer": "millpond.learner.client",
 }
@@ -29,6 +33,10 @@ __all__ = [
     "PPOConfig",
     "PPOLearner",
     "ReplayClient",
+    "SACConfig",
+    "SACLearner",
+    "TD3Config",
+    "TD3Learner",
     "TableConfig",
     "Writer",
 ]

@@ -61,7 +61,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +71,7 @@ from torch import nn
 from millpond.checks import check_int, check_number
 from millpond.errors import DeadlineExceededError, InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
-from millpond.learner._common import PublishClock, published_version
+from millpond.learner._common import BatchSource, PublishClock, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import n_step_return
 
@@ -217,7 +216,9 @@ class DQNLearner:
         # than the small networks' arithmetic)
         self.optimizer = torch.optim.Adam(q_network.parameters(), lr=config.lr, foreach=True)
         self.updates = 0
-        self._batches: Iterator[TensorDictBase] | None = None
+        self._batches = BatchSource(
+            client, table, config.batch_size, config.prefetch, config.sample_timeout_s
+        )
         self.version = published_version(client) if version is None else version
         self._clock = PublishClock(self.version)
         params = list(q_network.parameters())
@@ -242,7 +243,7 @@ class DQNLearner:
         """
         c = self.config
         started = time.perf_counter()
-        batch = self._turn.take(self._next_batch)
+        batch = self._turn.take(self._batches.next)
         sampled = time.perf_counter()
         if c.prioritized and "weight" not in batch:
             raise InvalidDataError(
@@ -361,25 +362,9 @@ class DQNLearner:
             return next_q_target.gather(-1, best).squeeze(-1)
         return next_q_target.max(-1).values
 
-    def _next_batch(self) -> TensorDictBase:
-        c = self.config
-        if c.prefetch == 0:
-            return self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
-        if self._batches is None:
-            self._batches = self.client.iterate(
-                self.table, c.batch_size, prefetch=c.prefetch, timeout_s=c.sample_timeout_s
-            )
-        try:
-            return next(self._batches)
-        except BaseException:
-            self.close()  # an iterator that raised is finished; the next step starts anew
-            raise
-
     def close(self) -> None:
         """Cancel prefetched sample requests (a no-op without prefetch)."""
-        if self._batches is not None:
-            batches, self._batches = self._batches, None
-            batches.close()
+        self._batches.close()
 
     # -- networks ------------------------------------------------------------------------
     @torch.no_grad()

@@ -61,6 +61,8 @@ __all__ = [
 #: What ``learner.network`` takes.
 NETWORKS = ("auto", "mlp", "nature_cnn")
 
+_ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
 
 class MLP(nn.Module):
     """``observation -> features -> Linear/Tanh stack -> out_features``.
@@ -72,6 +74,8 @@ class MLP(nn.Module):
         hidden: widths of the hidden layers.
         out_std: orthogonal-init gain of the output layer (CleanRL: 0.01 for policy logits,
             1.0 for values).
+        activation: ``"tanh"`` (CleanRL's PPO and DQN) or ``"relu"`` (the SAC paper's and
+            Stable-Baselines3's SAC networks) between the layers.
 
     ``forward`` accepts a batch of observations ``[*B, *obs_shape]`` in the env's dtype and
     returns ``[*B, out_features]``.
@@ -83,8 +87,13 @@ class MLP(nn.Module):
         out_features: int,
         hidden: Sequence[int] = (64, 64),
         out_std: float = 1.0,
+        activation: str = "tanh",
     ) -> None:
         super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise InvalidConfigError(
+                f"activation ({activation!r}) must be one of {', '.join(_ACTIVATIONS)}"
+            )
         if isinstance(observation_space, gym.spaces.Box):
             self.obs_shape: tuple[int, ...] = tuple(observation_space.shape)
             self.num_categories: int | None = None
@@ -104,7 +113,7 @@ class MLP(nn.Module):
         layers: list[nn.Module] = []
         width = in_features
         for h in widths:
-            layers += [_layer(width, h, math.sqrt(2)), nn.Tanh()]
+            layers += [_layer(width, h, math.sqrt(2)), _ACTIVATIONS[activation]()]
             width = h
         layers.append(_layer(width, out_features, out_std))
         self.net = nn.Sequential(*layers)
@@ -279,7 +288,10 @@ def _conv(in_channels: int, out_channels: int, kernel: int, stride: int, std: fl
 
 def _num_actions(action_space: gym.Space) -> int:
     if not isinstance(action_space, gym.spaces.Discrete):
-        raise InvalidConfigError(f"these networks need a Discrete action space, not {action_space}")
+        raise InvalidConfigError(
+            f"these networks need a Discrete action space, not {action_space} (Box actions: "
+            "learner.algorithm sac)"
+        )
     return int(action_space.n)
 
 

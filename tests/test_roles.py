@@ -18,9 +18,12 @@ from millpond import roles
 from millpond.actors import processors
 from millpond.actors.policies import ActorPolicy, ModulePolicy, RandomPolicy, make_policy
 from millpond.config import TableConfig
+from millpond.learner.box_networks import TwinQ, mlp_sac_actor, mlp_td3_actor
 from millpond.learner.client import ReplayClient, Writer
 from millpond.learner.dqn import DQNConfig, DQNLearner
 from millpond.learner.ppo import PPOConfig, PPOLearner
+from millpond.learner.sac import SACConfig, SACLearner
+from millpond.learner.td3 import TD3Config, TD3Learner
 from millpond.service.prioritized_slices import PrioritizedSliceSampler
 from millpond.service.samplers import PrioritizedSampler, QueueSampler, Sampler, UniformSampler
 from millpond.service.sink import TableSink
@@ -47,7 +50,7 @@ IMPLEMENTERS: dict[type, list[type]] = {
         SliceSampler,
         PrioritizedSliceSampler,
     ],
-    roles.Learner: [PPOLearner, DQNLearner],
+    roles.Learner: [PPOLearner, DQNLearner, SACLearner, TD3Learner],
     roles.WeightSource: [ReplayClient],
 }
 
@@ -156,9 +159,19 @@ def test_real_objects_play_their_roles(make_table) -> None:
     client = ReplayClient("127.0.0.1:1")  # never dialled: channels open on first use
     try:
         assert isinstance(client, roles.WeightSource)
+        obs, act = gym.spaces.Box(-1, 1, (4,)), gym.spaces.Box(-2, 2, (1,))
         learners = [
             PPOLearner(client, "queue", PPOConfig(), nn.Linear(4, 2), nn.Linear(4, 1), version=0),
             DQNLearner(client, "uniform", DQNConfig(), nn.Linear(4, 2), version=0),
+            *(
+                learner(
+                    client, "uniform", config(), actor(obs, act), TwinQ(obs, act), act, version=0
+                )
+                for learner, config, actor in (
+                    (SACLearner, SACConfig, mlp_sac_actor),
+                    (TD3Learner, TD3Config, mlp_td3_actor),
+                )
+            ),
         ]
         assert all(isinstance(learner, roles.Learner) for learner in learners)
     finally:

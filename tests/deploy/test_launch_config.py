@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from millpond.actors import ApexPriorities
+from millpond.actors import ApexPriorities, GaussianNoise
 from millpond.deploy.config_files import apply_override
-from millpond.deploy.env_fleet import actor_config
+from millpond.deploy.env_fleet import actor_config, fleet_options
 from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
 from millpond.errors import InvalidConfigError
 from millpond.learner import DQNConfig, PPOConfig
@@ -28,6 +28,8 @@ def write(tmp_path, text):
         ("cartpole-ppo.yaml", "queue"),
         ("cartpole-dqn.yaml", "uniform"),
         ("cartpole-rainbow.yaml", "prioritized_slices"),
+        ("pendulum-sac.yaml", "uniform"),
+        ("pendulum-td3.yaml", "uniform"),
     ],
 )
 def test_shipped_configs_load(name, sampler):
@@ -89,7 +91,11 @@ def test_overrides_apply_before_checking(tmp_path):
         ("learner: {hidden_sizes: 64}\n", [], "learner.hidden_sizes: expected a list"),
         ("learner: {hidden_sizes: [64, x]}\n", [], "learner.hidden_sizes[1]: expected an integer"),
         ("learner: {ppo: {gamma: 2}}\n", [], "learner.ppo.gamma"),
-        ("learner: {algorithm: sac}\n", [], "learner.algorithm: 'sac' is not one of ppo, dqn"),
+        (
+            "learner: {algorithm: a2c}\n",
+            [],
+            "learner.algorithm: 'a2c' is not one of ppo, dqn, sac, td3",
+        ),
         ("env: [1, 2]\n", [], "env: expected a mapping"),
         ("replay: {table: {name: t, capacity: 10, colour: red}}\n", [], "replay.table: unknown"),
         ("", ["run.frames=lots"], "run.frames: expected an integer, got 'lots'"),
@@ -300,3 +306,46 @@ def test_apex_priorities_are_for_dqn_on_a_prioritized_table(tmp_path):
     config = load_config(write(tmp_path, job))
     assert actor_config(config, "t", "mlp").priorities == ApexPriorities(0.9, 1, 0.01)
     assert actor_config(LaunchConfig(), "t", "mlp").priorities is None
+
+
+def test_sac_takes_a_uniform_table_and_mlp_networks(tmp_path):
+    sac = "learner: {algorithm: sac}\n"  # the default table is a queue
+    with pytest.raises(InvalidConfigError, match=r"replay.table.sampler: sac needs a uniform"):
+        load_config(write(tmp_path, sac))
+    uniform = sac + "replay: {table: {name: t, sampler: uniform, capacity: 100}}\n"
+    assert load_config(write(tmp_path, uniform)).learner.sac.batch_size == 256
+    with pytest.raises(InvalidConfigError, match=r"learner.network: sac's networks are MLPs"):
+        load_config(write(tmp_path, uniform), ["learner.network=nature_cnn"])
+    with pytest.raises(InvalidConfigError, match=r"learner.sac.tau \(0.0\) must be > 0"):
+        load_config(write(tmp_path, uniform), ["learner.sac.tau=0.0"])
+
+
+def test_pendulum_sac_actors_run_the_learners_policy_network():
+    """The actors build SAC's squashed Gaussian policy with the learner's widths, and
+    sample it (not its mode) while they collect."""
+    config = load_config(CONFIGS / "pendulum-sac.yaml")
+    actor = actor_config(config, "replay", "mlp")
+    assert actor.policy == "millpond.learner.box_networks:mlp_sac_actor"
+    assert actor.policy_kwargs == {"hidden": (256, 256)}
+    assert actor.deterministic is False and actor.epsilon is None
+
+
+def test_pendulum_td3_actors_act_the_policy_with_gaussian_noise(tmp_path):
+    config = load_config(CONFIGS / "pendulum-td3.yaml")
+    actor = actor_config(config, "replay", "mlp")
+    assert actor.policy == "millpond.learner.box_networks:mlp_td3_actor"
+    assert actor.deterministic is True and actor.noise == GaussianNoise(0.1)
+    assert config.learner.td3.policy_delay == 2
+    with pytest.raises(InvalidConfigError, match=r"actors.exploration_noise: .*td3.* \(here sac\)"):
+        load_config(CONFIGS / "pendulum-sac.yaml", ["actors.exploration_noise=0.1"])
+    with pytest.raises(InvalidConfigError, match=r"actors.exploration_noise: -0.1 must be >= 0"):
+        load_config(CONFIGS / "pendulum-td3.yaml", ["actors.exploration_noise=-0.1"])
+
+
+def test_the_fleets_mean_return_averages_run_return_window_episodes():
+    """``run.return_window`` is the window of the fleet's mean return (the progress line's
+    return and ``run.stop_at_return``'s test), not the fleet's default of 100 episodes."""
+    config = load_config(CONFIGS / "pendulum-sac.yaml")
+    assert config.run.return_window == 10
+    assert fleet_options(config)["window"] == 10
+    assert fleet_options(load_config(CONFIGS / "cartpole-ppo.yaml"))["window"] == 100

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deploy" / "configs" / "cartpole-ppo.yaml"
 
@@ -32,9 +34,9 @@ print("RAY_UP", ray.is_initialized())
 """
 
 
-def _launch(tmp_path: Path, *args: str) -> dict[str, str]:
+def _launch(tmp_path: Path, *args: str, config: Path = CONFIG) -> dict[str, str]:
     run = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(CONFIG), "--run-dir", str(tmp_path / "run"), *args],
+        [sys.executable, "-c", _SCRIPT, str(config), "--run-dir", str(tmp_path / "run"), *args],
         capture_output=True,
         text=True,
         timeout=180,
@@ -49,9 +51,9 @@ def _launch(tmp_path: Path, *args: str) -> dict[str, str]:
 
 
 def test_a_config_found_bad_after_ray_started_stops_ray_and_names_the_key(tmp_path: Path):
-    out = _launch(tmp_path, "--set", "learner.algorithm=sac", "--set", "ray.num_cpus=1")
+    out = _launch(tmp_path, "--set", "learner.algorithm=a2c", "--set", "ray.num_cpus=1")
     assert out["RAY_STARTED"] == "1"  # started while the modules imported
-    assert "learner.algorithm" in out["ERROR"] and "'sac'" in out["ERROR"]
+    assert "learner.algorithm" in out["ERROR"] and "'a2c'" in out["ERROR"]
     assert out["RAY_UP"] == "False"
     assert not (tmp_path / "run").exists()  # nothing of the job was written
 
@@ -62,4 +64,32 @@ def test_a_ray_section_that_is_not_plain_starts_no_ray_before_the_config_is_chec
     out = _launch(tmp_path, "--set", "ray.num_cpus=two")
     assert out["RAY_STARTED"] == "0"
     assert "ray.num_cpus" in out["ERROR"]
+    assert out["RAY_UP"] == "False"
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "message"),
+    [
+        # the first thing a new user tries: PPO's config on a continuous env
+        (
+            "cartpole-ppo.yaml",
+            "Pendulum-v1",
+            "ppo needs a Discrete action space, and env "
+            "'Pendulum-v1' has Box(-2.0, 2.0, (1,), float32) (for this space: sac or td3)",
+        ),
+        ("cartpole-dqn.yaml", "MountainCarContinuous-v0", "dqn needs a Discrete action space"),
+        (
+            "pendulum-sac.yaml",
+            "CartPole-v1",
+            "sac needs a Box action space, and env "
+            "'CartPole-v1' has Discrete(2) (for this space: dqn or ppo)",
+        ),
+    ],
+)
+def test_an_algorithm_that_does_not_fit_the_action_space_is_refused_before_ray(
+    tmp_path: Path, config: str, env: str, message: str
+):
+    out = _launch(tmp_path, "--set", f"env.id={env}", config=CONFIG.parent / config)
+    assert out["RAY_STARTED"] == "0"
+    assert out["ERROR"] == f"learner.algorithm: {message}" or message in out["ERROR"]
     assert out["RAY_UP"] == "False"

@@ -196,3 +196,40 @@ def test_eval_config_keys_are_checked(tmp_path):
     assert (
         load_config(CONFIGS / "cartpole-dqn.yaml", ["run.eval_episodes=0"]).run.eval_episodes == 0
     )
+
+
+@pytest.mark.parametrize("config_file", ["pendulum-sac.yaml", "pendulum-td3.yaml"])
+def test_load_policy_acts_a_box_learners_deterministic_action_in_the_envs_bounds(
+    tmp_path, config_file
+):
+    """SAC's policy acts ``tanh(loc)`` mapped from ``[-1, 1]`` to the env's bounds (computed
+    here from the learner's own network and the space's bounds); TD3's, its network's own
+    output (already in the env's units)."""
+    config = load_config(CONFIGS / config_file, ["learner.hidden_sizes=[32, 32]"])
+    obs_space, act_space = env_spaces(config)
+    actor = LearnerActor(config, obs_space, act_space)
+    actor.learner = make_learner(config, None, "t", obs_space, act_space, version=3)
+    net = actor.learner.policy
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(config), sort_keys=False))
+    actor.checkpoint(str(run_dir / "checkpoint.pt"))
+
+    policy = load_policy(run_dir)
+    env = gym.make("Pendulum-v1")
+    obs = np.stack([env.reset(seed=s)[0] for s in range(6)]).astype(np.float32)
+    with torch.no_grad():
+        out = net(torch.as_tensor(obs))
+    low, high = (torch.as_tensor(b, dtype=torch.float32) for b in (act_space.low, act_space.high))
+    if isinstance(out, dict):  # SAC: loc and scale of the Gaussian before the squashing
+        unit = torch.tanh(out["loc"])
+        expected = ((high + low) / 2 + (high - low) / 2 * unit).clamp(low, high).numpy()
+    else:
+        expected = out.numpy()
+    got = np.stack([policy.act(o) for o in obs])
+    np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-6)
+    assert np.all(got >= act_space.low) and np.all(got <= act_space.high)
+    assert len(set(np.round(got.reshape(-1), 4))) > 1  # the weights were moved: not constant

@@ -172,3 +172,68 @@ def test_a_rank_whose_sample_fails_outright_keeps_the_group_in_step(tmp_path):
     results = run_two_ranks(_turn_main, tmp_path)
     assert results[0] == ["ShardUnavailableError", "fresh-0", True]
     assert results[1] == ["DeadlineExceededError", "kept", True]
+
+
+class _Batches:
+    """Stands in for the sample source: always this rank's part of the batch."""
+
+    def __init__(self, batch: TensorDict) -> None:
+        self.batch = batch
+
+    def next(self) -> TensorDict:
+        return self.batch
+
+    def close(self) -> None:
+        pass
+
+
+def _td3_learner(batch: TensorDict, data_parallel: bool, client=None):
+    """A TD3 learner with no target smoothing noise and a policy step every step: one
+    step is then a deterministic function of the batch."""
+    from millpond.learner.box_networks import TwinQ, mlp_td3_actor
+    from millpond.learner.td3 import TD3Config, TD3Learner
+    from tests.learner.test_sac import ACT, OBS
+
+    torch.manual_seed(0)
+    config = TD3Config(policy_delay=1, target_noise=0.0, publish_every=1)
+    policy, critic = mlp_td3_actor(OBS, ACT, (8,)), TwinQ(OBS, ACT, (8,))
+    learner = TD3Learner(
+        client, "t", config, policy, critic, ACT, version=0, data_parallel=data_parallel
+    )
+    learner._batches = _Batches(batch)
+    return learner
+
+
+def _actor_critic_main(rank: int, init_file: str, results) -> None:
+    from tests.learner.test_sac import fixed_batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        client = Publisher()
+        learner = _td3_learner(part(fixed_batch(sum(ROWS)), rank), True, client)
+        learner.step()
+        modules = (learner.policy, learner.critic, learner.target_policy, learner.target_critic)
+        results[rank] = {
+            "params": [p.detach().clone() for m in modules for p in m.parameters()],
+            "published": client.published,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_data_parallel_actor_critic_step_is_the_step_on_the_concatenated_batch(tmp_path):
+    """Two TD3 ranks (the actor-critic step SAC shares), each stepping on its part of one
+    batch, end with the networks and targets one learner has after a step on the whole
+    batch; rank 0 alone publishes."""
+    from tests.learner.test_sac import fixed_batch
+
+    results = run_two_ranks(_actor_critic_main, tmp_path)
+    single = _td3_learner(fixed_batch(sum(ROWS)), False, Publisher())
+    single.step()
+    modules = (single.policy, single.critic, single.target_policy, single.target_critic)
+    want = [p.detach() for m in modules for p in m.parameters()]
+    for rank in (0, 1):
+        for got, w in zip(results[rank]["params"], want, strict=True):
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+    assert results[0]["published"] == [1] and results[1]["published"] == []

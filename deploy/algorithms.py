@@ -1,0 +1,84 @@
+"""The learner algorithms of ``millpond launch`` and the action spaces each one takes, checked
+before anything of the job starts.
+
+PPO and DQN act on ``Discrete`` actions, SAC and TD3 on float ``Box`` actions with finite
+bounds (their policies squash into them). :func:`check_action_space` refuses a mismatch naming both the
+algorithm and the env's space. The launcher checks it twice: from the YAML alone, with
+gymnasium alone (:func:`action_space_of`), while Ray's module imports, so that a mismatch
+never starts Ray; and on the checked config, with the env made as every lane makes it
+(:func:`millpond.deploy.env_fleet.env_spaces`), which also covers wrappers. Light on
+purpose: gymnasium and numpy only (imported when
+used, since the command line imports this module before Ray), no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from millpond.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    import gymnasium as gym
+
+__all__ = ["ALGORITHMS", "action_space_of", "check_action_space"]
+
+#: What ``learner.algorithm`` takes, and the action space each needs.
+ALGORITHMS: dict[str, str] = {"ppo": "Discrete", "dqn": "Discrete", "sac": "Box", "td3": "Box"}
+
+
+def check_action_space(algorithm: str, space: gym.Space, env_id: str) -> None:
+    """Raise :class:`InvalidConfigError` unless ``algorithm`` can act in ``space``."""
+    import numpy as np  # deferred, as gymnasium: the launcher imports this module first
+
+    wants = ALGORITHMS.get(algorithm)
+    if wants is None:
+        return  # an unknown algorithm is the config check's to name
+    fits = isinstance(space, _kind(wants))
+    if fits and wants == "Box":
+        fits = np.issubdtype(space.dtype, np.floating)
+        if fits and not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+            raise InvalidConfigError(
+                f"learner.algorithm: {algorithm} squashes its actions into the bounds of the action "
+                f"space, and env {env_id!r} has infinite ones ({space}); wrap the env, e.g. "
+                "gymnasium.wrappers:RescaleAction"
+            )
+    if not fits:
+        others = sorted(a for a, kind in ALGORITHMS.items() if isinstance(space, _kind(kind)))
+        hint = f" (for this space: {' or '.join(others)})" if others else ""
+        raise InvalidConfigError(
+            f"learner.algorithm: {algorithm} needs a {wants} action space, and env "
+            f"{env_id!r} has {space}{hint}"
+        )
+
+
+def action_space_of(doc: Mapping[str, Any]) -> tuple[str, gym.Space, str] | None:
+    """``(algorithm, action space, env id)`` from a config's YAML as it stands, the env made
+    by gymnasium alone; ``None`` where that cannot tell plainly (env wrappers, an env that
+    needs more than gymnasium to be made, a malformed section): the checked config's
+    own probe decides then."""
+    import gymnasium as gym  # deferred: this runs on the thread that imports beside Ray
+
+    env = doc.get("env") or {}
+    learner = doc.get("learner") or {}
+    if not isinstance(env, Mapping) or not isinstance(learner, Mapping) or env.get("wrappers"):
+        return None
+    env_id = env.get("id", "CartPole-v1")
+    algorithm = learner.get("algorithm", "ppo")
+    kwargs = env.get("kwargs") or {}
+    if not isinstance(env_id, str) or env_id not in gym.registry or not isinstance(kwargs, Mapping):
+        return None
+    try:
+        probe = gym.make(env_id, **kwargs)
+    except Exception:
+        return None
+    try:
+        return str(algorithm), probe.action_space, env_id
+    finally:
+        probe.close()
+
+
+def _kind(name: str) -> type:
+    import gymnasium as gym
+
+    return getattr(gym.spaces, name)

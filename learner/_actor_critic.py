@@ -1,0 +1,263 @@
+"""What the off-policy actor-critic learners for ``Box`` actions (SAC, TD3) share: a policy
+the actors run, twin Q-networks with a Polyak-averaged target copy, one Adam over every
+parameter group, and one step that samples, backpropagates the sum of the algorithm's
+losses (their parameters are disjoint), updates, moves the targets and publishes.
+
+Each algorithm names its config class (``config_type``) and gives
+:meth:`ActorCriticLearner._setup` (what it holds beyond the shared networks),
+:meth:`ActorCriticLearner.losses` (its losses on one batch, at the current parameters, as
+TorchRL's loss modules compute them) and :meth:`ActorCriticLearner.update_targets` (which
+target networks move after a step).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+from millpond.box_actions import BoxScale
+from millpond.checks import check_int, check_number
+from millpond.errors import InvalidConfigError, InvalidDataError
+from millpond.learner import distributed
+from millpond.learner._common import (
+    BatchSource,
+    PublishClock,
+    check_learner_args,
+    publish_module,
+    published_version,
+)
+from millpond.learner.client import ReplayClient
+
+__all__ = ["ActorCriticConfig", "ActorCriticLearner", "polyak_update"]
+
+#: The losses a step backpropagates, those of them an algorithm's ``losses`` returns.
+LOSS_KEYS = ("loss_critic", "loss_actor", "loss_alpha")
+
+
+@dataclass(frozen=True)
+class ActorCriticConfig:
+    """The hyperparameters SAC and TD3 share (their configs add their own).
+
+    Attributes:
+        batch_size: transitions per gradient step.
+        lr: Adam learning rate of every network (and SAC's temperature).
+        sample_timeout_s: how long a step waits for a batch (the rate limiter may hold it
+            back); ``None``: the client's timeout.
+        gamma: discount factor.
+        tau: Polyak weight of the online networks in each target update.
+        publish_every: gradient steps between weight publications for the actors.
+        observation_key: the batch key the networks read.
+        prefetch: sample requests kept in flight while the learner updates
+            (:meth:`ReplayClient.iterate`); ``0`` samples each batch when it is needed.
+    """
+
+    batch_size: int = 256
+    lr: float = 3e-4
+    sample_timeout_s: float | None = None
+    gamma: float = 0.99
+    tau: float = 0.005
+    publish_every: int = 10
+    observation_key: str = "observation"
+    prefetch: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "publish_every"):
+            check_int(name, getattr(self, name), 1)
+        check_int("prefetch", self.prefetch, 0)
+        check_number("lr", self.lr, positive=True)
+        check_number("gamma", self.gamma)
+        check_number("tau", self.tau, positive=True)  # 0: the targets would never move
+        for name in ("gamma", "tau"):
+            if getattr(self, name) > 1:
+                raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be <= 1")
+        if self.sample_timeout_s is not None:
+            check_number("sample_timeout_s", self.sample_timeout_s)
+        if not isinstance(self.observation_key, str) or not self.observation_key:
+            raise InvalidConfigError(
+                f"observation_key ({self.observation_key!r}) must be a non-empty string"
+            )
+
+
+@torch.no_grad()
+def polyak_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """``theta' <- tau theta + (1 - tau) theta'`` for every parameter of ``target``."""
+    for t, o in zip(target.parameters(), online.parameters(), strict=True):
+        t.lerp_(o, tau)
+
+
+class ActorCriticLearner:
+    """The shared body of :class:`~millpond.learner.sac.SACLearner` and
+    :class:`~millpond.learner.td3.TD3Learner` (see the module docstring).
+
+    Args:
+        client: the replay client.
+        table: a uniform table of transitions.
+        config: the algorithm's config (``batch_size``, ``lr``, ``publish_every``,
+            ``observation_key``, ``sample_timeout_s``, ``prefetch`` among its fields).
+        policy: the module the actors run.
+        critic: ``(observations, actions in [-1, 1]) -> Q [2, B]``
+            (:class:`~millpond.learner.box_networks.TwinQ`).
+        action_space: the env's float ``Box`` action space (its bounds rescale actions).
+        version: the last published weight version; ``None``: the server's (``-1`` if none).
+        data_parallel: train as one rank of the initialised ``torch.distributed`` group
+            (each rank samples its own batch, gradients are averaged, rank 0 publishes).
+
+    Attributes:
+        policy, critic: the online networks.
+        target_critic: the critic's Polyak-averaged copy.
+        box: the map between the env's action units and ``[-1, 1]``.
+        optimizer: one Adam over the parameter groups (Adam is per parameter: the same as
+            one optimizer each).
+        updates: gradient steps taken.
+        version: the last published version.
+    """
+
+    #: The algorithm's config class.
+    config_type: ClassVar[type] = object
+
+    def __init__(
+        self,
+        client: ReplayClient,
+        table: str,
+        config: Any,
+        policy: nn.Module,
+        critic: nn.Module,
+        action_space: Any,
+        *,
+        version: int | None = None,
+        data_parallel: bool = False,
+    ) -> None:
+        check_learner_args(config, self.config_type, version, policy=policy, critic=critic)
+        self.client = client
+        self.table = table
+        self.config = config
+        self.policy = policy
+        self.critic = critic
+        params = list(policy.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+        self.box = BoxScale(action_space, self.device)
+        self.target_critic = copy.deepcopy(critic)
+        self.target_critic.requires_grad_(False)
+        self.updates = 0
+        self.version = published_version(client) if version is None else version
+        self._clock = PublishClock(self.version)
+        self.data_parallel = data_parallel
+        self._turn = distributed.BatchTurn(data_parallel, self.device)
+        self._batches = BatchSource(
+            client, table, config.batch_size, config.prefetch, config.sample_timeout_s
+        )
+        groups = [self.policy.parameters(), self.critic.parameters(), *self._setup()]
+        self.optimizer = torch.optim.Adam(
+            [{"params": list(g)} for g in groups], lr=config.lr, foreach=True
+        )
+
+    def _setup(self) -> list[list[nn.Parameter]]:
+        """Build what the algorithm holds beyond the policy, the critic and its target;
+        the parameter groups it trains besides theirs."""
+        return []
+
+    # -- the update ----------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """Sample a batch, take one gradient step of the algorithm's losses, move its target
+        networks, maybe publish.
+
+        Returns metrics: ``loss`` (the critic's), the algorithm's other losses and scalars
+        (:meth:`losses`), ``td_error`` (mean ``|y - Q_i(s, a)|`` over both Q's),
+        ``q_value`` (mean ``Q_i(s, a)``), ``updates``, ``target_updated``, ``published``
+        (the version published after this step, or ``None``), ``version``, ``sample_s`` /
+        ``update_s`` and, when the batch records it, the policy lag (``policy_lag_mean`` /
+        ``_max`` in versions, ``policy_lag_steps_mean`` / ``_max`` in gradient steps).
+        """
+        started = time.perf_counter()
+        batch = self._turn.take(self._batches.next)
+        sampled = time.perf_counter()
+        metrics: dict[str, Any] = {}
+        if "policy_version" in batch:
+            metrics.update(
+                self._clock.lag_metrics(batch["policy_version"], self.version, self.updates)
+            )
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
+        losses = self.losses(batch)
+        self.optimizer.zero_grad()
+        sum(losses[k] for k in LOSS_KEYS if k in losses).backward()
+        if self.data_parallel:  # the same parameters have gradients on every rank
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            distributed.average_gradients([p for p in params if p.grad is not None], len(batch))
+        self.optimizer.step()
+        self.updates += 1
+        metrics["target_updated"] = self.update_targets()
+        metrics["published"] = None
+        if self.updates % self.config.publish_every == 0:
+            metrics["published"] = self.publish()
+        for key, value in losses.items():
+            if value.ndim == 0:
+                metrics["loss" if key == "loss_critic" else key] = float(value.detach())
+        metrics.update(
+            td_error=float(losses["td_error"].abs().mean()),
+            q_value=float(losses["q_value"].mean()),
+            updates=self.updates,
+            version=self.version,
+        )
+        metrics["sample_s"] = sampled - started
+        metrics["update_s"] = time.perf_counter() - sampled
+        return metrics
+
+    def losses(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
+        """The algorithm's losses of a batch of transitions ``[B]`` (with gradients, among
+        :data:`LOSS_KEYS`) and detached diagnostics: ``td_error`` ``[2, B]`` and
+        ``q_value`` ``[2, B]`` at least."""
+        raise NotImplementedError
+
+    def update_targets(self) -> bool:
+        """Move the target networks after step :attr:`updates`; whether any moved."""
+        raise NotImplementedError
+
+    def _transitions(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(observations, actions in [-1, 1] [B, dim])`` of a batch, refused unless it is
+        transitions ``[B]`` of a uniform table."""
+        if batch.ndim != 1:
+            raise InvalidDataError(
+                f"{type(self).__name__} trains on transitions [B]; the table returned "
+                f"{list(batch.shape)} (use a uniform table)"
+            )
+        if "weight" in batch:
+            raise InvalidDataError(
+                f"table {self.table!r} returned importance weights; "
+                f"{type(self).__name__} samples a uniform table"
+            )
+        action = batch["action"].reshape(batch.shape[0], self.box.dim)
+        return batch[self.config.observation_key], self.box.to_unit(action)
+
+    def _bootstrap(self, batch: TensorDictBase, next_value: torch.Tensor) -> torch.Tensor:
+        """``r + gamma (1 - terminated) next_value``, ``[B]``: a truncation bootstraps."""
+        reward = batch["next", "reward"].reshape(-1).to(next_value.dtype)
+        alive = 1.0 - batch["next", "terminated"].reshape(-1).to(next_value.dtype)
+        return reward + self.config.gamma * alive * next_value
+
+    def _frozen_critic_q(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """``Q [2, B]`` of the critic with its parameters detached: a policy's loss through
+        it moves the policy only."""
+        params = {name: p.detach() for name, p in self.critic.named_parameters()}
+        return torch.func.functional_call(self.critic, params, (obs, action))
+
+    def close(self) -> None:
+        """Cancel prefetched sample requests (a no-op without prefetch)."""
+        self._batches.close()
+
+    def publish(self) -> int:
+        """Publish the policy's weights as version :attr:`version` ``+ 1``; returns it.
+
+        :meth:`step` calls it every ``publish_every`` steps. Call it once before the actors
+        start, so that they act with the learner's initial weights.
+        """
+        self.version = publish_module(
+            self.client, self.policy, self.version, self._clock, self.updates, self.data_parallel
+        )
+        return self.version

@@ -1,0 +1,60 @@
+"""Which action spaces each launch algorithm takes (``millpond.deploy.algorithms``)."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from millpond.deploy.algorithms import action_space_of, check_action_space
+from millpond.errors import InvalidConfigError
+
+BOX = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "space", "message"),
+    [
+        (
+            "ppo",
+            BOX,
+            r"ppo needs a Discrete action space, and env 'E' has Box.* \(for this space: sac or td3\)",
+        ),
+        ("dqn", BOX, r"dqn needs a Discrete action space"),
+        (
+            "sac",
+            gym.spaces.Discrete(3),
+            r"sac needs a Box action space, .*Discrete\(3\) \(for this space: dqn or ppo\)",
+        ),
+        ("sac", gym.spaces.Box(0, 5, (2,), np.int64), r"sac needs a Box action space"),
+        (
+            "sac",
+            gym.spaces.Box(-np.inf, np.inf, (2,), np.float32),
+            r"sac squashes its actions .* infinite ones",
+        ),
+        ("ppo", gym.spaces.MultiDiscrete([2, 3]), r"ppo needs a Discrete action space"),
+    ],
+)
+def test_misfits_name_the_algorithm_and_the_space(algorithm, space, message):
+    with pytest.raises(InvalidConfigError, match=rf"^learner.algorithm: {message}"):
+        check_action_space(algorithm, space, "E")
+
+
+def test_fits_pass():
+    check_action_space("sac", BOX, "E")
+    check_action_space("ppo", gym.spaces.Discrete(2), "E")
+    check_action_space("dqn", gym.spaces.Discrete(2, start=1), "E")
+    check_action_space("a2c", BOX, "E")  # unknown: the config check names it
+
+
+def test_action_space_from_the_yaml_alone():
+    algorithm, space, env_id = action_space_of(
+        {"env": {"id": "Pendulum-v1"}, "learner": {"algorithm": "sac"}}
+    )
+    assert (algorithm, env_id) == ("sac", "Pendulum-v1") and isinstance(space, gym.spaces.Box)
+    assert action_space_of({})[:1] == ("ppo",)  # the defaults: CartPole-v1, ppo
+    # where gymnasium alone cannot tell, the checked config's own probe decides
+    assert action_space_of({"env": {"id": "Pendulum-v1", "wrappers": [{"path": "x:y"}]}}) is None
+    assert action_space_of({"env": {"id": "NoSuchEnv-v9"}}) is None
+    assert action_space_of({"env": {"id": "Pendulum-v1", "kwargs": {"bogus": 1}}}) is None
+    assert action_space_of({"env": "Pendulum-v1"}) is None
