@@ -35,7 +35,15 @@ module is moved to the CPU and runs under ``torch.no_grad()``.
 float ``Box`` with finite bounds (SAC's policy, :mod:`millpond.box_actions`): the policy
 draws ``u = loc + scale * noise`` with its seeded generator (``u = loc`` with
 ``deterministic``, for evaluation), acts ``tanh(u)`` rescaled to ``[low, high]``, and
-records the log-probability of ``tanh(u)`` in ``[-1, 1]``. Actions are cast to the action space's dtype before the env sees
+records the log-probability of ``tanh(u)`` in ``[-1, 1]``.
+
+``"mean"`` and ``"std"`` (from :func:`millpond.learner.networks.mlp_policy` on a ``Box``
+space) are an unsquashed Gaussian (continuous PPO's, as CleanRL's
+``ppo_continuous_action.py``): the policy draws ``u = mean + std * noise`` (``u = mean``
+with ``deterministic``), the env takes ``u`` clipped to ``[low, high]`` (recorded as
+``"action"``), and the draw itself is recorded as ``"unclipped_action"`` with its
+log-probability ``"sample_log_prob"``: the density of the draw, the one PPO's ratio
+recomputes (the clipping being part of the env). Actions are cast to the action space's dtype before the env sees
 them, and what is recorded is exactly what the env received.
 
 **Exploration.** :class:`EpsilonGreedy` (``Discrete`` action spaces) replaces each lane's
@@ -72,7 +80,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase, set_interaction_type
 from torch import nn
 
-from millpond.box_actions import BoxScale, squashed_gaussian
+from millpond.box_actions import BoxScale, gaussian_log_prob, squashed_gaussian
 from millpond.errors import InvalidConfigError, InvalidDataError
 
 __all__ = [
@@ -228,6 +236,7 @@ class ModulePolicy(ActorPolicy):
             seed if seed is not None else int(torch.randint(2**62, (1,)).item())
         )
         self._box: BoxScale | None = None  # the bounds, for squashed Gaussians (on first use)
+        self._bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # for clipped ones
         self.noise = noise
         if noise is not None:
             try:
@@ -245,8 +254,11 @@ class ModulePolicy(ActorPolicy):
             action, logits = out.get("action"), out.get("logits")
             log_prob = next((out[k] for k in _LOG_PROB_KEYS if out.get(k) is not None), None)
             start = int(self.action_space.start) if self._discrete else 0
+            unclipped = None
             if action is None and out.get("loc") is not None:
                 action, log_prob = self._squashed_gaussian(out, num)
+            elif action is None and out.get("mean") is not None:
+                action, unclipped, log_prob = self._gaussian(out, num)
             if action is None:
                 if logits is None:
                     raise InvalidDataError(
@@ -280,12 +292,14 @@ class ModulePolicy(ActorPolicy):
                     taken = pi.gather(-1, (action - start).long().unsqueeze(-1)).squeeze(-1)
                     log_prob = torch.log((1 - eps) * taken + eps / n)
             elif self.noise is not None:
-                action, log_prob = self._add_noise(action, num), None
+                action, log_prob, unclipped = self._add_noise(action, num), None, None
             elif log_prob is None and logits is not None:
                 lp = torch.log_softmax(logits.float(), -1).reshape(num, -1)
                 log_prob = lp.gather(-1, (action.reshape(num) - start).long().unsqueeze(-1))
                 log_prob = log_prob.squeeze(-1)
             result = {"action": self._cast_action(action, num)}
+            if unclipped is not None:
+                result["unclipped_action"] = unclipped
             if log_prob is not None:
                 result["sample_log_prob"] = log_prob.detach().reshape(num).to(torch.float32)
             value = out.get("state_value")
@@ -312,6 +326,32 @@ class ModulePolicy(ActorPolicy):
             noise = torch.randn(loc.shape, generator=self._generator)
         unit, log_prob = squashed_gaussian(loc, scale, noise)
         return box.to_env(unit), log_prob
+
+    def _gaussian(
+        self, out: TensorDictBase | Mapping[str, Any], num: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(action clipped to the bounds, the draw, its log-probability)`` of an unsquashed
+        Gaussian (PPO's policy on ``Box`` actions)."""
+        if self._discrete or not isinstance(self.action_space, gym.spaces.Box):
+            raise InvalidDataError(
+                f"the policy returned 'mean' and 'std', but the action space is {self.action_space}"
+            )
+        if out.get("std") is None:
+            raise InvalidDataError("the policy returned 'mean' without 'std'")
+        shape = (num, *self.action_space.shape)
+        mean = out["mean"].float().reshape(num, -1)
+        std = out["std"].float().reshape(num, -1)
+        draw = mean
+        if not self.deterministic:
+            draw = mean + std * torch.randn(mean.shape, generator=self._generator)
+        log_prob = gaussian_log_prob(mean, std, draw)
+        if self._bounds is None:
+            self._bounds = tuple(  # type: ignore[assignment]
+                torch.as_tensor(np.asarray(b, np.float32).reshape(-1))
+                for b in (self.action_space.low, self.action_space.high)
+            )
+        low, high = self._bounds  # type: ignore[misc]
+        return torch.clamp(draw, low, high), draw.reshape(shape), log_prob
 
     def _add_noise(self, action: torch.Tensor, num: int) -> torch.Tensor:
         """``action`` plus Gaussian noise in ``[-1, 1]`` units, clipped to the bounds."""

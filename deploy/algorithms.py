@@ -1,8 +1,9 @@
 """The learner algorithms of ``millpond launch`` and the action spaces each one takes, checked
 before anything of the job starts.
 
-PPO and DQN act on ``Discrete`` actions, SAC and TD3 on float ``Box`` actions with finite
-bounds (their policies squash into them). :func:`check_action_space` refuses a mismatch naming both the
+DQN acts on ``Discrete`` actions, SAC and TD3 on float ``Box`` actions with finite bounds
+(their policies squash into them), PPO on either (a float ``Box``: its Gaussian's draws
+are clipped to the bounds, which may be infinite). :func:`check_action_space` refuses a mismatch naming both the
 algorithm and the env's space. The launcher checks it twice: from the YAML alone, with
 gymnasium alone (:func:`action_space_of`), while Ray's module imports, so that a mismatch
 never starts Ray; and on the checked config, with the env made as every lane makes it
@@ -23,8 +24,16 @@ if TYPE_CHECKING:
 
 __all__ = ["ALGORITHMS", "action_space_of", "check_action_space"]
 
-#: What ``learner.algorithm`` takes, and the action space each needs.
-ALGORITHMS: dict[str, str] = {"ppo": "Discrete", "dqn": "Discrete", "sac": "Box", "td3": "Box"}
+#: What ``learner.algorithm`` takes, and the action spaces each can act in.
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "ppo": ("Discrete", "Box"),
+    "dqn": ("Discrete",),
+    "sac": ("Box",),
+    "td3": ("Box",),
+}
+
+#: The algorithms that squash their actions into the bounds, which must then be finite.
+_SQUASHING = ("sac", "td3")
 
 
 def check_action_space(algorithm: str, space: gym.Space, env_id: str) -> None:
@@ -34,20 +43,19 @@ def check_action_space(algorithm: str, space: gym.Space, env_id: str) -> None:
     wants = ALGORITHMS.get(algorithm)
     if wants is None:
         return  # an unknown algorithm is the config check's to name
-    fits = isinstance(space, _kind(wants))
-    if fits and wants == "Box":
-        fits = np.issubdtype(space.dtype, np.floating)
-        if fits and not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+    fits = _fits(space, wants)
+    if fits and isinstance(space, _kind("Box")) and algorithm in _SQUASHING:
+        if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
             raise InvalidConfigError(
                 f"learner.algorithm: {algorithm} squashes its actions into the bounds of the action "
                 f"space, and env {env_id!r} has infinite ones ({space}); wrap the env, e.g. "
                 "gymnasium.wrappers:RescaleAction"
             )
     if not fits:
-        others = sorted(a for a, kind in ALGORITHMS.items() if isinstance(space, _kind(kind)))
+        others = sorted(a for a, kinds in ALGORITHMS.items() if _fits(space, kinds))
         hint = f" (for this space: {' or '.join(others)})" if others else ""
         raise InvalidConfigError(
-            f"learner.algorithm: {algorithm} needs a {wants} action space, and env "
+            f"learner.algorithm: {algorithm} needs a {' or '.join(wants)} action space, and env "
             f"{env_id!r} has {space}{hint}"
         )
 
@@ -76,6 +84,15 @@ def action_space_of(doc: Mapping[str, Any]) -> tuple[str, gym.Space, str] | None
         return str(algorithm), probe.action_space, env_id
     finally:
         probe.close()
+
+
+def _fits(space: gym.Space, kinds: tuple[str, ...]) -> bool:
+    """Whether ``space`` is one of ``kinds`` (a ``Box`` only with a float dtype)."""
+    import numpy as np
+
+    if not isinstance(space, tuple(_kind(k) for k in kinds)):
+        return False
+    return not isinstance(space, _kind("Box")) or bool(np.issubdtype(space.dtype, np.floating))
 
 
 def _kind(name: str) -> type:

@@ -9,7 +9,8 @@ built here depend only on the spaces and ``hidden``, so the state dict a learner
 loads into every actor's copy.
 
 - :func:`mlp_policy` returns logits for a ``Discrete`` action space: actors sample from
-  them and record ``"sample_log_prob"``, which PPO's ratio needs.
+  them and record ``"sample_log_prob"``, which PPO's ratio needs. For a float ``Box``
+  action space it is a :class:`GaussianPolicy` (CleanRL's continuous PPO policy).
 - :func:`mlp_critic` returns ``V(s)``, ``[..., 1]`` (learner side only).
 - :func:`mlp_q` returns ``Q(s, ·)``, ``[..., n]``. Actors treat the output as logits, so
   run them with ``deterministic=True`` (``argmax Q``) and an
@@ -47,6 +48,7 @@ __all__ = [
     "NETWORKS",
     "CNNHead",
     "DuelingQ",
+    "GaussianPolicy",
     "NatureCNN",
     "mlp_critic",
     "mlp_policy",
@@ -128,10 +130,46 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class GaussianPolicy(nn.Module):
+    """``observation -> {"mean", "std"}``, each ``[*B, *action_shape]``: a diagonal Gaussian
+    over a float ``Box`` action, not squashed (CleanRL's ``ppo_continuous_action.py``).
+
+    The mean is an :class:`MLP` (Tanh, output gain 0.01); ``log(std)`` is one learned
+    parameter per action element, independent of the state, starting at 0. The actors
+    sample it, clip the draw to the bounds for the env, and record the draw itself as
+    ``"unclipped_action"`` beside the log-probability (:mod:`millpond.actors.policies`).
+    """
+
+    def __init__(
+        self, observation_space: gym.Space, action_space: gym.Space, hidden: Sequence[int]
+    ) -> None:
+        super().__init__()
+        if not (
+            isinstance(action_space, gym.spaces.Box)
+            and np.issubdtype(action_space.dtype, np.floating)
+        ):
+            raise InvalidConfigError(
+                f"a Gaussian policy needs a float Box action space, not {action_space}"
+            )
+        self.action_shape = tuple(action_space.shape)
+        dim = math.prod(self.action_shape)
+        self.mean = MLP(observation_space, dim, hidden, out_std=0.01)
+        self.log_std = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, observation: torch.Tensor) -> dict[str, torch.Tensor]:
+        mean = self.mean(observation)
+        std = self.log_std.exp().expand_as(mean)
+        shape = (*mean.shape[:-1], *self.action_shape)
+        return {"mean": mean.reshape(shape), "std": std.reshape(shape)}
+
+
 def mlp_policy(
     observation_space: gym.Space, action_space: gym.Space, hidden: Sequence[int] = (64, 64)
-) -> MLP:
-    """Policy logits ``[..., n]`` for a ``Discrete(n)`` action space (an actor factory)."""
+) -> MLP | GaussianPolicy:
+    """Policy logits ``[..., n]`` for a ``Discrete(n)`` action space, a
+    :class:`GaussianPolicy` for a float ``Box`` one (an actor factory)."""
+    if isinstance(action_space, gym.spaces.Box):
+        return GaussianPolicy(observation_space, action_space, hidden)
     return MLP(observation_space, _num_actions(action_space), hidden, out_std=0.01)
 
 
@@ -290,7 +328,7 @@ def _num_actions(action_space: gym.Space) -> int:
     if not isinstance(action_space, gym.spaces.Discrete):
         raise InvalidConfigError(
             f"these networks need a Discrete action space, not {action_space} (Box actions: "
-            "learner.algorithm sac)"
+            "learner.algorithm sac or td3, or ppo with the MLP policy)"
         )
     return int(action_space.n)
 

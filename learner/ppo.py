@@ -21,7 +21,13 @@ drift; ``max_policy_lag`` bounds how far that is trusted.
 The policy is the module actors run (e.g. :func:`millpond.learner.networks.mlp_policy`
 under the factory name ``"millpond.learner.networks:mlp_policy"``): it maps the observation
 tensor to logits over a ``Discrete(n)`` action space (start 0), returning a tensor or a
-mapping with ``"logits"``. The critic maps observations to ``V(s)``, ``[..., 1]``.
+mapping with ``"logits"``; or, on a ``Box`` action space, to the ``"mean"`` and ``"std"``
+of an unsquashed diagonal Gaussian (:class:`~millpond.learner.networks.GaussianPolicy`,
+CleanRL's continuous PPO). The actors then clip each draw to the bounds for the env and
+record the draw itself as ``"unclipped_action"``: the ratio is taken between the densities
+of that draw (:func:`~millpond.box_actions.gaussian_log_prob`, the function the actors
+recorded ``"sample_log_prob"`` with), the clipping counted as part of the env, as CleanRL's
+``ClipAction`` wrapper does. The critic maps observations to ``V(s)``, ``[..., 1]``.
 
 Data-parallel: with ``data_parallel=True`` in an initialised ``torch.distributed`` group
 (:mod:`millpond.learner.distributed`), every rank runs this learner on batches of its own
@@ -44,6 +50,7 @@ A minimal loop::
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +58,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from millpond.box_actions import gaussian_entropy, gaussian_log_prob
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
@@ -133,7 +141,8 @@ class PPOLearner:
         client: the replay client.
         table: a queue table the actors write into.
         config: hyperparameters.
-        policy: the module the actors run: observations -> logits ``[..., n]``.
+        policy: the module the actors run: observations -> logits ``[..., n]``, or a
+            Gaussian's ``"mean"`` and ``"std"`` on ``Box`` actions.
         critic: observations -> ``V(s)``, ``[..., 1]``.
         version: the last published weight version; every publication takes the next
             one. ``None``: the version the server holds now (``-1`` if none), so a restarted
@@ -315,10 +324,17 @@ class PPOLearner:
         return self._loss(*self._columns(batch))
 
     def _columns(self, batch: TensorDictBase) -> tuple[torch.Tensor, ...]:
-        """What :meth:`_loss` reads of ``batch``, one tensor each, a row per step."""
+        """What :meth:`_loss` reads of ``batch``, one tensor each, a row per step: the
+        action is the Gaussian's draw ``[n, d]`` where the actors recorded one, else the
+        categorical index ``[n]``."""
+        n = batch.shape[0]
+        if "unclipped_action" in batch:
+            action = batch["unclipped_action"].reshape(n, -1).float()
+        else:
+            action = batch["action"].reshape(-1).long()
         return (
             batch[self.config.observation_key],
-            batch["action"].reshape(-1).long(),
+            action,
             batch["sample_log_prob"].reshape(-1),
             batch["advantage"].reshape(-1),
             batch["value_target"].reshape(-1),
@@ -333,8 +349,7 @@ class PPOLearner:
         value_target: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         c = self.config
-        dist = torch.distributions.Categorical(logits=_logits(self.policy(obs)))
-        new_log_prob = dist.log_prob(action)
+        new_log_prob, entropy = _log_prob_entropy(self.policy(obs), action)
         log_ratio = new_log_prob - old_log_prob
         ratio = log_ratio.exp()
         pg_loss1 = -advantage * ratio
@@ -343,7 +358,7 @@ class PPOLearner:
 
         value = self.critic(obs).reshape(-1)
         v_loss = 0.5 * ((value - value_target) ** 2).mean()
-        entropy = dist.entropy().mean()
+        entropy = entropy.mean()
         loss = pg_loss - c.entropy_coef * entropy + c.value_coef * v_loss
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()
@@ -377,6 +392,27 @@ class PPOLearner:
 
 #: The loss terms :meth:`PPOLearner.loss` returns, in its order.
 _LOSS_TERMS = ("loss", "loss_policy", "loss_value", "entropy", "approx_kl", "clip_fraction")
+
+
+def _log_prob_entropy(out: Any, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probability of each row's action and the entropy, ``[n]`` each, under the
+    policy's output: a Gaussian (``"mean"``, ``"std"``) on the recorded draws ``[n, d]``,
+    else a categorical on the logits and the action indices ``[n]``."""
+    gaussian = isinstance(out, Mapping | TensorDictBase) and out.get("mean") is not None
+    if gaussian != action.is_floating_point():
+        raise InvalidDataError(
+            "the policy returns a Gaussian ('mean', 'std') and the batch has no "
+            "'unclipped_action' (record it with millpond's actors)"
+            if gaussian
+            else "the batch holds Gaussian draws ('unclipped_action'), and the policy returns "
+            "logits: PPO on Box actions needs a Gaussian policy (networks.mlp_policy)"
+        )
+    if gaussian:
+        mean = out["mean"].reshape(action.shape)
+        std = out["std"].reshape(action.shape)
+        return gaussian_log_prob(mean, std, action), gaussian_entropy(std)
+    dist = torch.distributions.Categorical(logits=_logits(out))
+    return dist.log_prob(action), dist.entropy()
 
 
 def _logits(out: Any) -> torch.Tensor:

@@ -13,7 +13,11 @@ of the action in ``[-1, 1]``, not in the env's units: the entropy the temperatur
 SAC's target entropy ``-dim(A)``) is then the same for any bounds, as in Stable-Baselines3,
 whose buffers hold actions rescaled to ``[-1, 1]``.
 
-Both sides import it from here (the ground floor), so that the actions an actor takes and
+PPO's policy on ``Box`` actions is instead an unsquashed diagonal Gaussian (CleanRL's
+``ppo_continuous_action.py``): :func:`gaussian_log_prob` and :func:`gaussian_entropy` are its
+log-density and entropy, in the env's units.
+
+Both sides import them from here (the ground floor), so that the actions an actor takes and
 the actions the learner differentiates through are one distribution.
 """
 
@@ -27,7 +31,7 @@ import torch
 
 from millpond.errors import InvalidConfigError
 
-__all__ = ["BoxScale", "squashed_gaussian"]
+__all__ = ["BoxScale", "gaussian_entropy", "gaussian_log_prob", "squashed_gaussian"]
 
 _LOG_2 = math.log(2.0)
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -97,3 +101,15 @@ def squashed_gaussian(
     gaussian = -0.5 * z.pow(2) - torch.log(scale) - _LOG_SQRT_2PI
     log_det = 2.0 * (_LOG_2 - u - torch.nn.functional.softplus(-2.0 * u))
     return torch.tanh(u), (gaussian - log_det).sum(-1)
+
+
+def gaussian_log_prob(mean: torch.Tensor, std: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """``sum_i log N(sample_i; mean_i, std_i)``: the log-density ``[...]`` of a diagonal
+    Gaussian at ``sample`` (all three ``[..., d]``)."""
+    z = (sample - mean) / std
+    return (-0.5 * z.pow(2) - torch.log(std) - _LOG_SQRT_2PI).sum(-1)
+
+
+def gaussian_entropy(std: torch.Tensor) -> torch.Tensor:
+    """The entropy ``[...]`` of a diagonal Gaussian with scales ``std`` ``[..., d]``."""
+    return (0.5 + _LOG_SQRT_2PI + torch.log(std)).sum(-1)
