@@ -44,13 +44,13 @@ def check_action_space(algorithm: str, space: gym.Space, env_id: str) -> None:
     if wants is None:
         return  # an unknown algorithm is the config check's to name
     fits = _fits(space, wants)
-    if fits and isinstance(space, _kind("Box")) and algorithm in _SQUASHING:
-        if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
-            raise InvalidConfigError(
-                f"learner.algorithm: {algorithm} squashes its actions into the bounds of the action "
-                f"space, and env {env_id!r} has infinite ones ({space}); wrap the env, e.g. "
-                "gymnasium.wrappers:RescaleAction"
-            )
+    squashed = fits and isinstance(space, _kind("Box")) and algorithm in _SQUASHING
+    if squashed and not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+        raise InvalidConfigError(
+            f"learner.algorithm: {algorithm} squashes its actions into the bounds of the action "
+            f"space, and env {env_id!r} has infinite ones ({space}); wrap the env, e.g. "
+            "gymnasium.wrappers:RescaleAction"
+        )
     if not fits:
         others = sorted(a for a, kinds in ALGORITHMS.items() if _fits(space, kinds))
         hint = f" (for this space: {' or '.join(others)})" if others else ""

@@ -244,9 +244,9 @@ class LearnerSection:
     than one (a ``torch.distributed`` group: gloo on CPU, NCCL on GPU).
 
     Attributes:
-        algorithm: ``"ppo"`` (queue table) or ``"dqn"`` (uniform, prioritized or slices),
-            both for ``Discrete`` actions; ``"sac"`` or ``"td3"`` (uniform table) for ``Box``
-            actions.
+        algorithm: ``"ppo"`` (queue table; ``Discrete`` or float ``Box`` actions) or
+            ``"dqn"`` (uniform, prioritized or slices; ``Discrete`` actions); ``"sac"`` or
+            ``"td3"`` (uniform table) for ``Box`` actions.
             An env whose action space the algorithm cannot act in is refused before
             anything starts (:mod:`millpond.deploy.algorithms`).
         network: ``"mlp"``, ``"nature_cnn"`` (the Nature-DQN CNN on ``[C, H, W]`` frames;

@@ -16,11 +16,16 @@ BOX = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
     ("algorithm", "space", "message"),
     [
         (
-            "ppo",
+            "dqn",
             BOX,
-            r"ppo needs a Discrete action space, and env 'E' has Box.* \(for this space: sac or td3\)",
+            r"dqn needs a Discrete action space, and env 'E' has Box.* \(for this space: ppo or "
+            r"sac or td3\)",
         ),
-        ("dqn", BOX, r"dqn needs a Discrete action space"),
+        (
+            "ppo",
+            gym.spaces.Box(0, 5, (2,), np.int64),
+            r"ppo needs a Discrete or Box action space, and env 'E' has Box\(0, 5",
+        ),
         (
             "sac",
             gym.spaces.Discrete(3),
@@ -32,7 +37,7 @@ BOX = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
             gym.spaces.Box(-np.inf, np.inf, (2,), np.float32),
             r"sac squashes its actions .* infinite ones",
         ),
-        ("ppo", gym.spaces.MultiDiscrete([2, 3]), r"ppo needs a Discrete action space"),
+        ("ppo", gym.spaces.MultiDiscrete([2, 3]), r"ppo needs a Discrete or Box action space"),
     ],
 )
 def test_misfits_name_the_algorithm_and_the_space(algorithm, space, message):
@@ -43,6 +48,8 @@ def test_misfits_name_the_algorithm_and_the_space(algorithm, space, message):
 def test_fits_pass():
     check_action_space("sac", BOX, "E")
     check_action_space("ppo", gym.spaces.Discrete(2), "E")
+    check_action_space("ppo", BOX, "E")  # continuous PPO: a Gaussian clipped to the bounds
+    check_action_space("ppo", gym.spaces.Box(-np.inf, np.inf, (2,), np.float32), "E")
     check_action_space("dqn", gym.spaces.Discrete(2, start=1), "E")
     check_action_space("a2c", BOX, "E")  # unknown: the config check names it
 

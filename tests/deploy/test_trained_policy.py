@@ -198,13 +198,15 @@ def test_eval_config_keys_are_checked(tmp_path):
     )
 
 
-@pytest.mark.parametrize("config_file", ["pendulum-sac.yaml", "pendulum-td3.yaml"])
+@pytest.mark.parametrize(
+    "config_file", ["pendulum-sac.yaml", "pendulum-td3.yaml", "pendulum-ppo.yaml"]
+)
 def test_load_policy_acts_a_box_learners_deterministic_action_in_the_envs_bounds(
     tmp_path, config_file
 ):
     """SAC's policy acts ``tanh(loc)`` mapped from ``[-1, 1]`` to the env's bounds (computed
     here from the learner's own network and the space's bounds); TD3's, its network's own
-    output (already in the env's units)."""
+    output (already in the env's units); PPO's Gaussian, its mean clipped to the bounds."""
     config = load_config(CONFIGS / config_file, ["learner.hidden_sizes=[32, 32]"])
     obs_space, act_space = env_spaces(config)
     actor = LearnerActor(config, obs_space, act_space)
@@ -224,7 +226,9 @@ def test_load_policy_acts_a_box_learners_deterministic_action_in_the_envs_bounds
     with torch.no_grad():
         out = net(torch.as_tensor(obs))
     low, high = (torch.as_tensor(b, dtype=torch.float32) for b in (act_space.low, act_space.high))
-    if isinstance(out, dict):  # SAC: loc and scale of the Gaussian before the squashing
+    if isinstance(out, dict) and "mean" in out:  # PPO: the unsquashed Gaussian's mean
+        expected = out["mean"].clamp(low, high).numpy()
+    elif isinstance(out, dict):  # SAC: loc and scale of the Gaussian before the squashing
         unit = torch.tanh(out["loc"])
         expected = ((high + low) / 2 + (high - low) / 2 * unit).clamp(low, high).numpy()
     else:
