@@ -70,12 +70,12 @@ def test_a_ray_section_that_is_not_plain_starts_no_ray_before_the_config_is_chec
 @pytest.mark.parametrize(
     ("config", "env", "message"),
     [
-        # the first thing a new user tries: PPO's config on a continuous env
+        # DQN's config on a continuous env (PPO's takes it: a Gaussian policy)
         (
-            "cartpole-ppo.yaml",
+            "cartpole-dqn.yaml",
             "Pendulum-v1",
-            "ppo needs a Discrete action space, and env "
-            "'Pendulum-v1' has Box(-2.0, 2.0, (1,), float32) (for this space: sac or td3)",
+            "dqn needs a Discrete action space, and env "
+            "'Pendulum-v1' has Box(-2.0, 2.0, (1,), float32) (for this space: ppo or sac or td3)",
         ),
         ("cartpole-dqn.yaml", "MountainCarContinuous-v0", "dqn needs a Discrete action space"),
         (
