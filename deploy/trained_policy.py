@@ -13,7 +13,8 @@ Observations are the run's env's, **after its wrappers** (``env.wrappers``: e.g.
 its observations go to :meth:`TrainedPolicy.act` as they come.
 
 How it acts follows the algorithm (:data:`ACTING`): PPO's categorical policy takes its
-mode (``argmax`` of the logits) or, with ``deterministic=False``, samples; DQN acts by
+mode (``argmax`` of the logits) or, with ``deterministic=False``, samples (on ``Box``
+actions, its Gaussian's mean or a draw, clipped to the bounds); DQN acts by
 ``argmax Q``; SAC's squashed Gaussian takes ``tanh`` of its mean (or samples), TD3's
 policy is deterministic, both scaled to the env's action bounds. A new learner adds its entry there: the checkpoint entry of the network its
 actors act with (the weights it publishes), and whether that policy can sample.
