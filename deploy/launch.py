@@ -50,8 +50,14 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from millpond.deploy.ray_start import init_ray, process_start, start_ray_while_importing
+from millpond.deploy.ray_start import (
+    command_start,
+    init_ray,
+    start_ray_while_importing,
+    token_auth_on_quietly,
+)
 from millpond.deploy.resume import read_resume_state
+from millpond.deploy.run_dir import RunDir, claim_run_dir
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.deploy.status_rows import StatusRows
 from millpond.errors import InvalidConfigError, MillpondError
@@ -60,6 +66,8 @@ if TYPE_CHECKING:  # they import Ray or torch: see the module docstring
     from millpond.actors.ray_actor import ActorConfig
     from millpond.deploy.env_fleet import EnvFleet
     from millpond.deploy.launch_config import LaunchConfig
+    from millpond.deploy.learner_group import LearnerGroup
+    from millpond.deploy.preflight import CheckedJob
     from millpond.deploy.shard_supervisor import ShardSupervisor
 
 __all__ = ["Launch", "build_parser", "run"]
@@ -74,10 +82,15 @@ class _Stop(Exception):
 class Launch:
     """One ``millpond launch`` job (see the module docstring).
 
+    :meth:`prepare` checks the job and claims its run directory, starting nothing;
+    :meth:`run` does it first if it was not done.
+
     Args:
         config: the checked job config.
         replay: addresses of running shards to use instead of starting them.
-        run_dir: where the run writes; ``None``: ``run.dir/NAME-YYYYmmdd-HHMMSS``.
+        run_dir: where the run writes: a new or empty directory (a directory that holds an
+            earlier run is refused, see ``overwrite``); ``None``: a new
+            ``run.dir/NAME-YYYYmmdd-HHMMSS-XXXX`` (``XXXX`` random).
         out: where progress lines go.
         resume: continue the job that stopped in ``run_dir`` (``millpond launch --resume``):
             its learner from ``checkpoint.pt``, its shards from their directories, its
@@ -86,6 +99,11 @@ class Launch:
             (fresh episode ids); the weight version going on from the checkpoint's.
         owns_ray: Ray was started for this job (by :func:`run`, while the job's modules
             imported): the job shuts it down when it ends.
+        overwrite: ``run_dir`` may hold an earlier run, which is replaced (its files
+            deleted); without it such a directory is refused.
+        started_at: the wall-clock time the startup times in ``summary.json``
+            (``startup_s``, ``stopped_at_s``) count from; ``None``: when this object is made
+            (the command line passes its own start).
     """
 
     def __init__(
@@ -97,20 +115,25 @@ class Launch:
         out: Any = None,
         resume: bool = False,
         owns_ray: bool = False,
+        overwrite: bool = False,
+        started_at: float | None = None,
     ) -> None:
-        # Deferred: imports Ray and torch (see the module docstring).
-        from millpond.deploy.learner_group import LearnerGroup
-
+        self._started_wall = time.time() if started_at is None else started_at
         self.config = config
         self.replay = replay
-        stamp = time.strftime("%Y%m%d-%H%M%S")
         if resume and run_dir is None:
             raise InvalidConfigError("resume: name the run directory to continue (run_dir)")
-        self.run_dir = Path(run_dir or Path(config.run.dir) / f"{config.name}-{stamp}")
+        if resume and overwrite:
+            raise InvalidConfigError("--resume and --overwrite: a run is continued or replaced")
+        self._overwrite = overwrite
+        # The directory named, until prepare() claims it (a new one when None).
+        self.run_dir: Path | None = Path(run_dir) if run_dir is not None else None
+        self._claim: RunDir | None = None
+        self._checked: CheckedJob | None = None
         # Read before anything starts or writes: a job that cannot resume changes nothing.
-        self._resumed = read_resume_state(self.run_dir, config) if resume else None
+        self._resumed = read_resume_state(Path(run_dir), config) if resume else None
         self.out = out or sys.stdout
-        self._started_ray = owns_ray
+        self.owns_ray = owns_ray
         self._ray_info: dict[str, Any] = {}  # the cluster the job ran on
         self.network: str | None = None  # the learner's network family, once chosen
         self._shards: ShardSupervisor | None = None  # None: a --replay service
@@ -118,14 +141,15 @@ class Launch:
         self._nodes: dict[str, Any] = {}  # where each part of the job ran
         self._node_refs: dict[str, list[Any]] = {}
         r = self._resumed
-        self._learners = LearnerGroup(config, self.run_dir, self._nodes, self._say, r)
+        self._learners: LearnerGroup | None = None  # made by run()
         self._learner_reports: list[dict[str, Any]] = []
         self._in_loop = False
+        self._looped = False  # the loop began: there are final counters to read
         self._stop_requested = False  # SIGTERM during the loop
         self._time_offset = r.wall_s if r else 0.0  # a resumed run's time goes on
         self._next_actor_index = r.next_actor_index if r else 0
         self._started_at = time.monotonic()
-        # Seconds from the process's start to the end of each startup phase (summary.json).
+        # Seconds from the job's start (started_at) to the end of each startup phase.
         self._startup: dict[str, float] = {}
         self._stopped_at: float | None = None
         self._rows = StatusRows(config, self._time_offset, self._started_at)
@@ -133,15 +157,68 @@ class Launch:
     @property
     def version(self) -> int | None:
         """The last published weight version."""
-        return self._learners.version
+        return self._learners.version if self._learners is not None else None
 
     # -- the job ---------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Check the job and claim its run directory, starting nothing of it (no Ray).
+
+        The env is made once and closed, the learner's network chosen for its
+        observations, the token file read (:func:`~millpond.deploy.preflight.check_job`);
+        the run directory claimed for this job alone (:func:`~millpond.deploy.run_dir.
+        claim_run_dir`); a ``--replay`` service reached and the job's table created there.
+        Raises :class:`InvalidConfigError` (or the service's error) and leaves no run
+        directory behind. :meth:`run` calls it when it was not called.
+        """
+        if self._claim is not None:
+            return
+        from millpond.deploy.preflight import check_job  # deferred: imports torch
+
+        self._checked = check_job(self.config, self.replay)
+        self.network = self._checked.network
+        c = self.config
+        self._claim = claim_run_dir(
+            self.run_dir,
+            parent=c.run.dir,
+            name=c.name,
+            resume=self._resumed is not None,
+            overwrite=self._overwrite,
+        )
+        self.run_dir = self._claim.path
+        if self.replay:  # a service that cannot be reached refuses the job before Ray
+            try:
+                self._connect(self.replay, None)
+            except BaseException:
+                self.abandon()
+                raise
+
+    def abandon(self) -> None:
+        """Give up a prepared job that will not run: its client closed, its run directory
+        released (and removed, if :meth:`prepare` made it)."""
+        if hasattr(self, "client"):
+            with contextlib.suppress(Exception):
+                self.client.close(timeout_s=5)
+        if self._claim is not None:
+            self._claim.abandon()
+
     def run(self) -> dict[str, Any]:
         """Run the job to its end; returns the summary (also in ``summary.json``)."""
+        from millpond.deploy.learner_group import LearnerGroup  # deferred: imports Ray
+
+        self.prepare()
+        assert self._claim is not None and self.run_dir is not None
+        try:
+            self._learners = LearnerGroup(
+                self.config, self.run_dir, self._nodes, self._say, self._resumed
+            )
+            return self._run()
+        finally:
+            self._claim.release()
+
+    def _run(self) -> dict[str, Any]:
         from millpond.deploy.launch_config import to_mapping  # deferred: imports torch
 
         c = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(c), sort_keys=False))
         report = RunReport(
             self.run_dir,
@@ -170,8 +247,8 @@ class Launch:
         return summary
 
     def _mark(self, phase: str) -> None:
-        """When ``phase`` of the startup ended: seconds since this process started."""
-        self._startup[phase] = round(time.time() - process_start(), 3)
+        """When ``phase`` of the startup ended: seconds since the job's start."""
+        self._startup[phase] = round(time.time() - self._started_wall, 3)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # In the loop the main thread mostly waits inside Ray's C code, which an exception
@@ -185,23 +262,18 @@ class Launch:
         # Deferred: Ray, torch and the rooms that import them (see the module docstring).
         import ray
 
-        from millpond.deploy.env_fleet import EnvFleet, env_spaces
+        from millpond.deploy.env_fleet import EnvFleet
         from millpond.deploy.learner_actor import where
-        from millpond.deploy.shard_supervisor import ShardSupervisor, connect
-        from millpond.learner.networks import network_for
+        from millpond.deploy.shard_supervisor import ShardSupervisor
 
-        self._mark("imports")  # the interpreter, the config, Ray, torch, the env packages
+        self._mark("imports")  # the config, Ray, torch, the env packages
         c = self.config
-        obs_space, act_space = env_spaces(c)  # before anything starts: a config error
-        c.replay.tokens()  # an unreadable token file is a config error, also before anything
-        if c.replay.tls is not None and self.replay is None:
-            raise InvalidConfigError(
-                "replay.tls: applies to a service named with --replay; the shards this job "
-                "starts serve plaintext"
-            )
+        assert self._checked is not None and self._learners is not None  # prepare(), run()
+        obs_space = self._checked.observation_space
+        act_space = self._checked.action_space
         if not ray.is_initialized():
             init_ray(c.ray.address, c.ray.num_cpus)
-            self._started_ray = True
+            self.owns_ray = True
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._on_signal)  # ray.init installs its own
         self._mark("ray")
@@ -214,22 +286,17 @@ class Launch:
         # actor (shards of a --replay service stay where they are).
         resolver = None
         if self.replay:
-            addresses = self.replay
+            addresses = self.replay  # connected by prepare()
         else:
             self._shards = ShardSupervisor(c, self.run_dir)
             addresses = self._shards.start()
             self._node_refs["replay"] = self._shards.node_refs
             resolver = self._shards.resolver()
-        tokens = c.replay.tokens()
-        self.client, actor_client, self.table = connect(c, addresses, resolver, tokens)
+            self._connect(addresses, resolver)
         self._say(f"replay: {addresses}  table {self.table!r}")
         self._mark("shards")
 
-        try:
-            self.network = network_for(obs_space, c.learner.network)
-        except InvalidConfigError as e:
-            raise InvalidConfigError(f"learner.network: {e}") from None
-        self._learners.connect(addresses, self.table, tokens[0], resolver)
+        self._learners.connect(addresses, self.table, c.replay.tokens()[0], resolver)
 
         # The env actors are created first, so that their processes start while the
         # learners do (see EnvFleet).
@@ -237,7 +304,7 @@ class Launch:
         self._next_actor_index = first_index + c.actors.num_actors
         r = self._resumed
         self._fleet = EnvFleet(
-            actor_client,
+            self._actor_client,
             c,
             self._actor_config(),
             first_index=first_index,
@@ -268,6 +335,15 @@ class Launch:
             f"run dir {self.run_dir}"
         )
 
+    def _connect(self, addresses: str, resolver: Any) -> None:
+        """The job's clients of the service at ``addresses``, and its table there."""
+        from millpond.deploy.shard_supervisor import connect  # deferred: imports Ray
+
+        tokens = self.config.replay.tokens()
+        self.client, self._actor_client, self.table = connect(
+            self.config, addresses, resolver, tokens
+        )
+
     def _actor_config(self) -> ActorConfig:
         """What each env actor runs, probing the env for the learner's network family if
         the learner was not made yet."""
@@ -282,7 +358,7 @@ class Launch:
         started = self._started_at = time.monotonic()
         self._rows.begin(self.client, self.table, started)
         self._base_frames = self._fleet.status.frames
-        self._in_loop = True
+        self._in_loop = self._looped = True
         try:
             return self._loop_until_done(report, started)
         finally:
@@ -337,7 +413,7 @@ class Launch:
 
         from millpond.deploy.placement import located
 
-        self._stopped_at = round(time.time() - process_start(), 3)
+        self._stopped_at = round(time.time() - self._started_wall, 3)
 
         # Each step is guarded so that one failure does not leave the rest running.
         learners = self._learners
@@ -371,9 +447,10 @@ class Launch:
         if learners.lost and (self.run_dir / "checkpoint.pt").exists():
             checkpoint = self.run_dir / "checkpoint.pt"  # the last periodic one
         row = None
-        if hasattr(self, "client"):
+        if self._looped:  # a job that failed to start has no counters of its own
             with _logged("reading the final counters"):
                 row = self._status_row(time.monotonic() - self._started_at)
+        if hasattr(self, "client"):
             with _logged("checkpointing the replay service"):
                 if self._shards is not None and self._shards.lost:
                     self._shards.checkpoint_live(self.client)
@@ -385,7 +462,7 @@ class Launch:
         if hasattr(self, "client"):
             with _logged("closing the client"):
                 self.client.close(timeout_s=10)
-        if self._started_ray:
+        if self.owns_ray:
             ray.shutdown()
         summary = self._summary(reason, final, row, checkpoint)
         if row is not None:
@@ -453,7 +530,9 @@ def _logged(what: str):
     try:
         yield
     except Exception as e:
-        log.error("shutdown: %s failed: %s", what, e)
+        from millpond.actors.remote_errors import first_line  # deferred: imports torch
+
+        log.error("shutdown: %s failed: %s", what, first_line(e))
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -475,44 +554,92 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--address", help="join a Ray cluster: 'auto' or 'ray://host:port'")
     p.add_argument("--replay", help="use running shards 'host:port,...' instead of starting them")
-    p.add_argument("--run-dir", help="write the run here instead of run.dir/NAME-TIMESTAMP")
+    p.add_argument(
+        "--run-dir",
+        help="write the run here (a new or empty directory) instead of a new "
+        "run.dir/NAME-TIMESTAMP-XXXX",
+    )
     p.add_argument(
         "--resume",
         metavar="RUN_DIR",
         help="continue the stopped job of RUN_DIR: its config (--set changes it, e.g. "
         "run.frames), learner checkpoint, shards and counters",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="let --run-dir name an earlier run's directory, and replace that run (its "
+        "files are deleted first); without it such a directory is refused",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the actors' own output (their log lines, their errors' tracebacks) and, "
+        "on an error, its whole traceback besides its message",
+    )
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job of the command line ``args``; the process's exit status."""
+    """Run the job of the command line ``args``; the process's exit status.
+
+    The config and the env are checked and the run directory claimed before Ray starts
+    (:meth:`Launch.prepare`): a job that cannot run is refused before any Ray process or
+    run directory exists. Ray then starts while the job's other modules import.
+    """
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"ray.address={args.address}")
     if args.resume is None and args.config is None:
         raise InvalidConfigError("launch: give a CONFIG file, or --resume RUN_DIR")
-    owns_ray = start_ray_while_importing(args, overrides)
     try:
-        launch = _launch(args, overrides, owns_ray)
-    except BaseException:
-        if owns_ray:
-            import ray  # deferred: imported already, by start_ray_while_importing
-
-            ray.shutdown()
-        raise
-    summary = launch.run()
+        launch = _launch(args, overrides)
+        ray_section = launch.config.ray
+        token_auth_on_quietly(ray_section.address)
+        launch.prepare()
+        try:
+            # The actors' own output (an error's traceback among it) only when asked for:
+            # the job reports their errors itself, as millpond errors.
+            launch.owns_ray = start_ray_while_importing(
+                ray_section.address, ray_section.num_cpus, log_to_driver=args.verbose
+            )
+        except BaseException:
+            launch.abandon()
+            raise
+        summary = launch.run()
+    except Exception as e:
+        told = _as_told(e, getattr(args, "verbose", False))
+        if told is e:
+            raise
+        raise told from e
     return {"frames": 0, "return": 0, "interrupted": 130}.get(summary["stopped_by"], 1)
 
 
-def _launch(args: argparse.Namespace, overrides: list[str], owns_ray: bool) -> Launch:
-    """The job of the command line, its config checked."""
+def _as_told(error: Exception, verbose: bool) -> Exception:
+    """The error a job ended with, as the user reads it: a millpond error, its message
+    without Ray's traceback (an error of Ray's own, raised where the job did not expect it,
+    too); with ``verbose`` its whole traceback printed first."""
+    if verbose:
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+    if isinstance(error, MillpondError) or not type(error).__module__.startswith("ray"):
+        return error
+    from millpond.actors.remote_errors import from_remote  # deferred: imports torch
+
+    return from_remote(error, "Ray")
+
+
+def _launch(args: argparse.Namespace, overrides: list[str]) -> Launch:
+    """The job of the command line, its config checked (nothing started)."""
     # Deferred: imports torch (see the module docstring).
     from millpond.deploy.launch_config import load_config, resume_config
 
+    started_at = command_start()
+    common = {"replay": args.replay, "started_at": started_at}
     if args.resume is None:
         config = load_config(args.config, overrides)
-        return Launch(config, replay=args.replay, run_dir=args.run_dir, owns_ray=owns_ray)
+        return Launch(config, run_dir=args.run_dir, overwrite=args.overwrite, **common)
     if args.run_dir is not None and Path(args.run_dir).resolve() != Path(args.resume).resolve():
         raise InvalidConfigError(
             f"--run-dir {args.run_dir} and --resume {args.resume}: a resumed job writes "
@@ -521,4 +648,4 @@ def _launch(args: argparse.Namespace, overrides: list[str], owns_ray: bool) -> L
     config, changes = resume_config(args.resume, args.config, overrides)
     for change in changes:
         print(f"resume: {change}", flush=True)
-    return Launch(config, replay=args.replay, run_dir=args.resume, resume=True, owns_ray=owns_ray)
+    return Launch(config, run_dir=args.resume, resume=True, overwrite=args.overwrite, **common)
