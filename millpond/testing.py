@@ -435,3 +435,14 @@ def pattern_segment(
     )
     tail = TensorDict({"observation": pattern(episode, first_step + length, obs_shape)}, [])
     return Segment(td, tail, episode, first_step)
+
+
+def sample_in_parts(table, n: int, **kwargs) -> TensorDictBase:
+    """``n`` rows of ``table.sample`` drawn in batches the table allows (at most its capacity
+    in steps, ``slice_len`` steps a row), concatenated: many draws for a statistic."""
+    most = max(1, table.config.capacity // (table.config.slice_len or 1))
+    parts = []
+    while n > 0:
+        parts.append(table.sample(min(n, most), **kwargs))
+        n -= len(parts[-1])
+    return torch.cat(parts, 0)

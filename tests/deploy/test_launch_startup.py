@@ -89,9 +89,7 @@ def earlier_run(run_dir: Path) -> dict[str, bytes]:
 
 
 def files_of(run_dir: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()
-    }
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
 
 
 def test_a_launch_into_an_earlier_runs_directory_is_refused_and_changes_nothing(tmp_path):
