@@ -175,6 +175,7 @@ class Launch:
         from millpond.deploy.preflight import check_job  # deferred: imports torch
 
         self._checked = check_job(self.config, self.replay)
+        self._mark("checked")  # the config read and checked, the env made once
         self.network = self._checked.network
         c = self.config
         self._claim = claim_run_dir(
