@@ -446,3 +446,19 @@ def sample_in_parts(table, n: int, **kwargs) -> TensorDictBase:
         parts.append(table.sample(min(n, most), **kwargs))
         n -= len(parts[-1])
     return torch.cat(parts, 0)
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a shard's Prometheus endpoint on ``port``: ``{(name, sorted labels):
+    value}``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -6,26 +6,21 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import DeadlineExceededError, MillpondError
 from millpond.service.server import ServerConfig, create_server
-from millpond.testing import constant_segment
+from millpond.testing import constant_segment, scrape_metrics
 
 
 def counted(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The error and timeout counters of the shard's metrics endpoint."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
     return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name in ("millpond_rpc_errors_total", "millpond_rate_limiter_timeouts_total")
+        key: value
+        for key, value in scrape_metrics(port).items()
+        if key[0] in ("millpond_rpc_errors_total", "millpond_rate_limiter_timeouts_total")
     }
 
 
