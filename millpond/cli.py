@@ -32,7 +32,7 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "launch": (
         "run a training job: replay, env actors, learner",
-        "millpond.deploy.launch",
+        "millpond.deploy.launch_cli",
         "build_parser",
         "run",
     ),

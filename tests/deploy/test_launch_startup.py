@@ -19,7 +19,7 @@ CONFIG = ROOT / "deploy" / "configs" / "cartpole-ppo.yaml"
 
 _SCRIPT = """
 import argparse, sys, time
-from millpond.deploy import launch, ray_start
+from millpond.deploy import launch_cli as launch, ray_start
 from millpond.errors import MillpondError
 
 parser = argparse.ArgumentParser()
