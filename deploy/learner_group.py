@@ -137,7 +137,7 @@ class LearnerGroup:
                 "`ray status`"
             ) from None
         except ray.exceptions.RayTaskError as e:
-            raise from_remote(e, "a learner, starting") from e
+            raise from_remote(e, "a learner failed to start") from e
         self.nodes["learners"] = described
         # Every rank counts the version; rank 0 sends the weights the actors start with.
         self.version = ray.get([learner.publish.remote() for learner in self.actors])[0]

@@ -131,7 +131,7 @@ class ShardSupervisor:
             for shard in self.actors:
                 ray.kill(shard)
             self.actors.clear()
-            raise from_remote(e, "a replay shard, starting") from e
+            raise from_remote(e, "a replay shard failed to start") from e
         self.node_refs = [s.__ray_call__.remote(where) for s in self.actors]
         self.watch = ShardWatch(self.actors, addresses, c.replay.max_restarts)
         self.watch.poll(wait_s=5.0)  # where each serves (and its metrics endpoint)
