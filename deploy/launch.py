@@ -59,7 +59,7 @@ from millpond.deploy.resume import read_resume_state
 from millpond.deploy.run_dir import RunDir, claim_run_dir
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.deploy.status_rows import StatusRows
-from millpond.errors import InvalidConfigError, MillpondError
+from millpond.errors import InvalidConfigError, MillpondError, ShardUnavailableError
 
 if TYPE_CHECKING:  # they import Ray or torch: see the module docstring
     from millpond.actors.ray_actor import ActorConfig
@@ -189,6 +189,9 @@ class Launch:
         if self.replay:  # a service that cannot be reached refuses the job before Ray
             try:
                 self._connect(self.replay, None)
+            except ShardUnavailableError as e:
+                self.abandon()
+                raise type(e)(f"--replay {self.replay}: {e}") from None
             except BaseException:
                 self.abandon()
                 raise

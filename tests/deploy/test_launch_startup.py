@@ -5,6 +5,7 @@ behind, and an earlier run's files are left byte for byte."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -111,6 +112,16 @@ def test_a_launch_into_a_directory_another_launch_writes_is_refused(tmp_path):
         assert out["RAY_IMPORTED"] == "False"
     finally:
         running.release()
+
+
+def test_a_replay_service_that_cannot_be_reached_refuses_the_job_before_ray(tmp_path):
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    out = _launch(tmp_path / "run", "--replay", dead)
+    assert out["ERROR"].startswith(f"ShardUnavailableError --replay {dead}: ")
+    assert out["RAY_STARTED"] == "0"
+    assert not (tmp_path / "run").exists()
 
 
 def test_startup_times_count_from_the_command_and_not_from_a_shell_before_it():
