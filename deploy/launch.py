@@ -474,7 +474,8 @@ class Launch:
         with _logged("drawing the plot"):
             report.plot(f"{self.config.name}: {self.config.env.id}")
         report.write_summary(summary)
-        self._say("summary:\n" + format_summary(summary))
+        shown = [k for k in summary if k != "started_at"]  # a Unix time: for programs
+        self._say("summary:\n" + format_summary(summary, shown))
         return summary
 
     def _summary(
@@ -509,9 +510,10 @@ class Launch:
             "shard_restarts": sum(watch.restarts) if watch else 0,
             "shards": watch.summary() if watch else None,
             "next_actor_index": self._next_actor_index,
+            "started_at": round(self._started_wall, 3),  # the clock's zero, Unix time
             "startup_s": dict(self._startup),
             # When the job decided to stop (its frames, return or timeout reached, a signal,
-            # an error), in seconds since its process started, as startup_s counts.
+            # an error), in seconds since the job's start, as startup_s counts.
             "stopped_at_s": self._stopped_at,
             "resumes": r.history() if r else [],
             "actors_act_s": round(act_s, 2),

@@ -52,3 +52,4 @@ def test_a_learners_refusal_reaches_the_user_plainly(tmp_path):
     assert summary["stopped_by"] == "error"
     # counted from the command's start, not the shell's
     assert 0 < summary["startup_s"]["imports"] < summary["stopped_at_s"] <= ran_s
+    assert before + sleep_s <= summary["started_at"] <= before + sleep_s + ran_s
