@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         summary = launch.run()
     except Exception as e:
-        told = _as_told(e, getattr(args, "verbose", False))
+        told = _as_told(e, args.verbose)
         if told is e:
             raise
         raise told from e
