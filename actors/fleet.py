@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from millpond.actors.ray_actor import ActorConfig, EnvActor
+from millpond.actors.remote_errors import from_remote
 from millpond.errors import InvalidConfigError, MillpondError
 from millpond.learner.client import ReplayClient
 
@@ -170,7 +171,7 @@ class ActorFleet:
                     log.warning("env actor %d died (%s); Ray restarts it", index, type(e).__name__)
                 continue
             except ray.exceptions.RayTaskError as e:
-                raise MillpondError(f"env actor {index} failed: {e}") from e
+                raise from_remote(e, f"env actor {index}") from e
             self._account(index, report)
         self._status.frames_per_s = (self._status.frames - self._frames_before) / max(
             1e-9, time.monotonic() - self._started

@@ -141,8 +141,12 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     command = [sys.executable, "-m", "millpond.cli", "launch", str(path), "--run-dir", str(run_dir)]
     for override in overrides:
         command += ["--set", override]
+    launched = time.time()
     process_wall = _stream(command, f"  {name}/{seed} ")[1]
     summary = json.loads((run_dir / "summary.json").read_text())
+    # The job's times count from its command line's start; the interpreter's start before
+    # it counts here too, as it does for the single-process references.
+    before = max(0.0, summary.get("started_at", launched) - launched)
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     reached = next(
         (r for r in rows if r["mean_return"] and float(r["mean_return"]) >= args.target), None
@@ -152,8 +156,8 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     # when it decided to stop is the time to the target. Its shutdown (actors flushed,
     # learners and shards stopped) is not counted.
     seconds = None
-    if summary["stopped_by"] == "return":
-        seconds = summary.get("stopped_at_s")
+    if summary["stopped_by"] == "return" and summary.get("stopped_at_s") is not None:
+        seconds = summary["stopped_at_s"] + before
     frames = summary["frames"] if summary["stopped_by"] == "return" else None
     if frames is None and reached:
         frames = int(reached["frames"])
@@ -164,7 +168,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         "seed": seed,
         "frames_to_target": frames,
         "seconds_to_target": seconds,
-        "startup_s": startup.get("first_insert"),
+        "startup_s": startup["first_insert"] + before if "first_insert" in startup else None,
         "startup": startup,
         "final_return": summary["mean_return"],
         "eval_return": None,

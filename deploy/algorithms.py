@@ -3,26 +3,22 @@ before anything of the job starts.
 
 DQN acts on ``Discrete`` actions, SAC and TD3 on float ``Box`` actions with finite bounds
 (their policies squash into them), PPO on either (a float ``Box``: its Gaussian's draws
-are clipped to the bounds, which may be infinite). :func:`check_action_space` refuses a mismatch naming both the
-algorithm and the env's space. The launcher checks it twice: from the YAML alone, with
-gymnasium alone (:func:`action_space_of`), while Ray's module imports, so that a mismatch
-never starts Ray; and on the checked config, with the env made as every lane makes it
-(:func:`millpond.deploy.env_fleet.env_spaces`), which also covers wrappers. Light on
-purpose: gymnasium and numpy only (imported when
-used, since the command line imports this module before Ray), no torch.
+are clipped to the bounds, which may be infinite). :func:`check_action_space` refuses a
+mismatch naming both the algorithm and the env's space; the launcher checks it before Ray
+starts, on the env made as every lane makes it (:func:`millpond.deploy.preflight.env_spaces`,
+so wrappers count). Light on purpose: gymnasium and numpy only, imported when used, no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from millpond.errors import InvalidConfigError
 
 if TYPE_CHECKING:
     import gymnasium as gym
 
-__all__ = ["ALGORITHMS", "action_space_of", "check_action_space"]
+__all__ = ["ALGORITHMS", "check_action_space"]
 
 #: What ``learner.algorithm`` takes, and the action spaces each can act in.
 ALGORITHMS: dict[str, tuple[str, ...]] = {
@@ -58,32 +54,6 @@ def check_action_space(algorithm: str, space: gym.Space, env_id: str) -> None:
             f"learner.algorithm: {algorithm} needs a {' or '.join(wants)} action space, and env "
             f"{env_id!r} has {space}{hint}"
         )
-
-
-def action_space_of(doc: Mapping[str, Any]) -> tuple[str, gym.Space, str] | None:
-    """``(algorithm, action space, env id)`` from a config's YAML as it stands, the env made
-    by gymnasium alone; ``None`` where that cannot tell plainly (env wrappers, an env that
-    needs more than gymnasium to be made, a malformed section): the checked config's
-    own probe decides then."""
-    import gymnasium as gym  # deferred: this runs on the thread that imports beside Ray
-
-    env = doc.get("env") or {}
-    learner = doc.get("learner") or {}
-    if not isinstance(env, Mapping) or not isinstance(learner, Mapping) or env.get("wrappers"):
-        return None
-    env_id = env.get("id", "CartPole-v1")
-    algorithm = learner.get("algorithm", "ppo")
-    kwargs = env.get("kwargs") or {}
-    if not isinstance(env_id, str) or env_id not in gym.registry or not isinstance(kwargs, Mapping):
-        return None
-    try:
-        probe = gym.make(env_id, **kwargs)
-    except Exception:
-        return None
-    try:
-        return str(algorithm), probe.action_space, env_id
-    finally:
-        probe.close()
 
 
 def _fits(space: gym.Space, kinds: tuple[str, ...]) -> bool:

@@ -265,11 +265,15 @@ def run_import(args: argparse.Namespace) -> int:
     try:
         rows = import_ted(table, packed, timeout=0)
         capacity = table.config.capacity
+        slice_len = table.config.slice_len or 1
     finally:
         table.close()
+    largest = capacity // slice_len
     print(
         f"millpond: imported {rows} rows into table {args.table!r} of {shard} "
-        f"({len(packed)} segments, {needed} of {capacity} slots)",
+        f"({len(packed)} segments, {needed} of {capacity} slots); it samples batches of at "
+        f"most {largest}{f' slices of {slice_len} steps' if slice_len > 1 else ' steps'} "
+        "(its capacity: give --capacity for larger ones)",
         flush=True,
     )
     return 0

@@ -18,32 +18,13 @@ from millpond.actors.envs import make_env
 from millpond.actors.fleet import ActorFleet, FleetStatus
 from millpond.actors.policies import EpsilonGreedy, GaussianNoise
 from millpond.actors.ray_actor import ActorConfig
-from millpond.deploy.algorithms import check_action_space
-from millpond.errors import InvalidConfigError
 from millpond.learner.networks import network_for
 
 if TYPE_CHECKING:
     from millpond.deploy.launch_config import LaunchConfig
     from millpond.learner.client import ReplayClient
 
-__all__ = ["EnvFleet", "actor_config", "env_spaces", "fleet_options", "network_of"]
-
-
-def env_spaces(config: LaunchConfig) -> tuple[Any, Any]:
-    """The env's observation and action spaces, from one env made (and closed) as every
-    lane makes it, so that the learner's networks see the actors' spaces; a wrong env id,
-    or an action space the learner's algorithm cannot act in, is a config error."""
-    c = config
-    try:
-        probe = make_env(c.env.id, c.env.kwargs, c.env.wrappers)
-    except InvalidConfigError as e:
-        raise InvalidConfigError(f"env: {e}") from None
-    except Exception as e:
-        raise InvalidConfigError(f"env: cannot make {c.env.id!r}: {e}") from None
-    spaces = probe.observation_space, probe.action_space
-    probe.close()
-    check_action_space(c.learner.algorithm, spaces[1], c.env.id)
-    return spaces
+__all__ = ["EnvFleet", "actor_config", "fleet_options", "network_of"]
 
 
 def network_of(config: LaunchConfig) -> str:

@@ -2,6 +2,9 @@
 
 The job, in the order it starts:
 
+0. Checks (:meth:`Launch.prepare`): the config, the env made once, the learner's network,
+   the token file, a ``--replay`` service; and the run directory claimed for this job
+   alone (:mod:`~millpond.deploy.run_dir`). A job that fails them starts nothing.
 1. Ray: a local instance by default; ``--address auto`` / ``ray://host:port`` joins a cluster.
 2. The replay service: ``replay.shards`` :class:`~millpond.deploy.replay_actor.ReplayShardActor`
    Ray actors, each serving one shard over gRPC (or, with ``--replay host:port,...``, an
@@ -30,14 +33,15 @@ every shard, actor and learner) and ``checkpoint.pt``.
 The job's parts live in rooms of their own: :mod:`~millpond.deploy.ray_start` (Ray),
 :mod:`~millpond.deploy.shard_supervisor` (the shards), :mod:`~millpond.deploy.learner_group`
 (the learners), :mod:`~millpond.deploy.env_fleet` (the env actors),
-:mod:`~millpond.deploy.status_rows` and :mod:`~millpond.deploy.resume`. Those that import
-Ray or torch are imported where the job uses them, not at the top: ``millpond launch``
-imports this module first, and them on a thread while Ray starts.
+:mod:`~millpond.deploy.status_rows`, :mod:`~millpond.deploy.resume`, the checks
+(:mod:`~millpond.deploy.preflight`, :mod:`~millpond.deploy.run_dir`) and the command line
+(:mod:`~millpond.deploy.launch_cli`). Those that import Ray or torch are imported where the
+job uses them, not at the top: ``millpond launch`` imports this module first, checks the
+job, and imports them on a thread while Ray starts.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
@@ -51,20 +55,23 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from millpond.deploy.ray_start import init_ray, process_start, start_ray_while_importing
+from millpond.deploy.ray_start import init_ray
 from millpond.deploy.resume import read_resume_state
+from millpond.deploy.run_dir import RunDir, claim_run_dir
 from millpond.deploy.run_eval import RunEvaluation
 from millpond.deploy.run_report import RunReport, format_summary, progress_line
 from millpond.deploy.status_rows import StatusRows
-from millpond.errors import InvalidConfigError, MillpondError
+from millpond.errors import InvalidConfigError, MillpondError, ShardUnavailableError
 
 if TYPE_CHECKING:  # they import Ray or torch: see the module docstring
     from millpond.actors.ray_actor import ActorConfig
     from millpond.deploy.env_fleet import EnvFleet
     from millpond.deploy.launch_config import LaunchConfig
+    from millpond.deploy.learner_group import LearnerGroup
+    from millpond.deploy.preflight import CheckedJob
     from millpond.deploy.shard_supervisor import ShardSupervisor
 
-__all__ = ["Launch", "build_parser", "run"]
+__all__ = ["Launch"]
 
 log = logging.getLogger("millpond.launch")
 
@@ -76,10 +83,15 @@ class _Stop(Exception):
 class Launch:
     """One ``millpond launch`` job (see the module docstring).
 
+    :meth:`prepare` checks the job and claims its run directory, starting nothing;
+    :meth:`run` does it first if it was not done.
+
     Args:
         config: the checked job config.
         replay: addresses of running shards to use instead of starting them.
-        run_dir: where the run writes; ``None``: ``run.dir/NAME-YYYYmmdd-HHMMSS``.
+        run_dir: where the run writes: a new or empty directory (a directory that holds an
+            earlier run is refused, see ``overwrite``); ``None``: a new
+            ``run.dir/NAME-YYYYmmdd-HHMMSS-XXXX`` (``XXXX`` random).
         out: where progress lines go.
         resume: continue the job that stopped in ``run_dir`` (``millpond launch --resume``):
             its learner from ``checkpoint.pt``, its shards from their directories, its
@@ -91,6 +103,11 @@ class Launch:
         on_progress: called with each metrics row (a dict of
             :data:`~millpond.deploy.run_report.COLUMNS`) as it is recorded; returning
             ``False`` stops the job (as :meth:`stop` does).
+        overwrite: ``run_dir`` may hold an earlier run, which is replaced (its files
+            deleted); without it such a directory is refused.
+        started_at: the wall-clock time the startup times in ``summary.json``
+            (``startup_s``, ``stopped_at_s``) count from; ``None``: when this object is made
+            (the command line passes its own start).
     """
 
     def __init__(
@@ -103,20 +120,25 @@ class Launch:
         resume: bool = False,
         owns_ray: bool = False,
         on_progress: Callable[[dict[str, Any]], Any] | None = None,
+        overwrite: bool = False,
+        started_at: float | None = None,
     ) -> None:
-        # Deferred: imports Ray and torch (see the module docstring).
-        from millpond.deploy.learner_group import LearnerGroup
-
+        self._started_wall = time.time() if started_at is None else started_at
         self.config = config
         self.replay = replay
-        stamp = time.strftime("%Y%m%d-%H%M%S")
         if resume and run_dir is None:
             raise InvalidConfigError("resume: name the run directory to continue (run_dir)")
-        self.run_dir = Path(run_dir or Path(config.run.dir) / f"{config.name}-{stamp}")
+        if resume and overwrite:
+            raise InvalidConfigError("--resume and --overwrite: a run is continued or replaced")
+        self._overwrite = overwrite
+        # The directory named, until prepare() claims it (a new one when None).
+        self.run_dir: Path | None = Path(run_dir) if run_dir is not None else None
+        self._claim: RunDir | None = None
+        self._checked: CheckedJob | None = None
         # Read before anything starts or writes: a job that cannot resume changes nothing.
-        self._resumed = read_resume_state(self.run_dir, config) if resume else None
+        self._resumed = read_resume_state(Path(run_dir), config) if resume else None
         self.out = out or sys.stdout
-        self._started_ray = owns_ray
+        self.owns_ray = owns_ray
         self._ray_info: dict[str, Any] = {}  # the cluster the job ran on
         self.network: str | None = None  # the learner's network family, once chosen
         self._shards: ShardSupervisor | None = None  # None: a --replay service
@@ -124,14 +146,15 @@ class Launch:
         self._nodes: dict[str, Any] = {}  # where each part of the job ran
         self._node_refs: dict[str, list[Any]] = {}
         r = self._resumed
-        self._learners = LearnerGroup(config, self.run_dir, self._nodes, self._say, r)
+        self._learners: LearnerGroup | None = None  # made by run()
         self._learner_reports: list[dict[str, Any]] = []
         self._in_loop = False
+        self._looped = False  # the loop began: there are final counters to read
         self._stop_requested = False  # SIGTERM during the loop
         self._time_offset = r.wall_s if r else 0.0  # a resumed run's time goes on
         self._next_actor_index = r.next_actor_index if r else 0
         self._started_at = time.monotonic()
-        # Seconds from the process's start to the end of each startup phase (summary.json).
+        # Seconds from the job's start (started_at) to the end of each startup phase.
         self._startup: dict[str, float] = {}
         self._stopped_at: float | None = None
         self._rows = StatusRows(config, self._time_offset, self._started_at)
@@ -148,15 +171,73 @@ class Launch:
     @property
     def version(self) -> int | None:
         """The last published weight version."""
-        return self._learners.version
+        return self._learners.version if self._learners is not None else None
 
     # -- the job ---------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Check the job and claim its run directory, starting nothing of it (no Ray).
+
+        The env is made once and closed, the learner's network chosen for its
+        observations, the token file read (:func:`~millpond.deploy.preflight.check_job`);
+        the run directory claimed for this job alone
+        (:func:`~millpond.deploy.run_dir.claim_run_dir`); a ``--replay`` service reached
+        and the job's table created there.
+        Raises :class:`InvalidConfigError` (or the service's error) and leaves no run
+        directory behind. :meth:`run` calls it when it was not called.
+        """
+        if self._claim is not None:
+            return
+        from millpond.deploy.preflight import check_job  # deferred: imports torch
+
+        self._checked = check_job(self.config, self.replay)
+        self._mark("checked")  # the config read and checked, the env made once
+        self.network = self._checked.network
+        c = self.config
+        self._claim = claim_run_dir(
+            self.run_dir,
+            parent=c.run.dir,
+            name=c.name,
+            resume=self._resumed is not None,
+            overwrite=self._overwrite,
+        )
+        self.run_dir = self._claim.path
+        if self.replay:  # a service that cannot be reached refuses the job before Ray
+            try:
+                self._connect(self.replay, None)
+            except ShardUnavailableError as e:
+                self.abandon()
+                raise type(e)(f"--replay {self.replay}: {e}") from None
+            except BaseException:
+                self.abandon()
+                raise
+
+    def abandon(self) -> None:
+        """Give up a prepared job that will not run: its client closed, its run directory
+        released (and removed, if :meth:`prepare` made it)."""
+        if hasattr(self, "client"):
+            with contextlib.suppress(Exception):
+                self.client.close(timeout_s=5)
+        if self._claim is not None:
+            self._claim.abandon()
+
     def run(self) -> dict[str, Any]:
         """Run the job to its end; returns the summary (also in ``summary.json``)."""
+        from millpond.deploy.learner_group import LearnerGroup  # deferred: imports Ray
+
+        self.prepare()
+        assert self._claim is not None and self.run_dir is not None
+        try:
+            self._learners = LearnerGroup(
+                self.config, self.run_dir, self._nodes, self._say, self._resumed
+            )
+            return self._run()
+        finally:
+            self._claim.release()
+
+    def _run(self) -> dict[str, Any]:
         from millpond.deploy.launch_config import to_mapping  # deferred: imports torch
 
         c = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(c), sort_keys=False))
         report = RunReport(
             self.run_dir,
@@ -188,8 +269,8 @@ class Launch:
         return summary
 
     def _mark(self, phase: str) -> None:
-        """When ``phase`` of the startup ended: seconds since this process started."""
-        self._startup[phase] = round(time.time() - process_start(), 3)
+        """When ``phase`` of the startup ended: seconds since the job's start."""
+        self._startup[phase] = round(time.time() - self._started_wall, 3)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # In the loop the main thread mostly waits inside Ray's C code, which an exception
@@ -203,23 +284,18 @@ class Launch:
         # Deferred: Ray, torch and the rooms that import them (see the module docstring).
         import ray
 
-        from millpond.deploy.env_fleet import EnvFleet, env_spaces
+        from millpond.deploy.env_fleet import EnvFleet
         from millpond.deploy.learner_actor import where
-        from millpond.deploy.shard_supervisor import ShardSupervisor, connect
-        from millpond.learner.networks import network_for
+        from millpond.deploy.shard_supervisor import ShardSupervisor
 
-        self._mark("imports")  # the interpreter, the config, Ray, torch, the env packages
+        self._mark("imports")  # the config, Ray, torch, the env packages
         c = self.config
-        obs_space, act_space = env_spaces(c)  # before anything starts: a config error
-        c.replay.tokens()  # an unreadable token file is a config error, also before anything
-        if c.replay.tls is not None and self.replay is None:
-            raise InvalidConfigError(
-                "replay.tls: applies to a service named with --replay; the shards this job "
-                "starts serve plaintext"
-            )
+        assert self._checked is not None and self._learners is not None  # prepare(), run()
+        obs_space = self._checked.observation_space
+        act_space = self._checked.action_space
         if not ray.is_initialized():
             init_ray(c.ray.address, c.ray.num_cpus)
-            self._started_ray = True
+            self.owns_ray = True
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._on_signal)  # ray.init installs its own
         self._mark("ray")
@@ -232,22 +308,17 @@ class Launch:
         # actor (shards of a --replay service stay where they are).
         resolver = None
         if self.replay:
-            addresses = self.replay
+            addresses = self.replay  # connected by prepare()
         else:
             self._shards = ShardSupervisor(c, self.run_dir)
             addresses = self._shards.start()
             self._node_refs["replay"] = self._shards.node_refs
             resolver = self._shards.resolver()
-        tokens = c.replay.tokens()
-        self.client, actor_client, self.table = connect(c, addresses, resolver, tokens)
+            self._connect(addresses, resolver)
         self._say(f"replay: {addresses}  table {self.table!r}")
         self._mark("shards")
 
-        try:
-            self.network = network_for(obs_space, c.learner.network)
-        except InvalidConfigError as e:
-            raise InvalidConfigError(f"learner.network: {e}") from None
-        self._learners.connect(addresses, self.table, tokens[0], resolver)
+        self._learners.connect(addresses, self.table, c.replay.tokens()[0], resolver)
 
         # The env actors are created first, so that their processes start while the
         # learners do (see EnvFleet).
@@ -255,7 +326,7 @@ class Launch:
         self._next_actor_index = first_index + c.actors.num_actors
         r = self._resumed
         self._fleet = EnvFleet(
-            actor_client,
+            self._actor_client,
             c,
             self._actor_config(),
             first_index=first_index,
@@ -286,6 +357,15 @@ class Launch:
             f"run dir {self.run_dir}"
         )
 
+    def _connect(self, addresses: str, resolver: Any) -> None:
+        """The job's clients of the service at ``addresses``, and its table there."""
+        from millpond.deploy.shard_supervisor import connect  # deferred: imports Ray
+
+        tokens = self.config.replay.tokens()
+        self.client, self._actor_client, self.table = connect(
+            self.config, addresses, resolver, tokens
+        )
+
     def _actor_config(self) -> ActorConfig:
         """What each env actor runs, probing the env for the learner's network family if
         the learner was not made yet."""
@@ -300,7 +380,7 @@ class Launch:
         started = self._started_at = time.monotonic()
         self._rows.begin(self.client, self.table, started)
         self._base_frames = self._fleet.status.frames
-        self._in_loop = True
+        self._in_loop = self._looped = True
         try:
             return self._loop_until_done(report, started)
         finally:
@@ -358,7 +438,7 @@ class Launch:
 
         from millpond.deploy.placement import located
 
-        self._stopped_at = round(time.time() - process_start(), 3)
+        self._stopped_at = round(time.time() - self._started_wall, 3)
         self._eval.close()  # an evaluation still playing
 
         # Each step is guarded so that one failure does not leave the rest running.
@@ -393,9 +473,10 @@ class Launch:
         if learners.lost and (self.run_dir / "checkpoint.pt").exists():
             checkpoint = self.run_dir / "checkpoint.pt"  # the last periodic one
         row = None
-        if hasattr(self, "client"):
+        if self._looped:  # a job that failed to start has no counters of its own
             with _logged("reading the final counters"):
                 row = self._status_row(time.monotonic() - self._started_at)
+        if hasattr(self, "client"):
             with _logged("checkpointing the replay service"):
                 if self._shards is not None and self._shards.lost:
                     self._shards.checkpoint_live(self.client)
@@ -407,7 +488,7 @@ class Launch:
         if hasattr(self, "client"):
             with _logged("closing the client"):
                 self.client.close(timeout_s=10)
-        if self._started_ray:
+        if self.owns_ray:
             ray.shutdown()
         with _logged("evaluating the policy"):  # after Ray: its CPUs are free again
             self._eval.final(self.run_dir, reason, row["frames"] if row else None)
@@ -419,7 +500,8 @@ class Launch:
         with _logged("drawing the plot"):
             report.plot(f"{self.config.name}: {self.config.env.id}")
         report.write_summary(summary)
-        self._say("summary:\n" + format_summary(summary))
+        shown = [k for k in summary if k != "started_at"]  # a Unix time: for programs
+        self._say("summary:\n" + format_summary(summary, shown))
         return summary
 
     def _summary(
@@ -457,9 +539,10 @@ class Launch:
             "shard_restarts": sum(watch.restarts) if watch else 0,
             "shards": watch.summary() if watch else None,
             "next_actor_index": self._next_actor_index,
+            "started_at": round(self._started_wall, 3),  # the clock's zero, Unix time
             "startup_s": dict(self._startup),
             # When the job decided to stop (its frames, return or timeout reached, a signal,
-            # an error), in seconds since its process started, as startup_s counts.
+            # an error), in seconds since the job's start, as startup_s counts.
             "stopped_at_s": self._stopped_at,
             "resumes": r.history() if r else [],
             "actors_act_s": round(act_s, 2),
@@ -487,72 +570,6 @@ def _logged(what: str):
     try:
         yield
     except Exception as e:
-        log.error("shutdown: %s failed: %s", what, e)
+        from millpond.actors.remote_errors import first_line  # deferred: imports torch
 
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The ``millpond launch`` command line, added to ``parser`` (or a parser of its own)."""
-    p = parser or argparse.ArgumentParser(prog="millpond launch", description=__doc__)
-    p.add_argument(
-        "config",
-        nargs="?",
-        help="YAML job config, e.g. deploy/configs/cartpole-ppo.yaml (with --resume: "
-        "optional, the run's own config.yaml by default)",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set run.frames=50000 (repeatable)",
-    )
-    p.add_argument("--address", help="join a Ray cluster: 'auto' or 'ray://host:port'")
-    p.add_argument("--replay", help="use running shards 'host:port,...' instead of starting them")
-    p.add_argument("--run-dir", help="write the run here instead of run.dir/NAME-TIMESTAMP")
-    p.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="continue the stopped job of RUN_DIR: its config (--set changes it, e.g. "
-        "run.frames), learner checkpoint, shards and counters",
-    )
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the job of the command line ``args``; the process's exit status."""
-    overrides = list(args.overrides)
-    if args.address:
-        overrides.append(f"ray.address={args.address}")
-    if args.resume is None and args.config is None:
-        raise InvalidConfigError("launch: give a CONFIG file, or --resume RUN_DIR")
-    owns_ray = start_ray_while_importing(args, overrides)
-    try:
-        launch = _launch(args, overrides, owns_ray)
-    except BaseException:
-        if owns_ray:
-            import ray  # deferred: imported already, by start_ray_while_importing
-
-            ray.shutdown()
-        raise
-    summary = launch.run()
-    return {"frames": 0, "return": 0, "interrupted": 130}.get(summary["stopped_by"], 1)
-
-
-def _launch(args: argparse.Namespace, overrides: list[str], owns_ray: bool) -> Launch:
-    """The job of the command line, its config checked."""
-    # Deferred: imports torch (see the module docstring).
-    from millpond.deploy.launch_config import load_config, resume_config
-
-    if args.resume is None:
-        config = load_config(args.config, overrides)
-        return Launch(config, replay=args.replay, run_dir=args.run_dir, owns_ray=owns_ray)
-    if args.run_dir is not None and Path(args.run_dir).resolve() != Path(args.resume).resolve():
-        raise InvalidConfigError(
-            f"--run-dir {args.run_dir} and --resume {args.resume}: a resumed job writes "
-            "into the run directory it continues"
-        )
-    config, changes = resume_config(args.resume, args.config, overrides)
-    for change in changes:
-        print(f"resume: {change}", flush=True)
-    return Launch(config, replay=args.replay, run_dir=args.resume, resume=True, owns_ray=owns_ray)
+        log.error("shutdown: %s failed: %s", what, first_line(e))

@@ -333,7 +333,7 @@ class RunSection:
 
     Attributes:
         frames: env steps (all actors together) to collect before stopping.
-        dir: parent of the run directories; each run writes ``DIR/NAME-TIMESTAMP``.
+        dir: parent of the run directories; each run writes a new ``DIR/NAME-TIMESTAMP-XXXX``.
         status_every_s: seconds between progress lines (and metrics rows).
         return_window: episodes the reported mean return averages over.
         stop_at_return: stop early once the mean return reaches it; ``None``: never.

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from millpond.actors.remote_errors import first_line, from_remote
 from millpond.deploy.learner_actor import LearnerActor
-from millpond.deploy.placement import first_line, placement, placement_hint
+from millpond.deploy.placement import placement, placement_hint
 from millpond.errors import MillpondError
 
 if TYPE_CHECKING:
@@ -144,10 +145,7 @@ class LearnerGroup:
                 "`ray status`"
             ) from None
         except ray.exceptions.RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, MillpondError):
-                raise type(cause)(str(cause).splitlines()[-1]) from None
-            raise MillpondError(f"a learner failed to start: {e}") from None
+            raise from_remote(e, "a learner failed to start") from e
         self.nodes["learners"] = described
         # Every rank counts the version; rank 0 sends the weights the actors start with.
         self.version = ray.get([learner.publish.remote() for learner in self.actors])[0]
@@ -192,7 +190,7 @@ class LearnerGroup:
                     "last checkpoint.pt"
                 ) from None
             except ray.exceptions.RayTaskError as e:
-                raise MillpondError(f"learner {rank} failed: {e}") from None
+                raise from_remote(e, f"learner {rank}") from e
             self.stale_steps += report["dropped"]  # every rank drops its own stale steps
             if rank != 0:  # the ranks step together: rank 0 speaks for the group
                 continue

@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-__all__ = ["first_line", "located", "placement", "placement_hint"]
+__all__ = ["located", "placement", "placement_hint"]
 
 
 def placement(resources: dict[str, float], labels: dict[str, str]) -> dict[str, Any]:
@@ -27,11 +27,6 @@ def placement_hint(section: Any) -> str:
     parts.append(f"labels {section.label_selector}" if section.label_selector else "")
     wanted = " and ".join(p for p in parts if p)
     return f", on nodes with {wanted}" if wanted else ""
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an error (Ray's actor errors run to many)."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def located(refs: list[Any], timeout_s: float) -> list[Any]:

@@ -1,36 +1,31 @@
 """Ray for a ``millpond launch`` job: started in the main thread while another imports the
-job's modules, or joined when a cluster is named; and the process start that the job's
+job's modules, or joined when a cluster is named; and the command start that the job's
 startup times count from.
 
-Ray's start is mostly waiting for its own processes, the job's imports (torch and
-tensordict among them) mostly Python: side by side they take ~1.5 s less than one after the
-other. So the command line imports this module and not Ray: ``ray`` is imported in the
+Ray's start is mostly waiting for its own processes, the job's remaining imports (Ray's own,
+the actors', the shards') mostly Python: side by side they take less than one after the
+other. The job's config and env are checked before (:mod:`~millpond.deploy.preflight`),
+so that a bad one is refused before any Ray process exists; ``ray`` is imported in the
 functions that start it.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import logging
+import os
+import sys
 import threading
 import time
-from pathlib import Path
 
-from millpond.deploy.algorithms import action_space_of, check_action_space
-from millpond.deploy.config_files import read_config_doc
-from millpond.errors import InvalidConfigError, MillpondError
-
-__all__ = ["init_ray", "process_start", "start_ray_while_importing"]
+__all__ = ["command_start", "init_ray", "start_ray_while_importing", "token_auth_on_quietly"]
 
 _IMPORTED_AT = time.time()
 
-#: What the driver imports before its job starts (torch and tensordict among them, ~2 s of
-#: CPU): imported in a thread while Ray starts.
+#: What the driver imports after its config is checked and before its job starts (Ray, the
+#: actors', learners' and shards' rooms): imported in a thread while Ray starts.
 _JOB_MODULES = (
-    "millpond.deploy.launch_config",
-    "millpond.actors.envs",
     "millpond.actors.fleet",
     "millpond.deploy.replay_actor",
     "millpond.deploy.learner_actor",
@@ -42,19 +37,21 @@ _JOB_MODULES = (
 )
 
 
-def process_start() -> float:
-    """This process's start (wall clock), so that startup times include the imports."""
-    try:
-        import psutil  # a Ray dependency: a process without it counts from this import
+def command_start() -> float:
+    """When this ``millpond`` command began (wall clock): the import of its command line, or
+    of this module in a program that runs a job without it.
 
-        return psutil.Process().create_time()
-    except Exception:  # pragma: no cover - without psutil: from this module's import
-        return _IMPORTED_AT
+    Not the process's start: ``pip install ... && millpond launch`` runs the command in the
+    process of the shell that ran pip first, and that clock would count the install.
+    """
+    cli = sys.modules.get("millpond.cli")
+    return min(getattr(cli, "STARTED_AT", _IMPORTED_AT), _IMPORTED_AT)
 
 
-def init_ray(address: str | None, num_cpus: int | None) -> None:
+def init_ray(address: str | None, num_cpus: int | None, log_to_driver: bool = True) -> None:
     """``ray.init`` as a job starts it: its own local instance unless ``address`` names a
-    cluster."""
+    cluster; ``log_to_driver``: the actors' output (their log lines, the tracebacks of
+    their errors) printed here too, besides Ray's session logs."""
     import ray  # this module is the command line's: Ray imports while it starts
 
     ray.init(
@@ -65,51 +62,29 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
         include_dashboard=False,
         logging_level=logging.WARNING,
         configure_logging=True,
+        log_to_driver=log_to_driver,
     )
 
 
-def start_ray_while_importing(args: argparse.Namespace, overrides: list[str]) -> bool:
-    """Start Ray in this (the main) thread while another imports the job's modules; whether
-    Ray was started.
+def token_auth_on_quietly(address: str | None) -> None:
+    """Token authentication for the local Ray instance a job starts, said plainly.
 
-    The ``ray`` section is read from the file as it stands (the whole config is checked
-    after, and a bad one stops Ray again); where it cannot be read plainly, or Ray runs
-    already, nothing starts here. Nor does it where the learner's algorithm does not fit
-    the env's action space (:mod:`millpond.deploy.algorithms`, checked with gymnasium
-    while Ray imports): the job's own check then refuses the config before Ray.
+    Ray turns it on for a new local instance when ``RAY_AUTH_MODE`` is unset, and then warns
+    so on every start; set to ``token`` it does the same without the warning. Only for a
+    local instance (``address`` ``None``), before Ray is imported, and only when unset: a
+    cluster joined keeps its own mode, and a user's setting is kept.
     """
-    try:
-        path = args.config if args.config is not None else Path(args.resume) / "config.yaml"
-        doc = read_config_doc(path, overrides)
-        section = doc.get("ray", {})
-    except (MillpondError, OSError):
-        return False
-    section = {} if section is None else section
-    address = section.get("address") if isinstance(section, dict) else None
-    num_cpus = section.get("num_cpus") if isinstance(section, dict) else None
-    plain = (
-        isinstance(section, dict)
-        and set(section) <= {"address", "num_cpus"}
-        and (address is None or (isinstance(address, str) and address.strip() != ""))
-        and (num_cpus is None or (type(num_cpus) is int and num_cpus >= 1))
-    )
-    if not plain:
-        return False
+    if address is None and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-    misfit: list[InvalidConfigError] = []
-    checked = threading.Event()
+
+def start_ray_while_importing(
+    address: str | None, num_cpus: int | None, log_to_driver: bool = True
+) -> bool:
+    """Start Ray in this (the main) thread while another imports the job's modules; whether
+    Ray was started (not when this program runs Ray already: the job joins it)."""
 
     def load() -> None:
-        try:
-            found = action_space_of(doc)
-            if found is not None:
-                check_action_space(*found)
-        except InvalidConfigError as e:
-            misfit.append(e)
-        except Exception:  # anything else: the job's own check decides
-            pass
-        finally:
-            checked.set()
         for name in _JOB_MODULES:
             # An import that fails here fails again, with its traceback, where it is used.
             with contextlib.suppress(Exception):
@@ -122,10 +97,7 @@ def start_ray_while_importing(args: argparse.Namespace, overrides: list[str]) ->
 
         if ray.is_initialized():  # a program's own Ray: Launch joins it
             return False
-        checked.wait()
-        if misfit:  # refused by the job's check, with nothing started
-            return False
-        init_ray(address, num_cpus)
+        init_ray(address, num_cpus, log_to_driver)
     finally:
         importer.join()
     return True

@@ -24,8 +24,9 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from millpond.actors.remote_errors import first_line, from_remote
 from millpond.deploy.learner_actor import where
-from millpond.deploy.placement import first_line, placement, placement_hint
+from millpond.deploy.placement import placement, placement_hint
 from millpond.deploy.replay_actor import ReplayShardActor, ShardAddresses
 from millpond.errors import AuthenticationError, MillpondError, PermissionDeniedError
 from millpond.learner.client import ReplayClient
@@ -126,6 +127,11 @@ class ShardSupervisor:
                 ray.kill(shard)
             self.actors.clear()
             raise self._unplaced() from None
+        except ray.exceptions.RayError as e:  # a shard that failed to start: its own error
+            for shard in self.actors:
+                ray.kill(shard)
+            self.actors.clear()
+            raise from_remote(e, "a replay shard failed to start") from e
         self.node_refs = [s.__ray_call__.remote(where) for s in self.actors]
         self.watch = ShardWatch(self.actors, addresses, c.replay.max_restarts)
         self.watch.poll(wait_s=5.0)  # where each serves (and its metrics endpoint)

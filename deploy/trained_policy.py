@@ -34,8 +34,9 @@ from torch import nn
 
 from millpond.actors.envs import make_env, observation_leaves
 from millpond.actors.policies import ModulePolicy, make_policy
-from millpond.deploy.env_fleet import actor_config, env_spaces
+from millpond.deploy.env_fleet import actor_config
 from millpond.deploy.launch_config import LaunchConfig, load_config
+from millpond.deploy.preflight import env_spaces
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner.networks import network_for
 

@@ -227,12 +227,7 @@ class NatureCNN(nn.Module):
 
     def __init__(self, observation_space: gym.Space) -> None:
         super().__init__()
-        if not (
-            isinstance(observation_space, gym.spaces.Box) and len(observation_space.shape) == 3
-        ):
-            raise InvalidConfigError(
-                f"the Nature CNN takes 3-D Box observations [C, H, W], not {observation_space}"
-            )
+        _check_cnn_input(observation_space)
         self.obs_shape: tuple[int, ...] = tuple(observation_space.shape)
         self.scale = 1 / 255 if observation_space.dtype == np.uint8 else 1.0
         channels, height, width = self.obs_shape
@@ -304,7 +299,8 @@ def nature_cnn_q(observation_space: gym.Space, action_space: gym.Space) -> CNNHe
 
 def network_for(observation_space: gym.Space, network: str = "auto") -> str:
     """``"mlp"`` or ``"nature_cnn"``: ``network`` itself, or for ``"auto"`` the CNN exactly
-    when observations are a 3-D ``uint8`` ``Box`` (stacked frames), else the MLP."""
+    when observations are a 3-D ``uint8`` ``Box`` (stacked frames), else the MLP; the CNN
+    named for observations it cannot take is refused."""
     if network not in NETWORKS:
         raise InvalidConfigError(f"network ({network!r}) must be one of {', '.join(NETWORKS)}")
     if network == "auto":
@@ -314,7 +310,16 @@ def network_for(observation_space: gym.Space, network: str = "auto") -> str:
             and observation_space.dtype == np.uint8
         )
         return "nature_cnn" if pixels else "mlp"
+    if network == "nature_cnn":
+        _check_cnn_input(observation_space)
     return network
+
+
+def _check_cnn_input(observation_space: gym.Space) -> None:
+    if not (isinstance(observation_space, gym.spaces.Box) and len(observation_space.shape) == 3):
+        raise InvalidConfigError(
+            f"the Nature CNN takes 3-D Box observations [C, H, W], not {observation_space}"
+        )
 
 
 def _conv(in_channels: int, out_channels: int, kernel: int, stride: int, std: float) -> nn.Conv2d:

@@ -6,8 +6,13 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 
 from millpond.errors import MillpondError
+
+#: When this command began (wall clock): what a job's startup times count from. Not the
+#: process's start, which is a shell's when it runs other commands before exec'ing this one.
+STARTED_AT = time.time()
 
 #: name -> (help, module, its parser builder, its runner). A command's module is imported
 #: only when that command runs (or ``--help`` lists them all): most import torch, and
@@ -27,7 +32,7 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "launch": (
         "run a training job: replay, env actors, learner",
-        "millpond.deploy.launch",
+        "millpond.deploy.launch_cli",
         "build_parser",
         "run",
     ),

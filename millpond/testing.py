@@ -435,3 +435,30 @@ def pattern_segment(
     )
     tail = TensorDict({"observation": pattern(episode, first_step + length, obs_shape)}, [])
     return Segment(td, tail, episode, first_step)
+
+
+def sample_in_parts(table, n: int, **kwargs) -> TensorDictBase:
+    """``n`` rows of ``table.sample`` drawn in batches the table allows (at most its capacity
+    in steps, ``slice_len`` steps a row), concatenated: many draws for a statistic."""
+    most = max(1, table.config.capacity // (table.config.slice_len or 1))
+    parts = []
+    while n > 0:
+        parts.append(table.sample(min(n, most), **kwargs))
+        n -= len(parts[-1])
+    return torch.cat(parts, 0)
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a shard's Prometheus endpoint on ``port``: ``{(name, sorted labels):
+    value}``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

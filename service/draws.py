@@ -33,6 +33,21 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def check_batch_fits(config: TableConfig, batch_size: int) -> tuple[int, str]:
+    """Refuse a batch of more steps (``batch_size`` x ``slice_len``) than ``config``'s table
+    has slots, in process and through the service alike: such a batch is never a useful
+    one (a queue never holds it; a uniform or prioritized table would repeat its rows) and
+    is what sampling would allocate. Returns its steps and how the refusal names them."""
+    k = config.slice_len or 1
+    steps = batch_size * k
+    what = f"batch_size ({batch_size})" + (f" x slice_len ({k}) = {steps} steps" if k > 1 else "")
+    if steps > config.capacity:
+        raise InvalidDataError(
+            f"{what} exceeds the capacity of table {config.name!r} ({config.capacity} slots)"
+        )
+    return steps, what
+
+
 class TableDraws:
     """The sample side of :class:`~millpond.service.table.Table` (one of its bases: the
     state it works on is the table's, under the table's lock; so are its waits)."""
@@ -102,12 +117,8 @@ class TableDraws:
             raise InvalidDataError(f"table {self.name!r} is a queue: {form.not_for_queues}")
         check_batch_size(batch_size)
         batch_size = int(batch_size)
-        if isinstance(self.sampler, QueueSampler) and batch_size > self.config.capacity:
-            raise InvalidDataError(
-                f"batch_size ({batch_size}) exceeds the queue's capacity ({self.config.capacity})"
-            )
+        steps, _ = check_batch_fits(self.config, batch_size)
         deadline = None if timeout is None else time.monotonic() + timeout
-        steps = batch_size * (self.config.slice_len or 1)
         with self._cond:
             while True:
                 self._check_open()

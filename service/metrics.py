@@ -68,8 +68,16 @@ class ServiceMetrics:
         )
         self.rpc_errors = Counter(
             "millpond_rpc_errors",
-            "Calls answered with an error, by method and gRPC status code.",
+            "Calls answered with an error, by method and gRPC status code (waits that ran "
+            "out and calls their clients cancelled are not errors).",
             ["method", "code"],
+            registry=self.registry,
+        )
+        self.rate_limiter_timeouts = Counter(
+            "millpond_rate_limiter_timeouts",
+            "Calls answered DEADLINE_EXCEEDED because the rate limiter (or a queue short of "
+            "steps) held them back for the whole timeout their client gave.",
+            ["method"],
             registry=self.registry,
         )
 
@@ -86,7 +94,12 @@ class ServiceMetrics:
         self.wire_messages.labels(method, "in").inc()
 
     def error(self, method: str, code: str) -> None:
+        """One call answered with an error."""
         self.rpc_errors.labels(method, code).inc()
+
+    def timed_out(self, method: str) -> None:
+        """One call held back by the rate limiter until its timeout ran out."""
+        self.rate_limiter_timeouts.labels(method).inc()
 
 
 _C, _G = CounterMetricFamily, GaugeMetricFamily

@@ -32,11 +32,16 @@ def edge(method: Callable) -> Callable:
 
     def fail(servicer, exc: BaseException, context: grpc.ServicerContext) -> None:
         if isinstance(exc, grpc.RpcError) or not context.is_active():
-            return  # the client went away (or the server is stopping): nobody to answer
+            # The client went away (cancelled, its deadline passed) or the server is
+            # stopping: nobody to answer, and no error of this shard's to count.
+            return
         if isinstance(exc, MemoryError):  # what a request asked for does not fit: say so
             exc = ResourceExhaustedError(f"out of memory serving {method.__name__}: {exc}")
         code, message, error_name = status_of(exc)
-        servicer.metrics.error(method.__name__, code.name)
+        if isinstance(exc, RateLimiterTimeoutError):  # the wait the client asked for, over
+            servicer.metrics.timed_out(method.__name__)
+        else:
+            servicer.metrics.error(method.__name__, code.name)
         if len(message) > _MAX_DETAILS:
             message = f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"
         if code == grpc.StatusCode.INTERNAL:

@@ -15,6 +15,7 @@ from millpond.errors import InvalidDataError, ResourceExhaustedError
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import samples, wire
 from millpond.sample_format import ColocatedSample, SlotSample
+from millpond.service.draws import check_batch_fits
 from millpond.service.metrics import ServiceMetrics
 from millpond.service.rpc_edge import Cancelled, edge, in_slices, timeout_s
 from millpond.service.sample_forms import COLOCATED, SLOTS, TED, SampleForm
@@ -121,14 +122,7 @@ class SampleRPC:
         """
         config = table.config
         k = config.slice_len or 1
-        steps = batch_size * k
-        what = f"batch_size ({batch_size})" + (
-            f" x slice_len ({k}) = {steps} steps" if k > 1 else ""
-        )
-        if steps > config.capacity:
-            raise InvalidDataError(
-                f"{what} exceeds the capacity of table {config.name!r} ({config.capacity} slots)"
-            )
+        steps, what = check_batch_fits(config, batch_size)
         spec = table.spec
         if spec is None:  # nothing stored yet: the message limit is checked on each batch
             return

@@ -12,7 +12,7 @@ from millpond import Table, TableConfig
 from millpond.errors import InvalidDataError
 from millpond.service.export import export_hdf5, export_ted, load_hdf5
 from millpond.ted import FRESH_EPISODE_ID_BASE, compact_ted
-from millpond.testing import TED_ROW_KEYS, rollout, stored_segments
+from millpond.testing import TED_ROW_KEYS, rollout, sample_in_parts, stored_segments
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_trajectory_continued_across_calls(make_table, tmp_path):
     steps = out["step"][out["episode_id"] == long_traj]
     assert steps.tolist() == list(range(int(lengths[long_traj])))
 
-    sample = table.sample(256)
+    sample = sample_in_parts(table, 256)  # batches of at most 400 / 4 slices
     assert sample.batch_size == (256, 4)
     expected_unflagged = rows_by_step(td, UNFLAGGED_KEYS)
     flags = rows_by_step(td, [("next", "terminated"), ("next", "truncated")])

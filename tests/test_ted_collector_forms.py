@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 from millpond import Table, TableConfig
 from millpond.errors import InvalidDataError
 from millpond.service.export import export_ted
-from millpond.testing import TED_ROW_KEYS
+from millpond.testing import TED_ROW_KEYS, sample_in_parts
 
 pytest.importorskip("torchrl")
 from torchrl.collectors import Collector, MultiSyncCollector
@@ -99,7 +99,7 @@ def test_a_stacking_multi_collector_batch_is_stored_exactly(make_table, tmp_path
     assert stored_rows(table, tmp_path / "export") == sorted(
         b for td in data for b in row_bytes(td)
     )
-    sample = table.sample(256)
+    sample = sample_in_parts(table, 256)  # batches of at most 1,000 / 4 slices
     assert torch.equal(sample["next", "observation"][:, :-1], sample["observation"][:, 1:])
 
 
@@ -123,7 +123,7 @@ def test_sources_with_the_same_trajectory_ids_are_never_joined(make_table) -> No
         table.extend(y, source="collector-b")
     assert table.size == 2 * 3 * 40
     for _ in range(8):
-        sample = table.sample(512)
+        sample = sample_in_parts(table, 512)  # batches of at most 2,000 / 4 slices
         # Within a slice, every next observation is the following step's observation:
         # a slice that ran from one source's trajectory into the other's would break it.
         assert torch.equal(sample["next", "observation"][:, :-1], sample["observation"][:, 1:])

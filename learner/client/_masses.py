@@ -79,8 +79,9 @@ class ShardMasses:
         for shard in self._set.shards:
             self.set_mass(shard, table, 0.0)
 
-    def refresh(self, table: str, shards: Sequence[ShardHandle]) -> None:
-        """Ask ``shards`` for ``table``'s info now (mass, config); marks down shards.
+    def refresh(self, table: str, shards: Sequence[ShardHandle], doing: str = "Sample") -> None:
+        """Ask ``shards`` for ``table``'s info now (mass, config); marks down shards (a
+        warning says the ``doing`` call goes on without them).
 
         Raises :class:`TableNotFoundError` if every shard that answered lacks the table,
         or another error a shard returned that is not about reachability.
@@ -91,7 +92,7 @@ class ShardMasses:
         timeout_s = self._set.timeout_s
         timeout = PROBE_TIMEOUT_S if timeout_s is None else min(timeout_s, PROBE_TIMEOUT_S)
         results = self._set.each(
-            shards, lambda s: self._set.call(s, "Info", request, timeout=timeout)
+            shards, lambda s: self._set.call(s, "Info", request, timeout=timeout, doing=doing)
         )
         missing: list[TableNotFoundError] = []
         answered = 0

@@ -273,10 +273,13 @@ class ShardSet:
         method: str,
         request: Any,
         timeout: float | object | None = DEFAULT,
+        doing: str | None = None,
     ) -> Any:
         """One unary (or client-streaming) call, with errors mapped and shard state noted.
 
         ``timeout``: the call's deadline in seconds (default: the client's ``timeout_s``).
+        ``doing``: the client's call it serves, for the warning of a shard found down
+        (``"Sample"`` for the ``Info`` calls sampling makes; default: ``method``).
         """
         deadline = self.timeout_s if timeout is DEFAULT else timeout
         try:
@@ -284,27 +287,37 @@ class ShardSet:
                 request, timeout=deadline, metadata=self.metadata
             )
         except grpc.RpcError as err:
-            self.note_failure(shard, err)
+            self.note_failure(shard, err, doing or method)
             raise from_rpc_error(err, shard.address) from err
         self.note_up(shard)
         return response
 
-    def note_failure(self, shard: ShardHandle, err: grpc.RpcError) -> None:
+    def note_failure(self, shard: ShardHandle, err: grpc.RpcError, method: str) -> None:
         if is_connect_failure(err):
-            self.note_down(shard, from_rpc_error(err, shard.address))
+            self.note_down(shard, from_rpc_error(err, shard.address), method)
 
-    def note_down(self, shard: ShardHandle, error: MillpondError) -> None:
+    def note_down(self, shard: ShardHandle, error: MillpondError, method: str = "Sample") -> None:
+        """Mark ``shard`` down, found so by a ``method`` call (the warning names it)."""
         if shard.resolve() == "moved":  # restarted elsewhere: the next call dials it
             return
         if shard.gone:
             return
         if shard.mark_down():
-            logger.warning(
-                "shard %s is unavailable (%s); sampling continues from the other shards, "
-                "and it is tried again every few seconds",
-                shard.address,
-                error,
-            )
+            if method == "Sample":
+                logger.warning(
+                    "shard %s is unavailable (%s); sampling continues from the other shards, "
+                    "and it is tried again every few seconds",
+                    shard.address,
+                    error,
+                )
+            else:  # info, a table's creation...: no sampling to go on
+                logger.warning(
+                    "shard %s did not answer %s (%s); it is marked unavailable and tried "
+                    "again every few seconds",
+                    shard.address,
+                    method,
+                    error,
+                )
 
     def note_up(self, shard: ShardHandle) -> None:
         if shard.mark_up():

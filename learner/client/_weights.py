@@ -63,7 +63,7 @@ def fetch(
         call = shard.stub.GetWeights(request, timeout=deadline, metadata=shards.metadata)
         messages = list(call)
     except grpc.RpcError as err:
-        shards.note_failure(shard, err)
+        shards.note_failure(shard, err, "GetWeights")
         raise from_rpc_error(err, shard.address) from err
     shards.note_up(shard)
     if not messages:

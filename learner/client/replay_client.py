@@ -356,7 +356,7 @@ class ReplayClient:
             # Ask every live shard: the first insert may have set the spec on another one, and
             # this shard must not take a different spec from this writer.
             with contextlib.suppress(MillpondError):
-                self._masses.refresh(table, [s for s in shards if not s.down])
+                self._masses.refresh(table, [s for s in shards if not s.down], doing="Info")
         writer = Writer(
             pinned,
             table,

@@ -6,7 +6,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from millpond.deploy.algorithms import action_space_of, check_action_space
+from millpond.deploy.algorithms import check_action_space
 from millpond.errors import InvalidConfigError
 
 BOX = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
@@ -52,16 +52,3 @@ def test_fits_pass():
     check_action_space("ppo", gym.spaces.Box(-np.inf, np.inf, (2,), np.float32), "E")
     check_action_space("dqn", gym.spaces.Discrete(2, start=1), "E")
     check_action_space("a2c", BOX, "E")  # unknown: the config check names it
-
-
-def test_action_space_from_the_yaml_alone():
-    algorithm, space, env_id = action_space_of(
-        {"env": {"id": "Pendulum-v1"}, "learner": {"algorithm": "sac"}}
-    )
-    assert (algorithm, env_id) == ("sac", "Pendulum-v1") and isinstance(space, gym.spaces.Box)
-    assert action_space_of({})[:1] == ("ppo",)  # the defaults: CartPole-v1, ppo
-    # where gymnasium alone cannot tell, the checked config's own probe decides
-    assert action_space_of({"env": {"id": "Pendulum-v1", "wrappers": [{"path": "x:y"}]}}) is None
-    assert action_space_of({"env": {"id": "NoSuchEnv-v9"}}) is None
-    assert action_space_of({"env": {"id": "Pendulum-v1", "kwargs": {"bogus": 1}}}) is None
-    assert action_space_of({"env": "Pendulum-v1"}) is None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from millpond.deploy.launch import build_parser
+from millpond.deploy.launch_cli import build_parser
 from millpond.deploy.launch_config import LaunchConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]

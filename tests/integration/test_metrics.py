@@ -2,27 +2,16 @@
 
 import threading
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from millpond import ReplayClient, TableConfig
 from millpond.errors import MillpondError
 from millpond.segments import Segment
 from millpond.service.server import ServerConfig, create_server
-from millpond.testing import constant_segment
+from millpond.testing import constant_segment, scrape_metrics
 
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the endpoint: ``{(name, sorted labels): value}``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+scrape = scrape_metrics
 
 
 def value(samples, name: str, **labels: str) -> float:

@@ -350,7 +350,7 @@ def check_intact(table: Table, segments) -> None:
 
 def check_samples(table: Table, n: int = 256) -> None:
     """Sampled rows are stored steps (no evicted or torn slot is sampleable) and intact."""
-    td = table.sample(n, timeout=5)
+    td = table.sample(min(n, table.config.capacity), timeout=5)  # at most its capacity
     assert set(zip(td["episode_id"].tolist(), td["step"].tolist())) <= stored_steps(table)
     assert torch.equal(td["observation"], pattern(td["episode_id"], td["step"], OBS_SHAPE))
     nxt = pattern(td["episode_id"], td["step"] + 1, OBS_SHAPE)

@@ -15,6 +15,7 @@ from tensordict import TensorDict
 
 from millpond import Shard, Table, TableConfig
 from millpond.cli import main
+from millpond.errors import InvalidDataError
 from millpond.service.export import export_ted, load_hdf5
 from millpond.testing import TED_ROW_KEYS, rollout
 
@@ -142,6 +143,16 @@ def test_export_import_export_is_bitwise(shard_dir, tmp_path, fmt, flags):
     again = cli("export", tmp_path / "new", "--table", "t", "--format", fmt, *flags, tmp_path / "2")
     assert again.returncode == 0, again.stderr
     assert_same_rows(load(tmp_path / "2"), out)  # same rows, same order, every key
+    # it says the largest batch the new table samples, and that batch works, one more not
+    largest = int(imported.stdout.split("batches of at most ")[1].split()[0])
+    table = Table.open(tmp_path / "new" / "tables" / "t")
+    try:
+        assert largest == table.config.capacity
+        assert table.sample(largest).batch_size == (largest,)
+        with pytest.raises(InvalidDataError, match="exceeds the capacity"):
+            table.sample(largest + 1)
+    finally:
+        table.close()
 
 
 def test_import_keeps_steps_and_random_episode_ids(tmp_path):

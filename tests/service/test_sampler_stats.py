@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from millpond.config import TableConfig
 from millpond.segments import Segment, pack
 from millpond.service.table import Table
-from millpond.testing import stored_segments
+from millpond.testing import sample_in_parts, stored_segments
 
 Z = 4.75
 
@@ -80,7 +80,7 @@ def live_steps(table: Table) -> tuple[np.ndarray, np.ndarray]:
 def draw_slots(table: Table, draws: int, batch: int = 1000) -> tuple[np.ndarray, np.ndarray]:
     slots, weights = [], []
     for _ in range(draws // batch):
-        td = table.sample(batch, timeout=10)
+        td = sample_in_parts(table, batch, timeout=10)
         slots.append(td["index", "slot"].numpy())
         if td.get("weight", None) is not None:
             weights.append(td["weight"].numpy())
@@ -228,7 +228,7 @@ def slice_start_counts(table: Table, starts: list, batches: int) -> np.ndarray:
     index = {v: i for i, v in enumerate(starts)}
     counts = np.zeros(len(starts), dtype=np.int64)
     for _ in range(batches):
-        td = table.sample(500, timeout=10)
+        td = sample_in_parts(table, 500, timeout=10)
         first = zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist())
         np.add.at(counts, [index[v] for v in first], 1)
     return counts
@@ -281,7 +281,7 @@ def test_prioritized_slice_frequencies_and_weights(make_table, strict_length, al
     expected_weights, weights = [], []
     n = len(valid)
     for _ in range(100):
-        td = table.sample(500, timeout=10)
+        td = sample_in_parts(table, 500, timeout=10)
         episode, step = td["episode_id"].numpy(), td["step"].numpy()
         mask = td["collector", "mask"].numpy() if not strict_length else np.ones_like(step, bool)
         # Each slice: one episode's consecutive steps (never across episodes).
@@ -366,7 +366,7 @@ def test_prioritized_slices_keep_their_priorities_across_a_restart(tmp_path):
         index = {v: i for i, v in enumerate(valid)}
         counts = np.zeros(len(valid), dtype=np.int64)
         for _ in range(60):
-            td = table.sample(500, timeout=10)
+            td = sample_in_parts(table, 500, timeout=10)
             starts = list(zip(td["episode_id"][:, 0].tolist(), td["step"][:, 0].tolist()))
             np.add.at(counts, [index[s] for s in starts], 1)
             expected = [(len(valid) * probs[index[s]]) ** -beta for s in starts]

@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from millpond import Table, TableConfig
 from millpond.errors import InvalidConfigError
 from millpond.storage_format import SlotColumn
+from millpond.testing import sample_in_parts
 
 K = 4
 # episode id -> (segment lengths in order, how the episode's stored run ends)
@@ -78,7 +79,7 @@ def test_every_stored_step_begins_slices_uniformly(table) -> None:
     draws = 20_000
     counts = dict.fromkeys(at, 0)
     for _ in range(draws // 500):
-        batch = table.sample(500)
+        batch = sample_in_parts(table, 500)
         assert batch.batch_size == (500, K)
         for key in zip(batch["episode_id"][:, 0].tolist(), batch["step"][:, 0].tolist()):
             counts[key] += 1
@@ -93,7 +94,7 @@ def test_every_stored_step_begins_slices_uniformly(table) -> None:
 
 def test_short_slices_hold_the_steps_left_then_repeat_masked(table) -> None:
     at = fill(table)
-    batch = table.sample(2_000)
+    batch = sample_in_parts(table, 2_000)
     mask = batch["collector", "mask"]
     assert mask.dtype == torch.bool and mask.shape == (2_000, K)
     seen_short = 0
@@ -126,7 +127,7 @@ def test_strict_slices_never_begin_in_the_last_k_minus_1_steps(tmp_path) -> None
     table = Table.create(tmp_path / "strict", config)
     try:
         fill(table)
-        batch = table.sample(2_000)
+        batch = sample_in_parts(table, 2_000)
     finally:
         table.close()
     assert ("collector", "mask") not in batch.keys(include_nested=True)

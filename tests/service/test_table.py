@@ -202,7 +202,7 @@ def test_queue_blocks_writers_instead_of_dropping_unread_steps(tmp_path):
     assert t.sample(5)["episode_id"].unique().tolist() == [2]
     with pytest.raises(RateLimiterTimeoutError):
         t.sample(1, timeout=0.05)
-    with pytest.raises(InvalidDataError, match="exceeds the queue's capacity"):
+    with pytest.raises(InvalidDataError, match="exceeds the capacity of table"):
         t.sample(13)
     t.close()
 
