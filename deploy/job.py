@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from millpond.deploy.config_files import apply_override, read_config_doc, set_key
-from millpond.deploy.launch_config import LaunchConfig, from_mapping, to_mapping
+from millpond.deploy.config_mapping import from_mapping, to_mapping
+from millpond.deploy.launch_config import LaunchConfig
 from millpond.errors import InvalidConfigError
 
 if TYPE_CHECKING:
@@ -123,7 +124,8 @@ class Job:
         config: a :class:`~millpond.deploy.launch_config.LaunchConfig`, or what
             :func:`job_config` takes (a YAML file, a mapping of sections).
         overrides: changes to it, as :func:`job_config` takes them.
-        run_dir: where the run writes; ``None``: ``run.dir/NAME-TIMESTAMP``.
+        run_dir: where the run writes, new or empty; ``None``: a new
+            ``run.dir/NAME-TIMESTAMP-XXXX``.
         on_progress: called in the thread that runs the job with each metrics row (a dict:
             ``frames``, ``frames_per_s``, ``episodes``, ``mean_return``, ``eval_return``...,
             see ``docs/training.md``), every ``run.status_every_s``; returning ``False``
@@ -155,8 +157,9 @@ class Job:
         self._started = threading.Lock()
 
     @property
-    def run_dir(self) -> Path:
-        """Where the run writes."""
+    def run_dir(self) -> Path | None:
+        """Where the run writes: the directory named, or once :meth:`run` has claimed a new
+        one, that (``None`` before then)."""
         return self._launch.run_dir
 
     def run(self) -> JobResult:
@@ -165,6 +168,7 @@ class Job:
         if not self._started.acquire(blocking=False):
             raise InvalidConfigError("Job.run: this job ran already; make a new Job")
         summary = self._launch.run()
+        assert self.run_dir is not None  # claimed by the run
         return JobResult(self.run_dir, summary, self.config)
 
     def stop(self) -> None:

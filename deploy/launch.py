@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from millpond.deploy.config_mapping import to_mapping
 from millpond.deploy.ray_start import init_ray
 from millpond.deploy.resume import read_resume_state
 from millpond.deploy.run_dir import RunDir, claim_run_dir
@@ -235,8 +236,6 @@ class Launch:
             self._claim.release()
 
     def _run(self) -> dict[str, Any]:
-        from millpond.deploy.launch_config import to_mapping  # deferred: imports torch
-
         c = self.config
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(c), sort_keys=False))
         report = RunReport(

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from millpond.deploy.launch_config import LaunchConfig, to_mapping
+from millpond.deploy.config_mapping import to_mapping
+from millpond.deploy.launch_config import LaunchConfig
 from millpond.errors import (
     DeadlineExceededError,
     InvalidConfigError,

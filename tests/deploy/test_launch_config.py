@@ -8,8 +8,9 @@ import pytest
 
 from millpond.actors import ApexPriorities, GaussianNoise
 from millpond.deploy.config_files import apply_override
+from millpond.deploy.config_mapping import to_mapping
 from millpond.deploy.env_fleet import actor_config, fleet_options
-from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
+from millpond.deploy.launch_config import LaunchConfig, load_config
 from millpond.errors import InvalidConfigError
 from millpond.learner import DQNConfig, PPOConfig
 

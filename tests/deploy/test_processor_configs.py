@@ -30,8 +30,9 @@ from millpond.actors import (
 from millpond.actors.processor_specs import ProcessorSpec
 from millpond.actors.processors import sparse_goal_reward
 from millpond.actors.ray_actor import ActorConfig, EnvActor
+from millpond.deploy.config_mapping import to_mapping
 from millpond.deploy.launch import Launch
-from millpond.deploy.launch_config import LaunchConfig, load_config, to_mapping
+from millpond.deploy.launch_config import LaunchConfig, load_config
 from millpond.errors import InvalidConfigError
 from millpond.segments import Segment
 
@@ -228,7 +229,7 @@ class RecordingClient:
         self.writers[writer_id] = RecordingWriter()
         return self.writers[writer_id]
 
-    def get_weights(self, min_version=0, timeout_s=0):
+    def get_weights(self, min_version=0, timeout_s=0, *, actor="", acting=True):
         return None, -1
 
 

@@ -19,7 +19,8 @@ import torch
 import yaml
 
 from millpond.cli import main
-from millpond.deploy.launch_config import load_config, to_mapping
+from millpond.deploy.config_mapping import to_mapping
+from millpond.deploy.launch_config import load_config
 from millpond.deploy.learner_actor import LearnerActor, make_learner
 from millpond.deploy.preflight import env_spaces
 from millpond.deploy.trained_policy import TrainedPolicy, load_policy
