@@ -160,3 +160,24 @@ def learn(
     }
     print(json.dumps(result))
     return result
+
+
+def learn_zoo(algorithm, env_id: str, hyper: dict, args: argparse.Namespace, started: float):
+    """SB3's ``algorithm`` (its class) with rl-zoo's ``hyper`` (its keys as its yml writes
+    them, ``policy`` among them; ``n_timesteps`` is left out, the budget being
+    ``args.max_frames``) on one env of ``env_id`` seeded ``args.seed``, on the CPU with one
+    torch thread, through :func:`learn`; its deterministic policy is evaluated on an env of
+    its own (seeded ``args.seed + 10,000``) as ``args.eval_every`` and
+    ``args.eval_episodes`` say."""
+    import torch
+    from stable_baselines3.common.env_util import make_vec_env
+
+    torch.set_num_threads(1)
+    hyper = {k: v for k, v in hyper.items() if k != "n_timesteps"}
+    policy = hyper.pop("policy")
+    env = make_vec_env(env_id, n_envs=1, seed=args.seed)
+    eval_env = make_vec_env(env_id, n_envs=1, seed=args.seed + 10_000)
+    model = algorithm(
+        policy, env, seed=args.seed, device="cpu", verbose=0, stats_window_size=args.window, **hyper
+    )
+    return learn(model, args, started, eval_env, args.eval_every, args.eval_episodes)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 
-from _sb3 import learn, parse, parser, process_start
+from _sb3 import learn_zoo, parse, parser, process_start
 
 #: rl-zoo's ``hyperparams/dqn.yml`` entry for CartPole-v1, its keys as written there.
 ZOO_CARTPOLE = {
@@ -54,23 +54,14 @@ def main() -> int:
     args = parse(parser(__doc__, eval_every=25_000))
     started = process_start()
 
-    import torch
     from stable_baselines3 import DQN
-    from stable_baselines3.common.env_util import make_vec_env
 
-    torch.set_num_threads(1)
     hyper = dict(ZOO_CARTPOLE)
-    zoo_frames, policy = hyper.pop("n_timesteps"), hyper.pop("policy")
     # SB3 spans the exploration over a fraction of the frames `learn` is given, rl-zoo's
     # over its own 50k: the same 8,000 frames here, whatever the budget.
-    explore_frames = hyper["exploration_fraction"] * zoo_frames
+    explore_frames = hyper["exploration_fraction"] * hyper["n_timesteps"]
     hyper["exploration_fraction"] = min(1.0, explore_frames / args.max_frames)
-    env = make_vec_env("CartPole-v1", n_envs=1, seed=args.seed)
-    eval_env = make_vec_env("CartPole-v1", n_envs=1, seed=args.seed + 10_000)
-    model = DQN(
-        policy, env, seed=args.seed, device="cpu", verbose=0, stats_window_size=args.window, **hyper
-    )
-    learn(model, args, started, eval_env, args.eval_every, args.eval_episodes)
+    learn_zoo(DQN, "CartPole-v1", hyper, args, started)
     return 0
 
 

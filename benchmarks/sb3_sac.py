@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 
-from _sb3 import learn, parse, parser, process_start
+from _sb3 import learn_zoo, parse, parser, process_start
 
 #: rl-zoo's ``hyperparams/sac.yml`` entry for Pendulum-v1, its keys as written there.
 ZOO_PENDULUM = {"n_timesteps": 20_000, "policy": "MlpPolicy", "learning_rate": 1e-3}
@@ -38,20 +38,9 @@ def main() -> int:
     args = parse(parser(__doc__, eval_every=0))
     started = process_start()
 
-    import torch
     from stable_baselines3 import SAC
-    from stable_baselines3.common.env_util import make_vec_env
 
-    torch.set_num_threads(1)
-    hyper = dict(ZOO_PENDULUM)
-    del hyper["n_timesteps"]  # the budget is --max-frames
-    policy = hyper.pop("policy")
-    env = make_vec_env("Pendulum-v1", n_envs=1, seed=args.seed)
-    eval_env = make_vec_env("Pendulum-v1", n_envs=1, seed=args.seed + 10_000)
-    model = SAC(
-        policy, env, seed=args.seed, device="cpu", verbose=0, stats_window_size=args.window, **hyper
-    )
-    learn(model, args, started, eval_env, args.eval_every, args.eval_episodes)
+    learn_zoo(SAC, "Pendulum-v1", ZOO_PENDULUM, args, started)
     return 0
 
 
