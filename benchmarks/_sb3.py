@@ -1,7 +1,8 @@
-"""What the Stable-Baselines3 references (``sb3_ppo.py``, ``sb3_dqn.py``) share: the
-process's start, their command line, and a run of ``model.learn`` that follows SB3's mean
-return over the last 100 episodes, stops at the target, evaluates the deterministic policy
-where asked, and prints the result as one JSON line for ``benchmarks/train.py``."""
+"""What the Stable-Baselines3 references (``sb3_ppo.py``, ``sb3_dqn.py``, ``sb3_sac.py``)
+share: the process's start, their command line, and a run of ``model.learn`` that follows
+SB3's mean return over the last ``--window`` episodes, stops at the target, evaluates the
+deterministic policy where asked, and prints the result as one JSON line for
+``benchmarks/train.py``."""
 
 from __future__ import annotations
 
@@ -34,13 +35,33 @@ def process_start() -> float:
         return _IMPORTED_AT
 
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
-    """``--seed``, ``--target`` and ``--max-frames``, as ``train.py`` passes them."""
+def parser(doc: str | None, eval_every: int | None = None) -> argparse.ArgumentParser:
+    """``--seed``, ``--target``, ``--max-frames`` and ``--window``, as ``train.py`` passes
+    them; with ``eval_every``, also ``--eval-every`` (that the default) and
+    ``--eval-episodes`` for the deterministic policy's evaluation (see :func:`learn`)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=450.0)
     p.add_argument("--max-frames", type=int, default=500_000)
+    p.add_argument(
+        "--window", type=int, default=100, help="episodes the mean return averages (>= 1)"
+    )
+    if eval_every is not None:
+        p.add_argument(
+            "--eval-every", type=int, default=eval_every, help="frames; 0: at the end only"
+        )
+        p.add_argument("--eval-episodes", type=int, default=10)
     return p
+
+
+def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """``p``'s arguments, refusing a budget, a window or an evaluation out of range."""
+    args = p.parse_args()
+    if args.max_frames < 1 or args.window < 1:
+        p.error("--max-frames and --window must be >= 1")
+    if getattr(args, "eval_every", 0) < 0 or getattr(args, "eval_episodes", 1) < 1:
+        p.error("--eval-every must be >= 0 and --eval-episodes >= 1")
+    return args
 
 
 def learn(
@@ -52,7 +73,8 @@ def learn(
     eval_episodes: int = 10,
 ) -> dict:
     """``model.learn`` for at most ``args.max_frames`` frames, stopped when SB3's mean return
-    of the last 100 episodes reaches ``args.target``; prints and returns the result.
+    of the last ``args.window`` episodes reaches ``args.target``; prints and returns the
+    result. The model keeps that many (``stats_window_size=args.window``) or it is refused.
 
     With ``eval_env``, the deterministic policy is also evaluated over ``eval_episodes``
     episodes on it every ``eval_every`` frames (none if 0) and once at the end: the mean
@@ -68,6 +90,7 @@ def learn(
     eval_curve: list[tuple[int, float]] = []
     reached: dict[str, float] = {}
     eval_s = [0.0]
+    spacing = min(2048, max(1, args.max_frames // 100))  # frames between the curve's points
 
     def evaluate(frames: int) -> None:
         t0 = time.time()
@@ -76,10 +99,17 @@ def learn(
         eval_curve.append((frames, float(mean)))
         print(f"{frames} frames, deterministic evaluation {mean:.1f}", file=sys.stderr, flush=True)
 
+    if model._stats_window_size != args.window:  # else its mean would cover other episodes
+        raise SystemExit(
+            f"the model keeps the returns of {model._stats_window_size} episodes, the window "
+            f"is {args.window}: build it with stats_window_size=args.window"
+        )
+
     def mean_return() -> float | None:
-        """SB3's mean return of the last 100 episodes (None before 100 have ended)."""
+        """SB3's mean return of the last ``args.window`` episodes (None before that many
+        have ended)."""
         buffer = model.ep_info_buffer
-        if buffer is None or len(buffer) < 100:
+        if buffer is None or len(buffer) < args.window:
             return None
         return float(np.mean([e["r"] for e in buffer]))
 
@@ -95,12 +125,13 @@ def learn(
             mean = mean_return()
             if mean is None:
                 return True
-            if not curve or frames - curve[-1][0] >= 2048:
+            if not curve or frames - curve[-1][0] >= spacing:
                 curve.append((frames, mean))
                 if len(curve) % 10 == 0:
                     print(f"{frames} frames, mean return {mean:.1f}", file=sys.stderr, flush=True)
             if mean >= args.target:
-                curve.append((frames, mean))
+                if curve[-1][0] != frames:
+                    curve.append((frames, mean))
                 reached.update(frames=frames, seconds=time.time() - started - eval_s[0])
                 return False
             return True
@@ -109,7 +140,7 @@ def learn(
     model.learn(total_timesteps=args.max_frames, callback=StopAtReturn())
     ended = time.time()
     wall = ended - started - eval_s[0]
-    last = mean_return()  # the curve's points are 2,048 frames apart: the last one may be stale
+    last = mean_return()  # the curve's points are `spacing` apart: the last one may be stale
     if last is not None and (not curve or curve[-1][0] != model.num_timesteps):
         curve.append((model.num_timesteps, last))
     if eval_env is not None and (not eval_curve or eval_curve[-1][0] != model.num_timesteps):
@@ -129,3 +160,24 @@ def learn(
     }
     print(json.dumps(result))
     return result
+
+
+def learn_zoo(algorithm, env_id: str, hyper: dict, args: argparse.Namespace, started: float):
+    """SB3's ``algorithm`` (its class) with rl-zoo's ``hyper`` (its keys as its yml writes
+    them, ``policy`` among them; ``n_timesteps`` is left out, the budget being
+    ``args.max_frames``) on one env of ``env_id`` seeded ``args.seed``, on the CPU with one
+    torch thread, through :func:`learn`; its deterministic policy is evaluated on an env of
+    its own (seeded ``args.seed + 10,000``) as ``args.eval_every`` and
+    ``args.eval_episodes`` say."""
+    import torch
+    from stable_baselines3.common.env_util import make_vec_env
+
+    torch.set_num_threads(1)
+    hyper = {k: v for k, v in hyper.items() if k != "n_timesteps"}
+    policy = hyper.pop("policy")
+    env = make_vec_env(env_id, n_envs=1, seed=args.seed)
+    eval_env = make_vec_env(env_id, n_envs=1, seed=args.seed + 10_000)
+    model = algorithm(
+        policy, env, seed=args.seed, device="cpu", verbose=0, stats_window_size=args.window, **hyper
+    )
+    return learn(model, args, started, eval_env, args.eval_every, args.eval_episodes)

@@ -116,10 +116,11 @@ def train(
     on_log: Callable[[int, float, int, float], None] | None = None,
     stop_at_return: float | None = None,
     make_q: Callable[[int, int], nn.Module] = q_network,
+    window: int = 100,
 ) -> dict:
-    """Run DQN for ``cfg.frames`` frames, or until the mean return of the last 100 episodes
-    reaches ``stop_at_return``. Returns ``curve`` (``[(frames, mean return of the last 100
-    episodes)]``, one point per finished episode, each also passed to ``on_log`` as
+    """Run DQN for ``cfg.frames`` frames, or until the mean return of the last ``window``
+    episodes reaches ``stop_at_return``. Returns ``curve`` (``[(frames, mean return of the
+    last window episodes)]``, one point per finished episode, each also passed to ``on_log`` as
     ``(frames, seconds, episodes, mean)``), ``frames``, ``wall_s`` and ``updates``
     (gradient steps). The epsilon schedule follows ``cfg.frames`` whether or not the run
     stops early."""
@@ -136,7 +137,7 @@ def train(
     target.load_state_dict(q.state_dict())
     optimizer = torch.optim.Adam(q.parameters(), lr=cfg.learning_rate)
     buffer = Buffer(cfg.buffer_size, obs_dim)
-    returns: collections.deque[float] = collections.deque(maxlen=100)
+    returns: collections.deque[float] = collections.deque(maxlen=window)
     curve: list[tuple[int, float]] = []
     t0 = time.perf_counter()
     obs, _ = env.reset(seed=seed)

@@ -12,8 +12,8 @@ steps after every 256 frames), ``exploration_fraction`` 0.16 and ``exploration_f
 it is here whatever ``--max-frames`` is (the fraction passed is 8,000 / ``--max-frames``),
 epsilon staying at 0.04 after. One torch thread.
 
-The run stops when SB3's mean *training* return of the last 100 episodes (epsilon-greedy,
-as every config of ``train.py`` is compared) reaches ``--target``, or at ``--max-frames``.
+The run stops when SB3's mean *training* return of the last ``--window`` episodes (100
+unless told; epsilon-greedy, as every config of ``train.py`` is compared) reaches ``--target``, or at ``--max-frames``.
 rl-zoo reports a different measure: the return of the deterministic (greedy) policy on an
 evaluation env (its training evaluates every 25,000 frames over 5 episodes). So this script
 also evaluates the greedy policy over ``--eval-episodes`` episodes on an env of its own
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 
-from _sb3 import learn, parser, process_start
+from _sb3 import learn_zoo, parse, parser, process_start
 
 #: rl-zoo's ``hyperparams/dqn.yml`` entry for CartPole-v1, its keys as written there.
 ZOO_CARTPOLE = {
@@ -51,29 +51,17 @@ ZOO_CARTPOLE = {
 
 
 def main() -> int:
-    p = parser(__doc__)
-    p.add_argument("--eval-every", type=int, default=25_000, help="frames; 0: at the end only")
-    p.add_argument("--eval-episodes", type=int, default=10)
-    args = p.parse_args()
-    if args.max_frames < 1 or args.eval_every < 0 or args.eval_episodes < 1:
-        p.error("--max-frames and --eval-episodes must be >= 1 and --eval-every >= 0")
+    args = parse(parser(__doc__, eval_every=25_000))
     started = process_start()
 
-    import torch
     from stable_baselines3 import DQN
-    from stable_baselines3.common.env_util import make_vec_env
 
-    torch.set_num_threads(1)
     hyper = dict(ZOO_CARTPOLE)
-    zoo_frames, policy = hyper.pop("n_timesteps"), hyper.pop("policy")
     # SB3 spans the exploration over a fraction of the frames `learn` is given, rl-zoo's
     # over its own 50k: the same 8,000 frames here, whatever the budget.
-    explore_frames = hyper["exploration_fraction"] * zoo_frames
+    explore_frames = hyper["exploration_fraction"] * hyper["n_timesteps"]
     hyper["exploration_fraction"] = min(1.0, explore_frames / args.max_frames)
-    env = make_vec_env("CartPole-v1", n_envs=1, seed=args.seed)
-    eval_env = make_vec_env("CartPole-v1", n_envs=1, seed=args.seed + 10_000)
-    model = DQN(policy, env, seed=args.seed, device="cpu", verbose=0, **hyper)
-    learn(model, args, started, eval_env, args.eval_every, args.eval_episodes)
+    learn_zoo(DQN, "CartPole-v1", hyper, args, started)
     return 0
 
 

@@ -5,8 +5,8 @@ of this script, so that its wall time counts the interpreter and the imports as 
 does. rl-zoo's ``hyperparams/ppo.yml`` for CartPole-v1: 8 envs, ``n_steps`` 32, batch size
 256, ``gae_lambda`` 0.8, ``gamma`` 0.98, 20 epochs, ``ent_coef`` 0.0, learning rate and clip
 range both linear from 0.001 and 0.2, ``MlpPolicy`` with its defaults, no normalisation. The
-run stops when the mean return of the last 100 episodes reaches ``--target`` (SB3's own
-100-episode window) or at ``--max-frames``; prints one JSON line with the frames and the
+run stops when the mean return of the last ``--window`` episodes (100 unless told) reaches
+``--target`` or at ``--max-frames``; prints one JSON line with the frames and the
 seconds since this process started, and the curve of mean returns against frames::
 
     python benchmarks/sb3_ppo.py --seed 0 --target 450
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import sys
 
-from _sb3 import learn, parser, process_start
+from _sb3 import learn, parse, parser, process_start
 
 
 def main() -> int:
-    args = parser(__doc__).parse_args()
+    args = parse(parser(__doc__))
     started = process_start()
 
     from stable_baselines3 import PPO
@@ -46,6 +46,7 @@ def main() -> int:
         seed=args.seed,
         device="cpu",
         verbose=0,
+        stats_window_size=args.window,
     )
     learn(model, args, started)
     return 0

@@ -1,16 +1,17 @@
-"""Training benchmark: frames and wall time to reach a mean return on CartPole-v1.
+"""Training benchmark: frames and wall time to reach a mean return (CartPole-v1, Pendulum-v1).
 
 Runs ``millpond launch`` for each shipped config, each seed in a fresh process (``python -m
 millpond.cli launch``), on a local Ray instance with ``ray.num_cpus`` CPUs, stopping when the
-mean return over the last 100 episodes reaches ``--target`` or at ``--max-frames``, and
-reports per config and seed:
+mean return over the last ``--window`` episodes reaches ``--target`` or at ``--max-frames``,
+and reports per config and seed:
 
 * frames and wall-clock seconds to the target (``-`` if not reached), the seconds counted
   from the process's start (the interpreter, the imports and the job's startup included), and
   of those the startup: until the first inserted step (``startup_s`` in ``summary.json``);
-* the final return: the mean training return of the last 100 episodes (exploration on, as
-  the target is measured), and ``eval return``, the mean return of the deterministic policy
-  on an evaluation env (``-`` where a config has no evaluation: all but ``sb3-dqn``);
+* the final return: the mean training return of the last ``--window`` episodes
+  (exploration on, as the target is measured), and ``eval return``, the mean return of the
+  deterministic policy on an evaluation env (``-`` where a config has no evaluation: all but
+  ``sb3-dqn`` and ``sb3-sac``);
 * end-to-end frames/s (collected frames over the training loop's wall time);
 * the pipeline's share of time: the actors' time split between acting (env + policy) and
   inserting (cutting, processing, handing segments to the writer, which blocks when the
@@ -41,6 +42,18 @@ episodes on an env of its own, every 25,000 frames and at the end: ``eval return
 curve in ``eval_curve``), the evaluations' time (``eval_s``) left out of its seconds and
 frames/s.
 
+The configs of one run train one env, compared on one target and window: ``ppo``,
+``ppo-2learners``, ``dqn`` and the references ``cleanrl-dqn``, ``sb3-ppo`` and ``sb3-dqn``
+CartPole-v1 (by default a target of 475 over 100 episodes); ``sac``
+(``deploy/configs/pendulum-sac.yaml``), ``td3`` (``pendulum-td3.yaml``) and the reference
+``sb3-sac`` Pendulum-v1 (by default -200 over 10 episodes, the configs' ``run.return_window``).
+``--target`` and ``--window`` apply alike to every config of the run (``run.return_window``
+of a launch, the references' own windows); configs of different envs in one run are refused.
+
+``sb3-sac`` runs Stable-Baselines3's SAC with rl-zoo's Pendulum-v1 hyperparameters
+(``benchmarks/sb3_sac.py``) the same way as ``sb3-dqn``, with one torch thread, its
+deterministic policy evaluated over 10 episodes at the end (``eval return``).
+
 Writes ``train.md`` (the table and the medians), ``train.json`` and ``train.png`` (mean
 return against frames for every run) into ``--out``::
 
@@ -49,6 +62,8 @@ return against frames for every run) into ``--out``::
     python benchmarks/train.py --configs ppo ppo-2learners --seeds 3 --target 450
     python benchmarks/train.py --configs dqn cleanrl-dqn --seeds 3
     python benchmarks/train.py --configs dqn sb3-dqn --seeds 3
+    python benchmarks/train.py --configs sac sb3-sac --seeds 3 --max-frames 20000
+    python benchmarks/train.py --configs sac td3 --seeds 3 --target -200 --window 10
     python benchmarks/train.py --configs ppo --set learner.ppo.epochs=10 --out /tmp/try
 """
 
@@ -77,15 +92,34 @@ CONFIGS = {  # a config and the overrides of its variant
         ["learner.num_learners=2", "learner.ppo.batch_size=512", "learner.ppo.minibatch_size=256"],
     ),
     "dqn": (ROOT / "deploy" / "configs" / "cartpole-dqn.yaml", []),
+    "sac": (ROOT / "deploy" / "configs" / "pendulum-sac.yaml", []),
+    "td3": (ROOT / "deploy" / "configs" / "pendulum-td3.yaml", []),
 }
 # Single-process references: cleanrl-dqn in this process, the SB3 ones in processes of their
 # own (their scripts).
-SB3 = {"sb3-ppo": "sb3_ppo.py", "sb3-dqn": "sb3_dqn.py"}
+SB3 = {"sb3-ppo": "sb3_ppo.py", "sb3-dqn": "sb3_dqn.py", "sb3-sac": "sb3_sac.py"}
 REFERENCES = ("cleanrl-dqn", *SB3)
+REFERENCE_ENVS = {
+    "cleanrl-dqn": "CartPole-v1",
+    "sb3-ppo": "CartPole-v1",
+    "sb3-dqn": "CartPole-v1",
+    "sb3-sac": "Pendulum-v1",
+}
+# Per env: the default target and the episodes its mean return averages.
+ENV_DEFAULTS = {"CartPole-v1": (475.0, 100), "Pendulum-v1": (-200.0, 10)}
 # A reference has no actors or sampling whose time to split.
 _NO_PIPELINE = dict.fromkeys(
     ("actors_acting", "actors_inserting", "learner_sampling", "learner_learning")
 )
+
+
+def env_of(name: str) -> str:
+    """The env config ``name`` trains (a millpond config's ``env.id``)."""
+    if name in REFERENCE_ENVS:
+        return REFERENCE_ENVS[name]
+    import yaml
+
+    return yaml.safe_load(CONFIGS[name][0].read_text())["env"]["id"]
 
 
 def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
@@ -104,7 +138,9 @@ def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
             last[0] = t
             print(f"  {name}/{seed} {frame} frames, {t:.0f} s, mean return {mean:.1f}", flush=True)
 
-    run = train(Config(frames=args.max_frames), seed, on_log, stop_at_return=args.target)
+    run = train(
+        Config(frames=args.max_frames), seed, on_log, stop_at_return=args.target, window=args.window
+    )
     curve = run["curve"]
     reached = next(((f, i) for i, (f, m) in enumerate(curve) if m >= args.target), None)
     return {
@@ -130,6 +166,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         f"run.seed={seed}",
         f"run.stop_at_return={args.target}",
         f"run.frames={args.max_frames}",
+        f"run.return_window={args.window}",
         f"ray.num_cpus={args.num_cpus}",
         "run.status_every_s=2",
         "run.eval_episodes=0",  # the time measured is the training's, with no evaluation after
@@ -186,12 +223,13 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
 
 
 def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
-    """A Stable-Baselines3 reference (``benchmarks/sb3_ppo.py``, ``sb3_dqn.py``) in a fresh
-    process."""
+    """A Stable-Baselines3 reference (``benchmarks/sb3_ppo.py``, ``sb3_dqn.py``,
+    ``sb3_sac.py``) in a fresh process."""
     log(f"{name} seed {seed}: running (target {args.target}, at most {args.max_frames} frames)")
     command = [
         sys.executable, str(ROOT / "benchmarks" / SB3[name]), "--seed", str(seed),
         "--target", str(args.target), "--max-frames", str(args.max_frames),
+        "--window", str(args.window),
     ]  # fmt: skip
     lines, process_wall = _stream(command, f"  {name}/{seed} ")
     run = json.loads(lines[-1])
@@ -278,7 +316,7 @@ def medians(results: list[dict], target: float) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], target: float, path: Path) -> None:
+def plot(results: list[dict], args: argparse.Namespace, env: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,10 +332,10 @@ def plot(results: list[dict], target: float, path: Path) -> None:
                 "o--",
                 label=f"{r['config']} (seed {r['seed']}), deterministic evaluation",
             )
-    ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
+    ax.axhline(args.target, color="gray", ls="--", lw=1, label=f"target {args.target:g}")
     ax.set_xlabel("frames")
-    ax.set_ylabel("mean return (lines: last 100 training episodes)")
-    ax.set_title("CartPole-v1: millpond launch (and single-process references)")
+    ax.set_ylabel(f"mean return (lines: last {args.window} training episodes)")
+    ax.set_title(f"{env}: millpond launch (and single-process references)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -309,8 +347,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=[*CONFIGS, *REFERENCES], default=["ppo", "dqn"])
     p.add_argument("--seeds", type=int, default=1, help="seeds per config (0, 1, ...)")
-    p.add_argument("--target", type=float, default=475.0)
+    p.add_argument("--target", type=float, help="default: the env's (475 CartPole, -200 Pendulum)")
     p.add_argument("--max-frames", type=int, default=500_000)
+    p.add_argument(
+        "--window",
+        type=int,
+        help="episodes the mean return averages, for every config (default: the env's, "
+        "100 CartPole, 10 Pendulum)",
+    )
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument(
@@ -321,6 +365,21 @@ def main() -> int:
         help="a config override for every millpond run (as `millpond launch --set`)",
     )
     args = p.parse_args()
+    envs = {name: env_of(name) for name in args.configs}
+    if len(set(envs.values())) > 1:
+        p.error(
+            "one target and window compare one env; these configs train different ones ("
+            + ", ".join(f"{n}: {e}" for n, e in envs.items())
+            + "): run them apart"
+        )
+    env = next(iter(envs.values()))
+    target, window = ENV_DEFAULTS.get(env, (None, 100))
+    args.target = target if args.target is None else args.target
+    args.window = window if args.window is None else args.window
+    if args.target is None:
+        p.error(f"{env} has no default target: give --target")
+    if args.window < 1:
+        p.error(f"--window ({args.window}) must be >= 1")
     log(f"code {code_version(['service', 'actors', 'learner', 'deploy'])}")
     results = []
     with tempfile.TemporaryDirectory(prefix="millpond-train-") as work:
@@ -337,7 +396,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train.md").write_text(text + "\n")
     (args.out / "train.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, args.target, args.out / "train.png")
+    plot(results, args, env, args.out / "train.png")
     log(f"wrote {args.out / 'train.md'}, {args.out / 'train.png'}")
     return 0
 

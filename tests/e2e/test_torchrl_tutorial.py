@@ -20,7 +20,7 @@ def python_blocks(text: str) -> list[str]:
 def test_the_torchrl_tutorial_runs_as_written(tmp_path: Path) -> None:
     pytest.importorskip("torchrl")
     blocks = python_blocks(DOC.read_text())
-    assert len(blocks) >= 4
+    assert len(blocks) >= 5
     script = tmp_path / "tutorial.py"
     script.write_text("\n\n".join(blocks))
     result = subprocess.run(
@@ -32,5 +32,5 @@ def test_the_torchrl_tutorial_runs_as_written(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
-    assert "PPO loss" in out and "DQN loss" in out
+    assert "PPO loss" in out and "DQN loss" in out and "SAC loss" in out
     assert re.search(r"^512 torch.Size\(\[64, 4\]\)$", out, re.M), out
