@@ -26,7 +26,14 @@ from typing import Any, TextIO
 
 from millpond.errors import InvalidConfigError
 
-__all__ = ["COLUMNS", "RunReport", "format_summary", "progress_line", "wandb_configured"]
+__all__ = [
+    "COLUMNS",
+    "RunReport",
+    "format_summary",
+    "progress_line",
+    "return_limits",
+    "wandb_configured",
+]
 
 log = logging.getLogger("millpond.launch")
 #: Where a run directory keeps the id of its wandb run (so that a resumed run continues it).
@@ -178,6 +185,9 @@ class RunReport:
                 label="greedy evaluation (mean ± std)",
             )
             top.legend(loc="best", fontsize="small")
+        top.set_ylim(
+            *return_limits([r["mean_return"] for r in points] + [r["eval_return"] for r in evals])
+        )
         top.set_ylabel("mean return")
         top.grid(alpha=0.3)
         top.set_title(title)
@@ -203,6 +213,18 @@ class RunReport:
         """Write ``summary.json`` (atomically enough: the whole file at once)."""
         self.summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         return self.summary_path
+
+
+def return_limits(returns: list[float]) -> tuple[float, float]:
+    """The return axis of ``return.png``: the returns and zero, with a margin.
+
+    Zero is always on the axis, so that a run whose returns hardly move (Pong from -21.0 to
+    -20.2) is drawn as the flat line it is, not stretched over the whole panel into what
+    looks like learning; a run that learns still fills most of it.
+    """
+    lo, hi = min(min(returns), 0.0), max(max(returns), 0.0)
+    margin = 0.05 * (hi - lo) or 1.0
+    return lo - margin, hi + margin
 
 
 def _read_rows(path: Path) -> tuple[list[str], list[dict[str, Any]]]:

@@ -3,7 +3,13 @@
 import csv
 import json
 
-from millpond.deploy.run_report import COLUMNS, RunReport, format_summary, progress_line
+from millpond.deploy.run_report import (
+    COLUMNS,
+    RunReport,
+    format_summary,
+    progress_line,
+    return_limits,
+)
 
 
 def row(t, frames, ret):
@@ -118,3 +124,16 @@ def test_evaluations_reach_the_csv_tensorboard_the_line_and_the_plot(tmp_path):
     line = progress_line({**evaluated, "eval_return_std": 2.5}, budget=10_000)
     assert line.endswith("eval 40.0±2.5")
     assert "eval" not in progress_line(row(2.0, 2000, 25.5), budget=10_000)
+
+
+def test_the_return_axis_always_holds_zero_so_a_flat_run_looks_flat():
+    """Pong's -21.0 -> -20.2 is drawn on an axis from below -21 to above 0 (where the
+    autoscaled axis spanned 0.8 and looked like learning); a run that learns fills it."""
+    lo, hi = return_limits([-21.0, -20.7, -20.2])
+    assert lo < -21.0 and hi > 0.0
+    assert (-20.2 - -21.0) / (hi - lo) < 0.05  # the change takes under a twentieth of it
+    lo, hi = return_limits([9.0, 120.0, 500.0])  # CartPole learning: zero is just below
+    assert lo < 0.0 and hi > 500.0 and (500.0 - 9.0) / (hi - lo) > 0.85
+    lo, hi = return_limits([-1500.0, -150.0])  # Pendulum: all negative, zero on top
+    assert lo < -1500.0 and hi > 0.0
+    assert return_limits([0.0, 0.0]) == (-1.0, 1.0)  # nothing moved: still an axis
