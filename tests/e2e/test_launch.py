@@ -232,7 +232,7 @@ def test_a_token_protected_serve_takes_the_token_file(tmp_path, start_server):
 
     client = ReplayClient(address, token="admin-token-1")
     info = client.info("rollouts")
-    assert info["inserts"] == summary["frames"] >= 4000, (info["inserts"], summary["frames"])
+    assert info["inserts"] == summary["frames"] >= 4000, (info, summary, result.stdout[-4000:])
     assert info["weights_version"] == summary["weights_version"]
     client.close()
 
