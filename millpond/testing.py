@@ -32,12 +32,14 @@ __all__ = [
     "SegmentRecord",
     "chunk_segments",
     "constant_segment",
+    "lane_positions",
     "make_counting_vector_env",
     "observation_keys",
     "pattern",
     "pattern_segment",
     "pixels_of",
     "reference_index",
+    "replay_lanes",
     "rollout",
     "state_of",
     "stored_segments",
@@ -254,6 +256,38 @@ def reference_index(ted: TensorDictBase) -> dict[tuple[int, int], int]:
     if len(index) != len(eps):
         raise ValueError("the rollout repeats an (episode, step) pair")
     return index
+
+
+def replay_lanes(
+    lanes: TensorDictBase, make_env: Callable[[], gym.Env], seed: int
+) -> list[TensorDict]:
+    """A collector's ``lanes`` ``[P, T]`` replayed, lane ``p`` on its own env from
+    ``make_env()`` reset with ``seed + p`` (the collector's seeding) and acting the lane's
+    recorded actions: a :func:`rollout` per lane, the reference that does not use the loop."""
+
+    def replay(p: int) -> TensorDict:
+        recorded = iter(lanes[p]["action"])
+        env = make_env()
+        try:
+            return rollout(
+                env, lanes.shape[1], seed=seed + p, policy=lambda _: next(recorded).numpy()
+            )
+        finally:
+            env.close()
+
+    return [replay(p) for p in range(lanes.shape[0])]
+
+
+def lane_positions(lanes: TensorDictBase) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{(episode id, step): (lane, index)}`` over a collector's ``lanes`` ``[P, T]``, to
+    find a stored row's step in them."""
+    where = {}
+    for p in range(lanes.shape[0]):
+        ids = lanes[p]["collector", "traj_ids"].tolist()
+        steps = lanes[p]["collector", "step_count"].tolist()
+        for i, key in enumerate(zip(ids, steps)):
+            where[key] = (p, i)
+    return where
 
 
 @dataclass

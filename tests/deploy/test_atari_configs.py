@@ -32,9 +32,8 @@ from millpond.learner.networks import (
     nature_cnn_policy,
     network_for,
 )
-from millpond.service import TableSink
 from millpond.service.export import export_ted
-from millpond.testing import rollout
+from millpond.testing import lane_positions, replay_lanes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 SHAPE = (4, 84, 84)
@@ -82,7 +81,9 @@ def test_shipped_atari_configs_load(name, game, algorithm):
     ("name", "policy"),
     [("atari-ppo.yaml", "nature_cnn_policy"), ("atari-dqn.yaml", "nature_cnn_q")],
 )
-def test_real_frames_reach_a_table_exactly(make_table, tmp_path, restore_threads, name, policy):
+def test_real_frames_reach_a_table_exactly(
+    make_table, actor_lanes, tmp_path, restore_threads, name, policy
+):
     # Short time limits (in emulator frames, before the 4-frame skip) put episode ends,
     # whose next observation is the real final one, inside a few hundred frames.
     config = actor_config(tmp_path, name, ["env.kwargs.max_episode_steps=160"])
@@ -93,47 +94,24 @@ def test_real_frames_reach_a_table_exactly(make_table, tmp_path, restore_threads
     stacks = load_config(CONFIGS / name).replay.table_config().frame_stacks
     assert stacks == {("observation",): 4}
     table = make_table(TableConfig.uniform("atari", capacity=1024, frame_stacks=stacks))
-    collector = Collector(
-        config.env,
-        TableSink(table),
-        num_envs=num_envs,
-        chunk_len=chunk_len,
-        env_kwargs=config.env_kwargs,
-        env_wrappers=config.env_wrappers,
-        policy=config.policy,
-        policy_kwargs=config.policy_kwargs,
-        seed=seed,
+    lanes = actor_lanes(
+        config, table, num_envs=num_envs, chunk_len=chunk_len, chunks=chunks, seed=seed
     )
-    with collector:
-        lanes = torch.cat([collector.run_chunk() for _ in range(chunks)], 1)
     obs = lanes["observation"]
     assert obs.dtype == torch.uint8 and tuple(obs.shape) == (num_envs, chunk_len * chunks, *SHAPE)
     assert lanes["next", "truncated"].any(), "the test needs episode ends"
 
     # Each lane replayed on a single env built from the config, with the recorded actions.
-    def reference(p: int):
-        actions = iter(lanes[p]["action"])
-        env = make_env(config.env, config.env_kwargs, config.env_wrappers)
-        try:
-            return rollout(
-                env, lanes.shape[1], seed=seed + p, policy=lambda _: next(actions).numpy()
-            )
-        finally:
-            env.close()
-
-    refs = [reference(p) for p in range(num_envs)]
+    refs = replay_lanes(
+        lanes, lambda: make_env(config.env, config.env_kwargs, config.env_wrappers), seed
+    )
     for p, ref in enumerate(refs):
         assert torch.equal(lanes[p]["observation"], ref["observation"]), f"lane {p}"
         assert torch.equal(lanes[p]["next", "observation"], ref["next", "observation"])
         assert torch.equal(lanes[p]["next", "truncated"], ref["next", "truncated"])
 
     # The table rebuilds every step's next observation from the stored segments.
-    where = {}
-    for p in range(num_envs):
-        ids = lanes[p]["collector", "traj_ids"].tolist()
-        steps = lanes[p]["collector", "step_count"].tolist()
-        for i, key in enumerate(zip(ids, steps)):
-            where[key] = (p, i)
+    where = lane_positions(lanes)
     stored = export_ted(table, tmp_path / "export")
     assert stored.shape[0] == table.size == num_envs * chunk_len * chunks
     assert stored["observation"].dtype == torch.uint8

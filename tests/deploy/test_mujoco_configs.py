@@ -19,19 +19,23 @@ import torch
 
 pytest.importorskip("mujoco", reason="needs the mujoco extra: pip install 'millpond[mujoco]'")
 
-from millpond.actors import Collector
 from millpond.actors.envs import make_env
 from millpond.actors.ray_actor import ActorConfig
 from millpond.config import TableConfig
 from millpond.deploy.launch import Launch
 from millpond.deploy.launch_config import load_config
 from millpond.deploy.preflight import check_job
-from millpond.service import TableSink
 from millpond.service.export import export_ted
-from millpond.testing import rollout
+from millpond.testing import lane_positions, replay_lanes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 ENV = "HalfCheetah-v5"
+
+
+@pytest.fixture(autouse=True)
+def _mujoco_log_in_tmp(tmp_path, monkeypatch):
+    # MuJoCo appends its warnings to MUJOCO_LOG.TXT in the working directory.
+    monkeypatch.chdir(tmp_path)
 
 
 def actor_config(tmp_path, name: str) -> ActorConfig:
@@ -68,7 +72,9 @@ def test_shipped_mujoco_configs_load_and_pass_the_checks(name, algorithm, hidden
         ("halfcheetah-td3.yaml", "mlp_td3_actor", 0.1),
     ],
 )
-def test_real_halfcheetah_steps_reach_a_table_exactly(make_table, tmp_path, name, policy, noise):
+def test_real_halfcheetah_steps_reach_a_table_exactly(
+    make_table, actor_lanes, tmp_path, name, policy, noise
+):
     config = actor_config(tmp_path, name)
     assert config.policy == f"millpond.learner.box_networks:{policy}"
     # SAC samples its squashed Gaussian; TD3 acts its deterministic policy plus N(0, 0.1)
@@ -76,20 +82,15 @@ def test_real_halfcheetah_steps_reach_a_table_exactly(make_table, tmp_path, name
     assert (config.noise and config.noise.sigma) == noise
     num_envs, chunk_len, chunks, seed = 2, 50, 3, 11
     table = make_table(TableConfig.uniform("mujoco", capacity=1024))
-    collector = Collector(
-        config.env,
-        TableSink(table),
+    lanes = actor_lanes(
+        config,
+        table,
         num_envs=num_envs,
         chunk_len=chunk_len,
-        env_kwargs={**config.env_kwargs, "max_episode_steps": 120},  # episode ends inside
-        policy=config.policy,
-        policy_kwargs=config.policy_kwargs,
-        deterministic=config.deterministic,
-        noise=config.noise,
+        chunks=chunks,
         seed=seed,
+        env_kwargs={**config.env_kwargs, "max_episode_steps": 120},  # episode ends inside
     )
-    with collector:
-        lanes = torch.cat([collector.run_chunk() for _ in range(chunks)], 1)
     actions = lanes["action"]
     assert actions.dtype == torch.float32 and tuple(actions.shape[-1:]) == (6,)
     assert ((actions >= -1) & (actions <= 1)).all(), "actions outside the env's bounds"
@@ -97,17 +98,7 @@ def test_real_halfcheetah_steps_reach_a_table_exactly(make_table, tmp_path, name
     assert lanes["next", "truncated"].any(), "the test needs episode ends"
 
     # Each lane replayed on a single env with the recorded actions: the env took them.
-    def reference(p: int):
-        recorded = iter(lanes[p]["action"])
-        env = make_env(ENV, {"max_episode_steps": 120})
-        try:
-            return rollout(
-                env, lanes.shape[1], seed=seed + p, policy=lambda _: next(recorded).numpy()
-            )
-        finally:
-            env.close()
-
-    refs = [reference(p) for p in range(num_envs)]
+    refs = replay_lanes(lanes, lambda: make_env(ENV, {"max_episode_steps": 120}), seed)
     for p, ref in enumerate(refs):
         assert torch.equal(lanes[p]["observation"], ref["observation"]), f"lane {p}"
         assert torch.equal(lanes[p]["next", "observation"], ref["next", "observation"])
@@ -115,12 +106,7 @@ def test_real_halfcheetah_steps_reach_a_table_exactly(make_table, tmp_path, name
         assert torch.equal(lanes[p]["next", "truncated"], ref["next", "truncated"])
 
     # The table holds every step as the lanes have it, actions bit for bit.
-    where = {}
-    for p in range(num_envs):
-        ids = lanes[p]["collector", "traj_ids"].tolist()
-        steps = lanes[p]["collector", "step_count"].tolist()
-        for i, key in enumerate(zip(ids, steps)):
-            where[key] = (p, i)
+    where = lane_positions(lanes)
     stored = export_ted(table, tmp_path / "export")
     assert stored.shape[0] == table.size == num_envs * chunk_len * chunks
     stored_actions = stored["action"].numpy()
