@@ -4,6 +4,7 @@ steps is, and where the batches come from."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,9 +14,11 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from millpond.checks import check_int
-from millpond.errors import InvalidConfigError
+from millpond.errors import DeadlineExceededError, InvalidConfigError
 from millpond.learner import distributed
 from millpond.learner.client import ReplayClient
+
+logger = logging.getLogger("millpond.learner")
 
 #: Versions a :class:`PublishClock` remembers (a DQN publishing every 10 steps: 1M steps).
 _REMEMBERED = 100_000
@@ -99,15 +102,25 @@ def publish_module(
     clock: PublishClock,
     steps: int,
     data_parallel: bool,
+    max_lag: int | None = None,
 ) -> int:
     """Publish ``module``'s weights as version ``version + 1`` after ``steps`` gradient
     steps; returns the version. Data-parallel ranks other than 0 count the version without
-    sending anything."""
+    sending anything. With ``max_lag`` the publication waits at the weights rendezvous until
+    every acting env actor holds ``version + 1 - max_lag`` or newer, for as long as they
+    take (bounded staleness: a deadline stores nothing, so it is asked again)."""
     if data_parallel and distributed.rank() != 0:
         version += 1
     else:
         state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        version = client.publish_weights(state, version + 1)
+        while max_lag is not None:
+            try:
+                version = client.publish_weights(state, version + 1, max_lag=max_lag)
+                break
+            except DeadlineExceededError as e:  # the step is taken: wait on
+                logger.warning("the learner waits for the actors to catch up: %s", e)
+        else:
+            version = client.publish_weights(state, version + 1)
     clock.published(version, steps)
     return version
 

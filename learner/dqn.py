@@ -59,7 +59,6 @@ weights before it acts again.
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -69,15 +68,13 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from millpond.checks import check_int, check_number
-from millpond.errors import DeadlineExceededError, InvalidConfigError, InvalidDataError
+from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
-from millpond.learner._common import BatchSource, PublishClock, published_version
+from millpond.learner._common import BatchSource, PublishClock, publish_module, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import n_step_return
 
 __all__ = ["DQNConfig", "DQNLearner"]
-
-logger = logging.getLogger("millpond.learner")
 
 
 @dataclass(frozen=True)
@@ -387,22 +384,15 @@ class DQNLearner:
         than 0 take the next version without sending anything. With ``max_policy_lag`` it
         waits for the actors (see the module docstring), as long as they take.
         """
-        if self.data_parallel and distributed.rank() != 0:
-            self.version += 1
-            self._clock.published(self.version, self.updates)
-            return self.version
-        state = {k: v.detach().cpu() for k, v in self.q_network.state_dict().items()}
-        lag = self.config.max_policy_lag
-        while True:
-            try:
-                if lag is None:
-                    self.version = self.client.publish_weights(state, self.version + 1)
-                else:
-                    self.version = self.client.publish_weights(state, self.version + 1, max_lag=lag)
-                break
-            except DeadlineExceededError as e:  # nothing stored: the step is taken, so wait on
-                logger.warning("DQN learner waits for the actors to catch up: %s", e)
-        self._clock.published(self.version, self.updates)
+        self.version = publish_module(
+            self.client,
+            self.q_network,
+            self.version,
+            self._clock,
+            self.updates,
+            self.data_parallel,
+            self.config.max_policy_lag,
+        )
         return self.version
 
 

@@ -62,7 +62,7 @@ from millpond.box_actions import gaussian_entropy, gaussian_log_prob
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
-from millpond.learner._common import PublishClock, published_version
+from millpond.learner._common import PublishClock, publish_module, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import gae_from_batch
 
@@ -380,13 +380,9 @@ class PPOLearner:
         that they act with the learner's initial weights. Data-parallel ranks other than 0
         take the next version without sending anything.
         """
-        if self.data_parallel and distributed.rank() != 0:
-            self.version += 1
-            self._clock.published(self.version, self.updates)
-            return self.version
-        state = {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
-        self.version = self.client.publish_weights(state, self.version + 1)
-        self._clock.published(self.version, self.updates)
+        self.version = publish_module(
+            self.client, self.policy, self.version, self._clock, self.updates, self.data_parallel
+        )
         return self.version
 
 
