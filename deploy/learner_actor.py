@@ -75,6 +75,7 @@ def make_learner(
         nature_cnn_q,
         network_for,
     )
+    from millpond.learner.obs_norm import ObservationNormalized
     from millpond.learner.ppo import PPOLearner
 
     c = config.learner
@@ -94,8 +95,10 @@ def make_learner(
         if cnn:
             policy, critic = nature_cnn_actor_critic(obs_space, act_space)
         else:
-            policy = mlp_policy(obs_space, act_space, hidden)
+            policy = mlp_policy(obs_space, act_space, hidden, cfg.normalize_observations)
             critic = mlp_critic(obs_space, hidden)
+            if cfg.normalize_observations:
+                critic = ObservationNormalized(critic, policy.normalizer)
         policy, critic = policy.to(device), critic.to(device)
         return PPOLearner(
             client, table, cfg, policy, critic, data_parallel=data_parallel, version=version
