@@ -128,3 +128,42 @@ def test_ppo_refuses_networks_that_do_not_share_a_normalizer(client: ReplayClien
         PPOLearner(client, "q", config, policy, other, version=-1)
     with pytest.raises(InvalidConfigError, match="Box observation space"):
         mlp_policy(gym.spaces.Discrete(4), act_space, normalize_observations=True)
+
+
+BOX = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+
+
+def observations(rank: int, round_: int) -> np.ndarray:
+    """Rank ``rank``'s batch of round ``round_``: unequal sizes, one rank empty once."""
+    n = [[3, 5], [0, 4]][round_][rank]
+    rng = np.random.default_rng(10 * round_ + rank)
+    return (rng.normal(size=(n, 3)) * [1.0, 4.0, 0.5] + [0.0, 2.0, -3.0]).astype(np.float32)
+
+
+def _rank_main(rank: int, init_file: str, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        norm = RunningMeanStd(BOX)
+        for round_ in range(2):
+            norm.update(torch.from_numpy(observations(rank, round_)), data_parallel=True)
+        results[rank] = {k: v.clone() for k, v in norm.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_merge_every_ranks_batch(tmp_path):
+    from tests.learner.test_distributed import run_two_ranks
+
+    results = run_two_ranks(_rank_main, tmp_path)
+    every = np.concatenate([observations(r, k) for k in range(2) for r in range(2)]).astype(
+        np.float64
+    )
+    for rank in (0, 1):
+        assert float(results[rank]["count"]) == len(every)
+        np.testing.assert_allclose(results[rank]["mean"].numpy(), every.mean(0), rtol=1e-12)
+        np.testing.assert_allclose(results[rank]["var"].numpy(), every.var(0), rtol=1e-9)
+    for key in ("mean", "var", "count"):
+        assert torch.equal(results[0][key], results[1][key])  # the ranks agree exactly
