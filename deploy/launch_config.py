@@ -503,6 +503,7 @@ FIXED_ON_RESUME: tuple[str, ...] = (
     "learner.network",
     "learner.hidden_sizes",
     "learner.dueling",
+    "learner.ppo.normalize_observations",  # the policy's statistics are in the checkpoint
 )
 
 

@@ -174,6 +174,8 @@ class PPOLearner:
         optimizer: Adam over the policy's and the critic's parameters (each once, when they
             share a torso).
         updates: minibatch gradient steps taken.
+        normalizer: the policy's :class:`~millpond.learner.obs_norm.RunningMeanStd` with
+            ``normalize_observations``, else ``None``.
     """
 
     def __init__(

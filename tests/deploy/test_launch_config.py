@@ -396,3 +396,18 @@ def test_the_fleets_mean_return_averages_run_return_window_episodes():
     assert config.run.return_window == 10
     assert fleet_options(config)["window"] == 10
     assert fleet_options(load_config(CONFIGS / "cartpole-ppo.yaml"))["window"] == 100
+
+
+def test_a_resumed_job_keeps_observation_normalisation(tmp_path):
+    """The checkpoint's policy holds the statistics (or not): a resumed job cannot switch."""
+    import yaml
+
+    from millpond.deploy.launch_config import resume_config
+
+    ppo = load_config(CONFIGS / "pendulum-ppo.yaml")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_mapping(ppo), sort_keys=False))
+    with pytest.raises(InvalidConfigError, match=r"learner.ppo.normalize_observations: False"):
+        resume_config(tmp_path, overrides=["learner.ppo.normalize_observations=true"])
+    config, changes = resume_config(tmp_path, overrides=["run.frames=300000"])
+    assert config.run.frames == 300000
+    assert changes == ["run.frames: 200000 -> 300000"]
