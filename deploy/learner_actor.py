@@ -92,6 +92,11 @@ def make_learner(
     # Short sample waits keep each run call close to its time and responsive to the driver.
     if c.algorithm == "ppo":
         cfg = replace(c.ppo, sample_timeout_s=c.ppo.sample_timeout_s or 2.0)
+        if cnn and cfg.normalize_observations:
+            raise InvalidConfigError(
+                "learner.ppo.normalize_observations: for the MLP on Box observations; these "
+                "observations take the Nature CNN (learner.network: auto)"
+            )
         if cnn:
             policy, critic = nature_cnn_actor_critic(obs_space, act_space)
         else:

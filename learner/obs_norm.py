@@ -19,6 +19,8 @@ so the ranks keep equal statistics. Before any update the mean is 0 and the vari
 
 from __future__ import annotations
 
+from typing import Any
+
 import gymnasium as gym
 import torch
 from torch import nn
@@ -112,5 +114,6 @@ class ObservationNormalized(nn.Module):
         self.net = net
         self.normalizer = normalizer
 
-    def forward(self, observation: torch.Tensor):  # the network's output, whatever it is
+    def forward(self, observation: torch.Tensor) -> Any:
+        """The network's output (whatever it returns) for the normalised observations."""
         return self.net(self.normalizer(observation))
