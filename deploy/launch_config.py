@@ -26,8 +26,8 @@ from typing import Any
 from millpond.actors.action_noise import GaussianNoise, OrnsteinUhlenbeckNoise
 from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.processor_specs import ProcessorSpec, check_processors
-from millpond.config import SLICE_SAMPLERS, TableConfig
-from millpond.deploy.algorithms import ALGORITHMS
+from millpond.config import TableConfig
+from millpond.deploy.algorithms import ALGORITHMS, check_sections
 from millpond.deploy.config_files import read_config_doc
 from millpond.deploy.config_mapping import from_mapping, to_mapping, value_kind
 from millpond.errors import InvalidConfigError
@@ -446,45 +446,7 @@ class LaunchConfig:
     ray: RaySection = field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
-        table = self.replay.table_config()
-        algorithm = self.learner.algorithm
-        wants = ("queue",) if algorithm == "ppo" else ("uniform", "prioritized")
-        if self.learner.algorithm == "dqn" and self.learner.dqn.n_step > 1:
-            wants = SLICE_SAMPLERS
-        if table.sampler not in wants:
-            raise InvalidConfigError(
-                f"replay.table.sampler: {self.learner.algorithm} needs a {' or '.join(wants)} "
-                f"table, got {table.sampler!r}"
-            )
-        if self.learner.algorithm == "dqn" and table.has_slices and table.strict_length:
-            raise InvalidConfigError(
-                "replay.table.strict_length: n-step DQN needs false, so that every stored step "
-                "(the last n_step - 1 of each episode included) begins an n-step target"
-            )
-        if self.actors.exploration_noise is not None and self.learner.algorithm != "td3":
-            raise InvalidConfigError(
-                "actors.exploration_noise: exploration noise (Gaussian or Ornstein-Uhlenbeck) "
-                f"is for td3's deterministic policy (here {self.learner.algorithm})"
-            )
-        if self.actors.apex_priorities and (
-            self.learner.algorithm != "dqn" or not table.has_priorities
-        ):
-            raise InvalidConfigError(
-                "actors.apex_priorities: Ape-X priorities are for DQN on a prioritized table "
-                f"(here {self.learner.algorithm} on a {table.sampler!r} table)"
-            )
-        section = getattr(self.learner, algorithm)
-        if algorithm != "ppo" and section.prioritized != table.has_priorities:
-            raise InvalidConfigError(
-                f"learner.{algorithm}.prioritized must be true exactly when "
-                "replay.table.sampler is 'prioritized' or 'prioritized_slices' (it is "
-                f"{section.prioritized}, the table {table.sampler!r})"
-            )
-        if self.learner.ppo.normalize_observations and algorithm != "ppo":
-            raise InvalidConfigError(
-                "learner.ppo.normalize_observations: observation normalisation is for ppo "
-                f"(here {algorithm})"
-            )
+        check_sections(self)  # the table and the other sections' keys fit the algorithm
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> LaunchConfig:
