@@ -129,4 +129,4 @@ class LaneNoise:
         """The lanes ``lanes`` (a bool mask ``[P]``) begin new episodes: their state
         returns to 0."""
         if self._state is not None:
-            self._state[torch.from_numpy(np.asarray(lanes, dtype=bool))] = 0.0
+            self._state[torch.tensor(np.asarray(lanes, dtype=bool))] = 0.0
