@@ -88,6 +88,7 @@ from millpond.segments import PackedSegments, Segment, pack
 from millpond.spec import Key
 
 from .acting_lag import ActingLag
+from .action_noise import ActionNoise
 from .envs import (
     EnvSpec,
     WrapperSpec,
@@ -98,7 +99,7 @@ from .envs import (
 )
 from .episode_ids import EPISODES_PER_INCARNATION
 from .lanes import LaneBuffer
-from .policies import ActorPolicy, EpsilonGreedy, GaussianNoise, PolicySpec, make_policy
+from .policies import ActorPolicy, EpsilonGreedy, PolicySpec, make_policy
 from .processors import ExperienceProcessor, PassThrough, ProcessorChain
 
 __all__ = ["Collector", "PriorityFn"]
@@ -131,7 +132,8 @@ class Collector:
         policy_kwargs: keyword arguments for the policy factory.
         deterministic: act with the policy's mode instead of sampling.
         epsilon: epsilon-greedy exploration (``Discrete`` actions).
-        noise: Gaussian exploration noise (``Box`` actions).
+        noise: Gaussian or Ornstein-Uhlenbeck exploration noise (``Box`` actions; an
+            Ornstein-Uhlenbeck lane's state is reset when the lane begins an episode).
         weight_source: where to get new weights from (see the module docstring).
         weight_sync_every: env steps between checks for new weights within a chunk (a
             chunk's start and end are checked too).
@@ -160,7 +162,7 @@ class Collector:
         policy_kwargs: Mapping[str, Any] | None = None,
         deterministic: bool = False,
         epsilon: EpsilonGreedy | None = None,
-        noise: GaussianNoise | None = None,
+        noise: ActionNoise | None = None,
         weight_source: WeightSource | None = None,
         weight_sync_every: int = 100,
         actor_name: str = "",
@@ -417,6 +419,7 @@ class Collector:
         self._episode_ids[:] = self._new_episode_ids(self.num_envs)
         self._step_counts[:] = 0
         self._resetting[:] = False
+        self.policy.reset_lanes(self._all_lanes)
         self._started = True
 
     def _step(self) -> tuple[dict[Key, torch.Tensor], np.ndarray]:
@@ -452,10 +455,12 @@ class Collector:
                     key: value.index_put((index,), torch.stack([f[key] for f in finals]))
                     for key, value in next_obs.items()
                 }
+            begun = ended  # the next action is the first of a new episode
         else:
             valid = ~self._resetting
             if bool((ended & self._resetting).any()):
                 raise MillpondError("a NEXT_STEP vector env ended an episode on its reset step")
+            begun = self._resetting  # this call reset them; the next action is their first
             self._resetting = ended
         record: dict[Key, torch.Tensor] = dict(self._obs)
         for name, value in out.items():
@@ -485,6 +490,8 @@ class Collector:
         if new.any():
             self._episode_ids[new] = self._new_episode_ids(int(new.sum()))
             self._step_counts[new] = 0
+        if begun.any():
+            self.policy.reset_lanes(begun)
         self._obs = next_obs
         self.frames += int(valid.sum())
         self.env_steps += 1

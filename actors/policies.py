@@ -57,7 +57,9 @@ under the policy's distribution (also for the mode, with ``deterministic``).
 :class:`GaussianNoise` (``Box`` action spaces: TD3, DDPG) adds ``sigma * N(0, 1)`` to
 each action element in ``[-1, 1]`` units (``sigma`` times half the element's range in the
 env's units) and clips the result to the bounds, as Stable-Baselines3's
-``NormalActionNoise`` does; ``deterministic`` policies such as
+``NormalActionNoise`` does; :class:`OrnsteinUhlenbeckNoise` (DDPG's) adds a temporally
+correlated process instead, one per lane, reset when its lane begins an episode
+(:mod:`millpond.actors.action_noise`). ``deterministic`` policies such as
 :func:`millpond.learner.box_networks.mlp_td3_actor` explore that way. No log-probability is
 recorded for noisy actions.
 
@@ -83,11 +85,14 @@ from torch import nn
 from millpond.box_actions import BoxScale, gaussian_log_prob, squashed_gaussian
 from millpond.errors import InvalidConfigError, InvalidDataError
 
+from .action_noise import ActionNoise, GaussianNoise, LaneNoise, OrnsteinUhlenbeckNoise
+
 __all__ = [
     "ActorPolicy",
     "EpsilonGreedy",
     "GaussianNoise",
     "ModulePolicy",
+    "OrnsteinUhlenbeckNoise",
     "PolicySpec",
     "RandomPolicy",
     "load_factory",
@@ -137,26 +142,6 @@ class EpsilonGreedy:
         return float(self.eps_start + (self.eps_end - self.eps_start) * frac)
 
 
-@dataclass(frozen=True)
-class GaussianNoise:
-    """Gaussian exploration noise for ``Box`` action spaces (TD3's, DDPG's).
-
-    Attributes:
-        sigma: the noise's standard deviation in ``[-1, 1]`` units of each action element
-            (``0.1``: a tenth of half its range).
-    """
-
-    sigma: float = 0.1
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.sigma, bool)
-            or not isinstance(self.sigma, int | float)
-            or self.sigma < 0
-        ):
-            raise InvalidConfigError(f"sigma ({self.sigma!r}) must be a number >= 0")
-
-
 class ActorPolicy:
     """What the loop calls: ``policy(observations [P], frames) -> {key: tensor [P, ...]}``.
 
@@ -175,6 +160,10 @@ class ActorPolicy:
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         raise InvalidConfigError(f"{type(self).__name__} has no weights to load")
+
+    def reset_lanes(self, lanes: np.ndarray) -> None:
+        """The lanes of the bool mask ``lanes`` ``[P]`` begin new episodes: a policy that
+        keeps state per lane (Ornstein-Uhlenbeck noise) resets theirs. The loop calls it."""
 
 
 class RandomPolicy(ActorPolicy):
@@ -201,7 +190,8 @@ class ModulePolicy(ActorPolicy):
         action_space: the single-lane action space.
         deterministic: take the distribution's mode instead of sampling.
         epsilon: epsilon-greedy exploration (``Discrete`` action spaces only).
-        noise: Gaussian exploration noise (float ``Box`` action spaces only).
+        noise: Gaussian or Ornstein-Uhlenbeck exploration noise (float ``Box`` action
+            spaces only; :mod:`millpond.actors.action_noise`).
         seed: seeds the generator used for categorical sampling and exploration.
     """
 
@@ -213,7 +203,7 @@ class ModulePolicy(ActorPolicy):
         *,
         deterministic: bool = False,
         epsilon: EpsilonGreedy | None = None,
-        noise: GaussianNoise | None = None,
+        noise: ActionNoise | None = None,
         seed: int | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
@@ -238,14 +228,21 @@ class ModulePolicy(ActorPolicy):
         self._box: BoxScale | None = None  # the bounds, for squashed Gaussians (on first use)
         self._bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # for clipped ones
         self.noise = noise
+        self._noise: LaneNoise | None = None
         if noise is not None:
             try:
                 self._box = BoxScale(action_space)
             except InvalidConfigError as e:
-                raise InvalidConfigError(f"Gaussian exploration noise: {e}") from None
+                kind = "Gaussian" if isinstance(noise, GaussianNoise) else "Ornstein-Uhlenbeck"
+                raise InvalidConfigError(f"{kind} exploration noise: {e}") from None
+            self._noise = LaneNoise(noise, self._box, self._generator)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.module.load_state_dict(dict(state_dict))
+
+    def reset_lanes(self, lanes: np.ndarray) -> None:
+        if self._noise is not None:
+            self._noise.reset(lanes)
 
     def __call__(self, observation: TensorDictBase, frames: int) -> dict[str, torch.Tensor]:
         num = observation.batch_size[0]
@@ -291,8 +288,8 @@ class ModulePolicy(ActorPolicy):
                         pi = nn.functional.one_hot(pi.argmax(-1), n).float()
                     taken = pi.gather(-1, (action - start).long().unsqueeze(-1)).squeeze(-1)
                     log_prob = torch.log((1 - eps) * taken + eps / n)
-            elif self.noise is not None:
-                action, log_prob, unclipped = self._add_noise(action, num), None, None
+            elif self._noise is not None:
+                action, log_prob, unclipped = self._noise(action, num), None, None
             elif log_prob is None and logits is not None:
                 lp = torch.log_softmax(logits.float(), -1).reshape(num, -1)
                 log_prob = lp.gather(-1, (action.reshape(num) - start).long().unsqueeze(-1))
@@ -352,13 +349,6 @@ class ModulePolicy(ActorPolicy):
             )
         low, high = self._bounds  # type: ignore[misc]
         return torch.clamp(draw, low, high), draw.reshape(shape), log_prob
-
-    def _add_noise(self, action: torch.Tensor, num: int) -> torch.Tensor:
-        """``action`` plus Gaussian noise in ``[-1, 1]`` units, clipped to the bounds."""
-        box, sigma = self._box, self.noise.sigma  # type: ignore[union-attr]
-        unit = box.to_unit(action.float().reshape(num, box.dim))
-        noise = torch.randn(unit.shape, generator=self._generator) * sigma
-        return box.to_env(torch.clamp(unit + noise, -1.0, 1.0))
 
     def action_values(self, observation: TensorDictBase) -> torch.Tensor:
         """The module's value of each action for a TensorDict ``[N]`` of observations,
@@ -440,7 +430,7 @@ def make_policy(
     policy_kwargs: Mapping[str, Any] | None = None,
     deterministic: bool = False,
     epsilon: EpsilonGreedy | None = None,
-    noise: GaussianNoise | None = None,
+    noise: ActionNoise | None = None,
     seed: int | None = None,
 ) -> ActorPolicy:
     """The :class:`ActorPolicy` for ``policy`` (see the module docstring for the contract)."""

@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 
+from millpond.actors.action_noise import ActionNoise
 from millpond.actors.collector import Collector, PriorityFn
 from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.episode_ids import INCARNATIONS_PER_ACTOR, episode_id_base
 from millpond.actors.episode_stats import ReturnTracker
-from millpond.actors.policies import EpsilonGreedy, GaussianNoise
+from millpond.actors.policies import EpsilonGreedy
 from millpond.actors.processor_specs import ProcessorSpec, build_processors, check_processors
 from millpond.actors.processors import ExperienceProcessor, PassThrough
 from millpond.allocator import keep_freed_buffers
@@ -61,7 +62,7 @@ class ActorConfig:
         policy_kwargs: keyword arguments for the policy factory.
         deterministic: act with the policy's mode instead of sampling.
         epsilon: epsilon-greedy exploration for discrete actions.
-        noise: Gaussian exploration noise for Box actions.
+        noise: Gaussian or Ornstein-Uhlenbeck exploration noise for Box actions.
         weight_sync_every: env steps between checks for newer published weights.
         processors: the experience processors of one actor, run in order: processor specs
             (:class:`~millpond.actors.processor_specs.ProcessorSpec`, or ``{"path": ...,
@@ -86,7 +87,7 @@ class ActorConfig:
     policy_kwargs: Mapping[str, Any] = field(default_factory=dict)
     deterministic: bool = False
     epsilon: EpsilonGreedy | None = None
-    noise: GaussianNoise | None = None
+    noise: ActionNoise | None = None
     weight_sync_every: int = 100
     processors: (
         Sequence[ProcessorSpec | Mapping[str, Any]]

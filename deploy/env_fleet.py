@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from millpond.actors.apex import ApexPriorities
 from millpond.actors.envs import make_env
 from millpond.actors.fleet import ActorFleet, FleetStatus
-from millpond.actors.policies import EpsilonGreedy, GaussianNoise
+from millpond.actors.policies import EpsilonGreedy
 from millpond.actors.ray_actor import ActorConfig
 from millpond.learner.networks import network_for
 
@@ -56,6 +56,8 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         factory, kwargs = f"mlp_{head}", {"hidden": tuple(c.learner.hidden_sizes)}
         if c.learner.dueling:
             kwargs["dueling"] = True
+        if c.learner.algorithm == "ppo" and c.learner.ppo.normalize_observations:
+            kwargs["normalize_observations"] = True
     return ActorConfig(
         env=c.env.id,
         table=table,
@@ -68,11 +70,7 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         policy_kwargs=kwargs,
         deterministic=c.actors.deterministic,
         epsilon=epsilon,
-        noise=(
-            GaussianNoise(c.actors.exploration_noise)
-            if c.actors.exploration_noise is not None
-            else None
-        ),
+        noise=c.actors.action_noise(),
         weight_sync_every=c.actors.weight_sync_every,
         max_in_flight=c.actors.max_in_flight,
         processors=tuple(c.actors.processors) or None,

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from millpond.actors.action_noise import GaussianNoise, OrnsteinUhlenbeckNoise
 from millpond.actors.envs import WrapperSpec, check_wrappers
 from millpond.actors.processor_specs import ProcessorSpec, check_processors
-from millpond.config import SLICE_SAMPLERS, TableConfig
-from millpond.deploy.algorithms import ALGORITHMS
+from millpond.config import TableConfig
+from millpond.deploy.algorithms import ALGORITHMS, check_sections
 from millpond.deploy.config_files import read_config_doc
 from millpond.deploy.config_mapping import from_mapping, to_mapping, value_kind
 from millpond.errors import InvalidConfigError
@@ -184,9 +185,15 @@ class ActorsSection:
         epsilon_start: epsilon-greedy exploration at frame 0; ``None`` for none.
         epsilon_end: epsilon after ``epsilon_decay_frames`` frames (per actor).
         epsilon_decay_frames: frames over which epsilon decays linearly.
-        exploration_noise: Gaussian exploration noise for ``Box`` actions (TD3): its
-            standard deviation in ``[-1, 1]`` units of each action element
-            (:class:`~millpond.actors.GaussianNoise`); ``None`` for none.
+        exploration_noise: exploration noise for ``Box`` actions (TD3): its ``sigma`` in
+            ``[-1, 1]`` units of each action element (the Gaussian's standard deviation,
+            :class:`~millpond.actors.GaussianNoise`, or the Ornstein-Uhlenbeck process's
+            diffusion scale); ``None`` for none.
+        noise_type: ``"gaussian"`` (fresh draws every step) or ``"ou"``: an
+            Ornstein-Uhlenbeck process per env lane, reset when its lane begins an episode
+            (:class:`~millpond.actors.OrnsteinUhlenbeckNoise`, DDPG's exploration).
+        ou_theta: the Ornstein-Uhlenbeck process's mean reversion; ``None``: 0.15.
+        ou_dt: the Ornstein-Uhlenbeck process's time step; ``None``: 0.01.
         max_restarts: how often Ray restarts a crashed actor.
         max_in_flight: unacknowledged segments a writer allows before it blocks.
         apex_priorities: Ape-X (DQN on a prioritized table): each actor gives the steps it
@@ -213,6 +220,9 @@ class ActorsSection:
     epsilon_end: float = 0.05
     epsilon_decay_frames: int = 10_000
     exploration_noise: float | None = None
+    noise_type: str = "gaussian"
+    ou_theta: float | None = None
+    ou_dt: float | None = None
     max_restarts: int = 3
     max_in_flight: int = 64
     apex_priorities: bool = False
@@ -233,6 +243,35 @@ class ActorsSection:
                 raise InvalidConfigError(f"actors.{name}: {value!r} must be in [0, 1]")
         if self.exploration_noise is not None:
             _at_least("actors.exploration_noise", self.exploration_noise, 0)
+        _choice("actors.noise_type", self.noise_type, ("gaussian", "ou"))
+        if self.noise_type == "ou" and self.exploration_noise is None:
+            raise InvalidConfigError(
+                "actors.noise_type: 'ou' needs actors.exploration_noise (the process's sigma)"
+            )
+        for name in ("ou_theta", "ou_dt"):
+            value = getattr(self, name)
+            if value is not None and self.noise_type != "ou":
+                raise InvalidConfigError(
+                    f"actors.{name}: for Ornstein-Uhlenbeck noise (actors.noise_type: ou), "
+                    f"here {self.noise_type!r}"
+                )
+        if self.ou_theta is not None:
+            _at_least("actors.ou_theta", self.ou_theta, 0)
+        if self.ou_dt is not None and not self.ou_dt > 0:
+            raise InvalidConfigError(f"actors.ou_dt: {self.ou_dt!r} must be > 0")
+
+    def action_noise(self) -> GaussianNoise | OrnsteinUhlenbeckNoise | None:
+        """The exploration noise these settings name (``None``: none)."""
+        if self.exploration_noise is None:
+            return None
+        if self.noise_type == "gaussian":
+            return GaussianNoise(self.exploration_noise)
+        defaults = OrnsteinUhlenbeckNoise()
+        return OrnsteinUhlenbeckNoise(
+            self.exploration_noise,
+            defaults.theta if self.ou_theta is None else self.ou_theta,
+            defaults.dt if self.ou_dt is None else self.ou_dt,
+        )
 
 
 @dataclass(frozen=True)
@@ -243,7 +282,7 @@ class LearnerSection:
     Attributes:
         algorithm: ``"ppo"`` (queue table; ``Discrete`` or float ``Box`` actions) or
             ``"dqn"`` (uniform, prioritized or slices; ``Discrete`` actions); ``"sac"`` or
-            ``"td3"`` (uniform table) for ``Box`` actions.
+            ``"td3"`` (uniform or prioritized table) for ``Box`` actions.
             An env whose action space the algorithm cannot act in is refused before
             anything starts (:mod:`millpond.deploy.algorithms`).
         network: ``"mlp"``, ``"nature_cnn"`` (the Nature-DQN CNN on ``[C, H, W]`` frames;
@@ -407,42 +446,7 @@ class LaunchConfig:
     ray: RaySection = field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
-        table = self.replay.table_config()
-        wants = {"ppo": ("queue",), "sac": ("uniform",), "td3": ("uniform",)}.get(
-            self.learner.algorithm, ("uniform", "prioritized")
-        )
-        if self.learner.algorithm == "dqn" and self.learner.dqn.n_step > 1:
-            wants = SLICE_SAMPLERS
-        if table.sampler not in wants:
-            raise InvalidConfigError(
-                f"replay.table.sampler: {self.learner.algorithm} needs a {' or '.join(wants)} "
-                f"table, got {table.sampler!r}"
-            )
-        if self.learner.algorithm == "dqn" and table.has_slices and table.strict_length:
-            raise InvalidConfigError(
-                "replay.table.strict_length: n-step DQN needs false, so that every stored step "
-                "(the last n_step - 1 of each episode included) begins an n-step target"
-            )
-        if self.actors.exploration_noise is not None and self.learner.algorithm != "td3":
-            raise InvalidConfigError(
-                "actors.exploration_noise: Gaussian exploration noise is for td3's "
-                f"deterministic policy (here {self.learner.algorithm})"
-            )
-        if self.actors.apex_priorities and (
-            self.learner.algorithm != "dqn" or not table.has_priorities
-        ):
-            raise InvalidConfigError(
-                "actors.apex_priorities: Ape-X priorities are for DQN on a prioritized table "
-                f"(here {self.learner.algorithm} on a {table.sampler!r} table)"
-            )
-        if self.learner.dqn.prioritized != table.has_priorities and (
-            self.learner.algorithm == "dqn"
-        ):
-            raise InvalidConfigError(
-                "learner.dqn.prioritized must be true exactly when replay.table.sampler is "
-                f"'prioritized' or 'prioritized_slices' (it is {self.learner.dqn.prioritized}, "
-                f"the table {table.sampler!r})"
-            )
+        check_sections(self)  # the table and the other sections' keys fit the algorithm
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> LaunchConfig:
@@ -461,6 +465,7 @@ FIXED_ON_RESUME: tuple[str, ...] = (
     "learner.network",
     "learner.hidden_sizes",
     "learner.dueling",
+    "learner.ppo.normalize_observations",  # the policy's statistics are in the checkpoint
 )
 
 

@@ -75,6 +75,7 @@ def make_learner(
         nature_cnn_q,
         network_for,
     )
+    from millpond.learner.obs_norm import ObservationNormalized
     from millpond.learner.ppo import PPOLearner
 
     c = config.learner
@@ -91,11 +92,18 @@ def make_learner(
     # Short sample waits keep each run call close to its time and responsive to the driver.
     if c.algorithm == "ppo":
         cfg = replace(c.ppo, sample_timeout_s=c.ppo.sample_timeout_s or 2.0)
+        if cnn and cfg.normalize_observations:
+            raise InvalidConfigError(
+                "learner.ppo.normalize_observations: for the MLP on Box observations; these "
+                "observations take the Nature CNN (learner.network: auto)"
+            )
         if cnn:
             policy, critic = nature_cnn_actor_critic(obs_space, act_space)
         else:
-            policy = mlp_policy(obs_space, act_space, hidden)
+            policy = mlp_policy(obs_space, act_space, hidden, cfg.normalize_observations)
             critic = mlp_critic(obs_space, hidden)
+            if cfg.normalize_observations:
+                critic = ObservationNormalized(critic, policy.normalizer)
         policy, critic = policy.to(device), critic.to(device)
         return PPOLearner(
             client, table, cfg, policy, critic, data_parallel=data_parallel, version=version

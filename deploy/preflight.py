@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import gymnasium as gym
+
 from millpond.actors.envs import make_env
 from millpond.deploy.algorithms import check_action_space
 from millpond.errors import InvalidConfigError
@@ -60,6 +62,12 @@ def check_job(config: LaunchConfig, replay: str | None = None) -> CheckedJob:
         network = network_for(obs_space, c.learner.network)
     except InvalidConfigError as e:
         raise InvalidConfigError(f"learner.network: {e}") from None
+    normalizes = c.learner.algorithm == "ppo" and c.learner.ppo.normalize_observations
+    if normalizes and (network != "mlp" or not isinstance(obs_space, gym.spaces.Box)):
+        raise InvalidConfigError(
+            "learner.ppo.normalize_observations: for the MLP on Box observations; env "
+            f"{c.env.id!r} has {obs_space} (network {network!r})"
+        )
     c.replay.tokens()  # an unreadable token file
     if c.replay.tls is not None and replay is None:
         raise InvalidConfigError(

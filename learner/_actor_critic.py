@@ -3,6 +3,18 @@ the actors run, twin Q-networks with a Polyak-averaged target copy, one Adam ove
 parameter group, and one step that samples, backpropagates the sum of the algorithm's
 losses (their parameters are disjoint), updates, moves the targets and publishes.
 
+**Prioritized replay** (Schaul et al. 2016; ``prioritized=True`` on a prioritized table):
+the critic's squared TD errors are weighted by the batch's importance weights
+``batch["weight"]`` (PER's correction of the bias of the TD update; the policy's and the
+temperature's losses are not TD updates and stay unweighted), and after each step the
+sampled transitions get the priority ``max_i |y - Q_i(s, a)| + priority_eps``: PER's
+``|delta|``, with two critics the larger of their errors, as TorchRL's ``SACLoss`` and
+``TD3Loss`` write their priorities (``max`` over the Q-networks): a transition that either
+critic fits badly is replayed more (the mean would halve one critic's large error). They
+go through :meth:`ReplayClient.update_priorities` with the batch's ``index``, so a slot
+overwritten since it was sampled keeps its new step's priority; the table raises each
+priority to its ``alpha``.
+
 Each algorithm names its config class (``config_type``) and gives
 :meth:`ActorCriticLearner._setup` (what it holds beyond the shared networks),
 :meth:`ActorCriticLearner.losses` (its losses on one batch, at the current parameters, as
@@ -55,6 +67,9 @@ class ActorCriticConfig:
         observation_key: the batch key the networks read.
         prefetch: sample requests kept in flight while the learner updates
             (:meth:`ReplayClient.iterate`); ``0`` samples each batch when it is needed.
+        prioritized: the table is prioritized: weight the critic's loss by the importance
+            weights and send new priorities after every step (see the module docstring).
+        priority_eps: added to ``|TD error|`` so that no transition gets priority zero.
     """
 
     batch_size: int = 256
@@ -65,6 +80,8 @@ class ActorCriticConfig:
     publish_every: int = 10
     observation_key: str = "observation"
     prefetch: int = 0
+    prioritized: bool = False
+    priority_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "publish_every"):
@@ -78,6 +95,9 @@ class ActorCriticConfig:
                 raise InvalidConfigError(f"{name} ({getattr(self, name)!r}) must be <= 1")
         if self.sample_timeout_s is not None:
             check_number("sample_timeout_s", self.sample_timeout_s)
+        check_number("priority_eps", self.priority_eps)
+        if not isinstance(self.prioritized, bool):
+            raise InvalidConfigError(f"prioritized ({self.prioritized!r}) must be a bool")
         if not isinstance(self.observation_key, str) or not self.observation_key:
             raise InvalidConfigError(
                 f"observation_key ({self.observation_key!r}) must be a non-empty string"
@@ -97,7 +117,7 @@ class ActorCriticLearner:
 
     Args:
         client: the replay client.
-        table: a uniform table of transitions.
+        table: a uniform table of transitions (prioritized with ``prioritized=True``).
         config: the algorithm's config (``batch_size``, ``lr``, ``publish_every``,
             ``observation_key``, ``sample_timeout_s``, ``prefetch`` among its fields).
         policy: the module the actors run.
@@ -171,8 +191,9 @@ class ActorCriticLearner:
         (:meth:`losses`), ``td_error`` (mean ``|y - Q_i(s, a)|`` over both Q's),
         ``q_value`` (mean ``Q_i(s, a)``), ``updates``, ``target_updated``, ``published``
         (the version published after this step, or ``None``), ``version``, ``sample_s`` /
-        ``update_s`` and, when the batch records it, the policy lag (``policy_lag_mean`` /
-        ``_max`` in versions, ``policy_lag_steps_mean`` / ``_max`` in gradient steps).
+        ``update_s``, ``priorities_applied`` (prioritized tables) and, when the batch
+        records it, the policy lag (``policy_lag_mean`` / ``_max`` in versions,
+        ``policy_lag_steps_mean`` / ``_max`` in gradient steps).
         """
         started = time.perf_counter()
         batch = self._turn.take(self._batches.next)
@@ -182,6 +203,7 @@ class ActorCriticLearner:
             metrics.update(
                 self._clock.lag_metrics(batch["policy_version"], self.version, self.updates)
             )
+        index = batch.get("index", None)
         if self.device.type != "cpu":
             batch = batch.to(self.device)
         losses = self.losses(batch)
@@ -192,6 +214,10 @@ class ActorCriticLearner:
             distributed.average_gradients([p for p in params if p.grad is not None], len(batch))
         self.optimizer.step()
         self.updates += 1
+        if self.config.prioritized:
+            metrics["priorities_applied"] = self.client.update_priorities(
+                self.table, index, self.priorities(losses["td_error"])
+            )
         metrics["target_updated"] = self.update_targets()
         metrics["published"] = None
         if self.updates % self.config.publish_every == 0:
@@ -219,18 +245,34 @@ class ActorCriticLearner:
         """Move the target networks after step :attr:`updates`; whether any moved."""
         raise NotImplementedError
 
+    def priorities(self, td_error: torch.Tensor) -> torch.Tensor:
+        """The new priority of each transition from the TD errors ``[2, B]`` of both
+        critics: ``max_i |td_i| + priority_eps``, ``[B]`` on the CPU (module docstring)."""
+        return td_error.detach().abs().max(0).values.cpu() + self.config.priority_eps
+
+    def _critic_loss(self, td_error: torch.Tensor, batch: TensorDictBase) -> torch.Tensor:
+        """``sum_i E[w (y - Q_i(s, a))^2]`` over the two critics, ``w`` the batch's
+        importance weights on a prioritized table (else 1)."""
+        squared = td_error.pow(2)
+        if self.config.prioritized:
+            squared = squared * batch["weight"].reshape(1, -1).to(squared.dtype)
+        return squared.mean(-1).sum()
+
     def _transitions(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
         """``(observations, actions in [-1, 1] [B, dim])`` of a batch, refused unless it is
-        transitions ``[B]`` of a uniform table."""
+        transitions ``[B]``, with importance weights exactly when ``prioritized``."""
         if batch.ndim != 1:
             raise InvalidDataError(
                 f"{type(self).__name__} trains on transitions [B]; the table returned "
-                f"{list(batch.shape)} (use a uniform table)"
+                f"{list(batch.shape)} (use a uniform or prioritized table)"
             )
-        if "weight" in batch:
+        if ("weight" in batch) != self.config.prioritized:
             raise InvalidDataError(
-                f"table {self.table!r} returned importance weights; "
-                f"{type(self).__name__} samples a uniform table"
+                f"table {self.table!r} returned importance weights; {type(self).__name__} "
+                "with prioritized=False samples a uniform table"
+                if self.config.prioritized is False
+                else f"prioritized=True, but table {self.table!r} returned no importance "
+                "weights: it needs a prioritized table"
             )
         action = batch["action"].reshape(batch.shape[0], self.box.dim)
         return batch[self.config.observation_key], self.box.to_unit(action)

@@ -32,6 +32,7 @@ __all__ = [
     "any_true",
     "average_gradients",
     "broadcast_parameters",
+    "gather",
     "global_max",
     "rank",
     "world_size",
@@ -80,6 +81,17 @@ def any_true(flag: bool, device: torch.device | str = "cpu") -> bool:
 def global_max(value: float, device: torch.device | str = "cpu") -> float:
     """The largest ``value`` over the ranks."""
     return _reduce(float(value), "MAX", torch.device(device))
+
+
+def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (of one shape on all ranks), in rank order; ``[tensor]``
+    without a group."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return parts
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from millpond.errors import InvalidConfigError
+from millpond.learner.obs_norm import ObservationNormalized, RunningMeanStd
 
 __all__ = [
     "MLP",
@@ -164,13 +165,22 @@ class GaussianPolicy(nn.Module):
 
 
 def mlp_policy(
-    observation_space: gym.Space, action_space: gym.Space, hidden: Sequence[int] = (64, 64)
-) -> MLP | GaussianPolicy:
+    observation_space: gym.Space,
+    action_space: gym.Space,
+    hidden: Sequence[int] = (64, 64),
+    normalize_observations: bool = False,
+) -> nn.Module:
     """Policy logits ``[..., n]`` for a ``Discrete(n)`` action space, a
-    :class:`GaussianPolicy` for a float ``Box`` one (an actor factory)."""
+    :class:`GaussianPolicy` for a float ``Box`` one (an actor factory). With
+    ``normalize_observations`` it reads them through running statistics it carries
+    (:class:`~millpond.learner.obs_norm.ObservationNormalized`, its ``normalizer``)."""
     if isinstance(action_space, gym.spaces.Box):
-        return GaussianPolicy(observation_space, action_space, hidden)
-    return MLP(observation_space, _num_actions(action_space), hidden, out_std=0.01)
+        policy: nn.Module = GaussianPolicy(observation_space, action_space, hidden)
+    else:
+        policy = MLP(observation_space, _num_actions(action_space), hidden, out_std=0.01)
+    if normalize_observations:
+        return ObservationNormalized(policy, RunningMeanStd(observation_space))
+    return policy
 
 
 def mlp_critic(observation_space: gym.Space, hidden: Sequence[int] = (64, 64)) -> MLP:

@@ -29,6 +29,16 @@ of that draw (:func:`~millpond.box_actions.gaussian_log_prob`, the function the 
 recorded ``"sample_log_prob"`` with), the clipping counted as part of the env, as CleanRL's
 ``ClipAction`` wrapper does. The critic maps observations to ``V(s)``, ``[..., 1]``.
 
+**Observation normalisation** (``normalize_observations``, CleanRL's continuous PPO uses
+gymnasium's ``NormalizeObservation``): the policy and the critic read observations through
+one :class:`~millpond.learner.obs_norm.RunningMeanStd` that the policy carries (its
+``normalizer``: ``mlp_policy(..., normalize_observations=True)``, the critic wrapped in
+:class:`~millpond.learner.obs_norm.ObservationNormalized` around the same one). Each
+iteration merges the observations of every delivered step into it before GAE and the
+updates; its statistics travel with the published weights, so each actor normalises with
+those of the version it acts with. A step acted under older statistics is corrected by the
+ratio like any other change of the policy. The replay keeps raw observations.
+
 Data-parallel: with ``data_parallel=True`` in an initialised ``torch.distributed`` group
 (:mod:`millpond.learner.distributed`), every rank runs this learner on batches of its own
 from the same queue; each minibatch step averages the ranks' gradients weighted by their
@@ -65,6 +75,7 @@ from millpond.learner import distributed
 from millpond.learner._common import PublishClock, publish_module, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import gae_from_batch
+from millpond.learner.obs_norm import RunningMeanStd
 
 __all__ = ["PPOConfig", "PPOLearner"]
 
@@ -91,6 +102,9 @@ class PPOConfig:
         observation_key: the batch key the policy and the critic read.
         sample_timeout_s: how long :meth:`PPOLearner.step` waits for a batch; ``None``: the
             client's timeout.
+        normalize_observations: update the running observation statistics the policy
+            carries (``policy.normalizer``, shared by the critic) from every batch (see the
+            module docstring).
     """
 
     batch_size: int = 512
@@ -107,6 +121,7 @@ class PPOConfig:
     max_policy_lag: int | None = 4
     observation_key: str = "observation"
     sample_timeout_s: float | None = None
+    normalize_observations: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "minibatch_size"):
@@ -126,6 +141,10 @@ class PPOConfig:
             check_number("max_grad_norm", self.max_grad_norm, positive=True)
         if self.sample_timeout_s is not None:
             check_number("sample_timeout_s", self.sample_timeout_s)
+        if not isinstance(self.normalize_observations, bool):
+            raise InvalidConfigError(
+                f"normalize_observations ({self.normalize_observations!r}) must be a bool"
+            )
         if not isinstance(self.observation_key, str) or not self.observation_key:
             raise InvalidConfigError(
                 f"observation_key ({self.observation_key!r}) must be a non-empty string"
@@ -155,6 +174,8 @@ class PPOLearner:
         optimizer: Adam over the policy's and the critic's parameters (each once, when they
             share a torso).
         updates: minibatch gradient steps taken.
+        normalizer: the policy's :class:`~millpond.learner.obs_norm.RunningMeanStd` with
+            ``normalize_observations``, else ``None``.
     """
 
     def __init__(
@@ -190,6 +211,9 @@ class PPOLearner:
         self.device = params[0].device if params else torch.device("cpu")
         self.data_parallel = data_parallel
         self._turn = distributed.BatchTurn(data_parallel, self.device)
+        self.normalizer = (
+            _shared_normalizer(policy, critic) if config.normalize_observations else None
+        )
 
     # -- the iteration -------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -210,6 +234,8 @@ class PPOLearner:
             lambda: self.client.sample(self.table, c.batch_size, timeout_s=c.sample_timeout_s)
         )
         sampled = time.perf_counter()
+        if self.normalizer is not None:  # every delivered step's observation, stale or not
+            self.normalizer.update(batch[c.observation_key], self.data_parallel)
         batch, metrics = self.drop_stale(batch)
         metrics["sample_s"] = sampled - started
         rows = batch.shape[0] > 0
@@ -384,6 +410,20 @@ class PPOLearner:
             self.client, self.policy, self.version, self._clock, self.updates, self.data_parallel
         )
         return self.version
+
+
+def _shared_normalizer(policy: nn.Module, critic: nn.Module) -> RunningMeanStd:
+    """The :class:`RunningMeanStd` the policy carries and the critic reads through too."""
+    normalizer = getattr(policy, "normalizer", None)
+    if not isinstance(normalizer, RunningMeanStd) or getattr(critic, "normalizer", None) is not (
+        normalizer
+    ):
+        raise InvalidConfigError(
+            "normalize_observations: the policy must carry a RunningMeanStd as its "
+            "'normalizer' (mlp_policy(..., normalize_observations=True)) and the critic read "
+            "through the same one (ObservationNormalized(critic, policy.normalizer))"
+        )
+    return normalizer
 
 
 #: The loss terms :meth:`PPOLearner.loss` returns, in its order.

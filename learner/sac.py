@@ -1,4 +1,5 @@
-"""A reference SAC learner on a uniform table, using only the public :class:`ReplayClient`.
+"""A reference SAC learner on a uniform or prioritized table, using only the public
+:class:`ReplayClient`.
 
 Each :meth:`SACLearner.step` is one gradient step of Soft Actor-Critic (Haarnoja et al.
 2018, "Soft Actor-Critic Algorithms and Applications": two Q-functions, no value network,
@@ -10,7 +11,9 @@ a learned temperature) on one sampled batch of transitions ``(s, a, r, s', termi
       a' ~ pi(. | s'),   y = r + gamma (1 - terminated) (min_i Q'_i(s', a') - alpha log pi(a' | s'))
       J_Q = sum_i 1/2 E[(Q_i(s, a) - y)^2]                       (the paper's eq. 5, per Q)
 
-  (a truncation bootstraps: only ``terminated`` ends the return);
+  (a truncation bootstraps: only ``terminated`` ends the return; on a prioritized table
+  the expectation is weighted by the importance weights and the sampled transitions get
+  new priorities, :mod:`millpond.learner._actor_critic`);
 - **the policy**: a tanh-squashed Gaussian (:mod:`millpond.box_actions`), its action drawn
   by the reparameterisation ``a = tanh(loc + scale * noise)`` so that the gradient flows
   through the critic (the critic's parameters are held fixed for this term)::
@@ -141,7 +144,7 @@ class SACLearner(ActorCriticLearner):
         y = self.target(batch, alpha)
         q = self.critic(obs, action)  # [2, B]
         td_error = y - q
-        loss_critic = 0.5 * td_error.pow(2).mean(-1).sum()
+        loss_critic = 0.5 * self._critic_loss(td_error, batch)
         new_action, log_prob = self._draw(obs)
         loss_actor = (
             alpha * log_prob - self._frozen_critic_q(obs, new_action).min(0).values

@@ -1,4 +1,5 @@
-"""A reference TD3 learner on a uniform table, using only the public :class:`ReplayClient`.
+"""A reference TD3 learner on a uniform or prioritized table, using only the public
+:class:`ReplayClient`.
 
 Each :meth:`TD3Learner.step` is one gradient step of TD3 (Fujimoto et al. 2018, "Addressing
 Function Approximation Error in Actor-Critic Methods", Algorithm 1) on one sampled batch of
@@ -14,6 +15,9 @@ transitions ``(s, a, r, s', terminated)``, actions in ``[-1, 1]``:
 
       y = r + gamma (1 - terminated) min_i Q'_i(s', a')
       J_Q = sum_i E[(Q_i(s, a) - y)^2]
+
+  (on a prioritized table the expectation is weighted by the importance weights and the
+  sampled transitions get new priorities, :mod:`millpond.learner._actor_critic`)
 
 - **delayed policy updates**: every ``policy_delay`` steps the policy ascends ``Q_1``
   (the deterministic policy gradient, the critic's parameters held fixed for it), and only
@@ -100,7 +104,7 @@ class TD3Learner(ActorCriticLearner):
         q = self.critic(obs, action)
         td_error = y - q
         out = {
-            "loss_critic": td_error.pow(2).mean(-1).sum(),
+            "loss_critic": self._critic_loss(td_error, batch),
             "td_error": td_error.detach(),
             "q_value": q.detach(),
             "target": y,

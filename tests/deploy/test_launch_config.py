@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from millpond.actors import ApexPriorities, GaussianNoise
+from millpond.actors import ApexPriorities, GaussianNoise, OrnsteinUhlenbeckNoise
 from millpond.deploy.config_files import apply_override
 from millpond.deploy.config_mapping import to_mapping
 from millpond.deploy.env_fleet import actor_config, fleet_options
@@ -342,6 +342,53 @@ def test_pendulum_td3_actors_act_the_policy_with_gaussian_noise(tmp_path):
         load_config(CONFIGS / "pendulum-td3.yaml", ["actors.exploration_noise=-0.1"])
 
 
+def test_td3_actors_take_ornstein_uhlenbeck_noise():
+    td3 = CONFIGS / "pendulum-td3.yaml"
+    actor = actor_config(load_config(td3, ["actors.noise_type=ou"]), "replay", "mlp")
+    assert actor.noise == OrnsteinUhlenbeckNoise(0.1, 0.15, 0.01)  # exploration_noise: sigma
+    tuned = load_config(td3, ["actors.noise_type=ou", "actors.ou_theta=0.3", "actors.ou_dt=0.05"])
+    assert tuned.actors.action_noise() == OrnsteinUhlenbeckNoise(0.1, 0.3, 0.05)
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "message"),
+    [
+        ("pendulum-sac.yaml", ["actors.noise_type=ou"], r"actors.noise_type: 'ou' needs actors.exploration_noise"),
+        ("pendulum-sac.yaml", ["actors.noise_type=ou", "actors.exploration_noise=0.2"], r"actors.exploration_noise: .*\(here sac\)"),
+        ("pendulum-td3.yaml", ["actors.noise_type=pink"], r"actors.noise_type: 'pink' is not one of gaussian, ou"),
+        ("pendulum-td3.yaml", ["actors.ou_theta=0.3"], r"actors.ou_theta: for Ornstein-Uhlenbeck noise"),
+        ("pendulum-td3.yaml", ["actors.noise_type=ou", "actors.ou_dt=0"], r"actors.ou_dt: 0.0 must be > 0"),
+        ("pendulum-sac.yaml", ["replay.table.sampler=prioritized"], r"learner.sac.prioritized must be true"),
+        ("pendulum-td3.yaml", ["learner.td3.prioritized=true"], r"learner.td3.prioritized must be true .*'uniform'"),
+        ("cartpole-dqn.yaml", ["learner.ppo.normalize_observations=true"], r"learner.ppo.normalize_observations: .* for ppo \(here dqn\)"),
+        ("pendulum-sac.yaml", ["learner.ppo.normalize_observations=true"], r"learner.ppo.normalize_observations: .*\(here sac\)"),
+    ],
+)  # fmt: skip
+def test_keys_of_another_algorithm_are_refused_by_name(config, overrides, message):
+    with pytest.raises(InvalidConfigError, match=message):
+        load_config(CONFIGS / config, overrides)
+
+
+def test_prioritized_sac_and_td3_and_normalised_ppo_load():
+    for name in ("pendulum-sac.yaml", "pendulum-td3.yaml"):
+        algo = name.split("-")[1].split(".")[0]
+        config = load_config(
+            CONFIGS / name, ["replay.table.sampler=prioritized", f"learner.{algo}.prioritized=true"]
+        )
+        assert config.replay.table_config().has_priorities
+    ppo = load_config(CONFIGS / "pendulum-ppo.yaml", ["learner.ppo.normalize_observations=true"])
+    actor = actor_config(ppo, "rollouts", "mlp")
+    assert actor.policy_kwargs == {"hidden": (64, 64), "normalize_observations": True}
+
+
+def test_observation_normalisation_is_refused_before_ray_for_discrete_observations(tmp_path):
+    from millpond.deploy.preflight import check_job
+
+    job = "env: {id: FrozenLake-v1}\nlearner: {ppo: {normalize_observations: true}}\n"
+    with pytest.raises(InvalidConfigError, match=r"learner.ppo.normalize_observations: .*Discrete"):
+        check_job(load_config(write(tmp_path, job)))
+
+
 def test_the_fleets_mean_return_averages_run_return_window_episodes():
     """``run.return_window`` is the window of the fleet's mean return (the progress line's
     return and ``run.stop_at_return``'s test), not the fleet's default of 100 episodes."""
@@ -349,3 +396,18 @@ def test_the_fleets_mean_return_averages_run_return_window_episodes():
     assert config.run.return_window == 10
     assert fleet_options(config)["window"] == 10
     assert fleet_options(load_config(CONFIGS / "cartpole-ppo.yaml"))["window"] == 100
+
+
+def test_a_resumed_job_keeps_observation_normalisation(tmp_path):
+    """The checkpoint's policy holds the statistics (or not): a resumed job cannot switch."""
+    import yaml
+
+    from millpond.deploy.launch_config import resume_config
+
+    ppo = load_config(CONFIGS / "pendulum-ppo.yaml")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_mapping(ppo), sort_keys=False))
+    with pytest.raises(InvalidConfigError, match=r"learner.ppo.normalize_observations: False"):
+        resume_config(tmp_path, overrides=["learner.ppo.normalize_observations=true"])
+    config, changes = resume_config(tmp_path, overrides=["run.frames=300000"])
+    assert config.run.frames == 300000
+    assert changes == ["run.frames: 200000 -> 300000"]

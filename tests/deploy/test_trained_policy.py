@@ -199,6 +199,24 @@ def test_eval_config_keys_are_checked(tmp_path):
     )
 
 
+def box_run(run_dir: Path, config, prepare=None) -> torch.nn.Module:
+    """A run directory of ``config``, its learner's policy network (``prepare(net)`` run on
+    it first) moved off its initial weights; the network (the reference)."""
+    obs_space, act_space = env_spaces(config)
+    actor = LearnerActor(config, obs_space, act_space)
+    actor.learner = make_learner(config, None, "t", obs_space, act_space, version=3)
+    net = actor.learner.policy
+    if prepare is not None:
+        prepare(net)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(config), sort_keys=False))
+    actor.checkpoint(str(run_dir / "checkpoint.pt"))
+    return net
+
+
 @pytest.mark.parametrize(
     "config_file", ["pendulum-sac.yaml", "pendulum-td3.yaml", "pendulum-ppo.yaml"]
 )
@@ -209,17 +227,9 @@ def test_load_policy_acts_a_box_learners_deterministic_action_in_the_envs_bounds
     here from the learner's own network and the space's bounds); TD3's, its network's own
     output (already in the env's units); PPO's Gaussian, its mean clipped to the bounds."""
     config = load_config(CONFIGS / config_file, ["learner.hidden_sizes=[32, 32]"])
-    obs_space, act_space = env_spaces(config)
-    actor = LearnerActor(config, obs_space, act_space)
-    actor.learner = make_learner(config, None, "t", obs_space, act_space, version=3)
-    net = actor.learner.policy
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(config), sort_keys=False))
-    actor.checkpoint(str(run_dir / "checkpoint.pt"))
+    net = box_run(run_dir, config)
+    act_space = env_spaces(config)[1]
 
     policy = load_policy(run_dir)
     env = gym.make("Pendulum-v1")
@@ -238,3 +248,34 @@ def test_load_policy_acts_a_box_learners_deterministic_action_in_the_envs_bounds
     np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-6)
     assert np.all(got >= act_space.low) and np.all(got <= act_space.high)
     assert len(set(np.round(got.reshape(-1), 4))) > 1  # the weights were moved: not constant
+
+
+def test_normalised_ppo_policy_round_trips_its_statistics_through_the_checkpoint(tmp_path):
+    """A PPO run with ``normalize_observations``: the learner's running statistics (merged
+    from real observations, far from 0 and 1) are in ``checkpoint.pt``, and the policy
+    ``load_policy`` rebuilds acts as the learner's network does: its Gaussian's mean at
+    the clipped normalised observations."""
+    config = load_config(
+        CONFIGS / "pendulum-ppo.yaml",
+        ["learner.hidden_sizes=[32, 32]", "learner.ppo.normalize_observations=true"],
+    )
+    env = gym.make("Pendulum-v1")
+    seen = np.stack([env.reset(seed=s)[0] for s in range(40)]) * 0.5 + [1.0, -0.5, 3.0]
+    run_dir = tmp_path / "run"
+    net = box_run(run_dir, config, lambda net: net.normalizer.update(torch.as_tensor(seen).float()))
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert torch.equal(state["policy"]["normalizer.mean"], net.normalizer.mean)
+    assert torch.equal(state["critic"]["normalizer.var"], net.normalizer.var)
+
+    policy = load_policy(run_dir)
+    obs = np.stack([env.reset(seed=100 + s)[0] for s in range(6)]).astype(np.float32)
+    mean, var = net.normalizer.mean.numpy(), net.normalizer.var.numpy()
+    normalised = np.clip((obs - mean) / np.sqrt(var + 1e-8), -10, 10).astype(np.float32)
+    with torch.no_grad():
+        expected = net.net(torch.as_tensor(normalised))["mean"].clamp(-2.0, 2.0).numpy()
+    got = np.stack([policy.act(o) for o in obs])
+    np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-6)
+    without = load_config(CONFIGS / "pendulum-ppo.yaml", ["learner.hidden_sizes=[32, 32]"])
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(without), sort_keys=False))
+    with pytest.raises(RuntimeError, match="normalizer"):  # the statistics are not dropped
+        load_policy(run_dir)
