@@ -99,6 +99,8 @@ class InsertStream:
         self._stream_id = 0
         self._requests_in_flight = 0  # of the current stream
         self._call: Any = None
+        # When the stream last failed to reach the shard (monotonic), None while it answers.
+        self._unavailable_since: float | None = None
 
         self._thread = threading.Thread(
             target=self._run, name=f"millpond-writer-{writer_id}", daemon=True
@@ -111,6 +113,12 @@ class InsertStream:
         """Segments queued but not acknowledged yet."""
         with self._cv:
             return self._pending
+
+    @property
+    def unavailable_s(self) -> float | None:
+        """Seconds since the stream found the shard unreachable; ``None`` while it answers."""
+        since = self._unavailable_since
+        return None if since is None else time.monotonic() - since
 
     @property
     def error(self) -> MillpondError | None:
@@ -254,6 +262,7 @@ class InsertStream:
                     self._on_ack(response.sequences)
                     self._on_stored()
                     if failing:
+                        self._unavailable_since = None
                         logger.info(
                             "writer %r: shard %s is back; re-sent unacknowledged segments",
                             self._writer_id,
@@ -296,6 +305,7 @@ class InsertStream:
                 failing = True  # logs when the shard answers at its new address
                 continue
             if not failing:
+                self._unavailable_since = time.monotonic()
                 reason = "ended the stream early" if err is None else from_rpc_error(err)
                 logger.warning(
                     "writer %r: shard %s unavailable (%s); reconnecting with backoff, then "

@@ -179,6 +179,12 @@ class ReplayClient:
         again, their mass 0 (see :mod:`millpond.learner.client._shards`)."""
         return [s.index for s in self._set.shards if s.gone]
 
+    @property
+    def unavailable_shards(self) -> list[int]:
+        """Indexes of the shards this client's last call to them found unreachable (samples
+        skip them and ask them again every few seconds), the lost ones included."""
+        return [s.index for s in self._set.shards if s.down]
+
     def colocated_shards(self, table: str) -> list[int]:
         """Indexes of the shards whose ``table`` this client has read from the table's
         files on this host so far (see ``colocated``); the others' rows came on the wire."""

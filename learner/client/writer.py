@@ -170,6 +170,13 @@ class Writer:
         return self._stream.pending
 
     @property
+    def unavailable_s(self) -> float | None:
+        """Seconds since this writer found its shard unreachable (a stream failed without an
+        answer: the shard is down, or the link silent past the keepalive timeout); ``None``
+        while the shard answers. Unacknowledged segments are kept and re-sent meanwhile."""
+        return self._stream.unavailable_s
+
+    @property
     def error(self) -> MillpondError | None:
         """The error that stopped this writer (its stream was refused), ``None`` while it
         runs; once set, every write, :meth:`flush` and :meth:`close` raises it."""
