@@ -271,7 +271,11 @@ class NetHosts:
         self._partitioned = False
 
     def vanish(self) -> None:
-        """The server's host is gone: its processes killed, its namespace deleted."""
+        """The server's host is gone, as if it lost power: its link goes silent first (the
+        dying processes' sockets send no reset), then its processes are killed and its
+        namespace deleted."""
+        self._iptables(self.server_ns, "-I", "OUTPUT", "-o", "s0", "-j", "DROP")
+        self._iptables(self.server_ns, "-I", "INPUT", "-i", "s0", "-j", "DROP")
         for proc in (self._server, self._shaper):
             if proc is not None and proc.poll() is None:
                 proc.kill()

@@ -163,3 +163,55 @@ def test_partition_is_noticed_in_seconds_and_loses_or_duplicates_nothing(net_hos
         f"{resumed['t'] - healed:.2f} s and learner {batch - healed:.2f} s after the heal; "
         f"{report['written']} segments written, 0 lost, 0 duplicated"
     )
+
+
+def test_vanished_host_ends_every_call_with_an_error_naming_the_shard(net_hosts, tmp_path):
+    address = net_hosts.serve()
+    out = tmp_path / "vanish.json"
+    timeout_s, writer_timeout_s = 10.0, 12.0
+    proc = net_hosts.client(
+        "stream", table="gone", out=str(out), L=L, obs=OBS, timeout_s=timeout_s,
+        writer_timeout_s=writer_timeout_s, batch_size=64, join_s=60, close_s=5, probes=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().startswith("READY")
+    gone = time.monotonic()
+    net_hosts.vanish()
+    time.sleep(writer_timeout_s + 2 * MARGIN_S)
+    proc.stdin.write("STOP\n")
+    proc.stdin.flush()
+    report = finish(proc, out)
+    assert report["hung"] == []
+
+    # Sample, info and iterate: each call ends within the keepalive bound and one
+    # connection attempt (a call in flight learns of the dead link, then asks again once),
+    # naming the shard.
+    call_bound = DETECT_S + CONNECT_TIMEOUT_MS / 1000 + MARGIN_S
+    events = report["events"]
+    for kind in ("iterate", "probe"):
+        failed = [e for e in events[kind] if e["end"] > gone and e["type"] is not None]
+        assert failed, f"no {kind} call failed after the host vanished"
+        for event in failed:
+            assert event["type"] == "ShardUnavailableError", event
+            assert address in event["msg"], event
+        for event in events[kind]:
+            assert event["end"] - event["start"] <= call_bound, event
+    calls = {e["call"] for e in events["probe"] if e["type"] is not None}
+    assert calls == {"sample", "info"}
+
+    # The writer: its blocked write ends at its timeout, naming the shard and the writer;
+    # close then ends at its own timeout.
+    (write,) = events["write"]
+    assert write["type"] == "DeadlineExceededError", write
+    assert address in write["msg"] and "net-stream" in write["msg"], write
+    assert write["end"] - max(write["start"], gone) <= writer_timeout_s + MARGIN_S, write
+    close = report["close"]
+    assert close["type"] == "DeadlineExceededError" and address in close["msg"], close
+    assert close["end"] - close["start"] <= 5 + MARGIN_S
+    first_failure = min(
+        e["end"] for k in ("iterate", "probe") for e in events[k] if e["end"] > gone
+    )
+    print(
+        f"vanished host: first sample/info/iterate error after {first_failure - gone:.2f} s, "
+        f"longest call {max(e['end'] - e['start'] for k in ('iterate', 'probe') for e in events[k]):.2f} s; "
+        f"write ended after {write['end'] - gone:.2f} s"
+    )
