@@ -414,7 +414,9 @@ class ReplayClient:
 
         Waits up to ``timeout_s`` (default: the client's) for the rate limiter or for data,
         then raises :class:`~millpond.errors.DeadlineExceededError` (a
-        :class:`~millpond.errors.RateLimiterTimeoutError`).
+        :class:`~millpond.errors.RateLimiterTimeoutError`). The whole call ends within
+        ``timeout_s`` plus 1 s: an answer still on the wire then (a slow link) raises
+        :class:`~millpond.errors.DeadlineExceededError` naming the shard and the answer's size.
         """
         _check_table(table)
         check_batch_size(batch_size)

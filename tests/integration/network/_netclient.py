@@ -78,6 +78,36 @@ def exact(p: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+def slow(p: dict[str, Any]) -> dict[str, Any]:
+    """Fill a table, wait for ``GO`` (the link is slowed meanwhile), then time samples of
+    each size in ``sizes`` with ``timeout_s``; the sampled rows are checked here."""
+    client = ReplayClient(p["address"], timeout_s=30)
+    table, shape, length = p["table"], p["obs"], p["L"]
+    client.create_table(TableConfig.uniform(table, capacity=p["capacity"], seed=7))
+    with client.writer(table, writer_id="net-slow") as writer:
+        for ep in range(p["episodes"]):
+            seg = pattern_segment(ep, 0, length, shape)
+            writer.write_segment(seg.steps, seg.tail, ep, 0)
+    before = client.info(table)["samples"]
+    print("WRITTEN", flush=True)
+    sys.stdin.readline()  # GO
+    calls, rows, wrong = [], 0, 0
+    for n in p["sizes"]:
+        start = time.monotonic()
+        try:
+            batch = client.sample(table, n, timeout_s=p["timeout_s"])
+            record = {"type": None}
+            rows += batch.numel()
+            wrong += wrong_rows(batch, shape)
+        except MillpondError as e:
+            record = failure(e)
+        calls.append({"n": n, "start": start, "end": time.monotonic(), **record})
+    time.sleep(2.0)  # a cancelled answer's steps are given back by then
+    counted = client.info(table)["samples"] - before
+    client.close()
+    return {"calls": calls, "rows": rows, "wrong_rows": wrong, "counted": counted}
+
+
 def wrong_rows(batch, shape: list[int]) -> int:
     """Rows of ``batch`` whose observations are not those of their ``(episode, step)``."""
     eps, steps = batch["episode_id"].reshape(-1), batch["step"].reshape(-1)
@@ -204,7 +234,7 @@ def stream(p: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     scenario, params = sys.argv[1], json.loads(sys.argv[2])
-    report = {"exact": exact, "stream": stream}[scenario](params)
+    report = {"exact": exact, "stream": stream, "slow": slow}[scenario](params)
     with open(params["out"], "w") as f:
         json.dump(report, f)
     print("DONE", flush=True)

@@ -22,6 +22,7 @@ from millpond.learner.client._channels import (
     KEEPALIVE_TIMEOUT_MS,
     RECONNECT_BACKOFF_MS,
 )
+from millpond.learner.client._split import SAMPLE_SLACK_S
 from millpond.service.table import Table
 from millpond.testing import pattern, stored_segments
 
@@ -215,3 +216,30 @@ def test_vanished_host_ends_every_call_with_an_error_naming_the_shard(net_hosts,
         f"longest call {max(e['end'] - e['start'] for k in ('iterate', 'probe') for e in events[k]):.2f} s; "
         f"write ended after {write['end'] - gone:.2f} s"
     )
+
+
+def test_sample_timeout_bounds_the_call_on_a_slow_link(net_hosts, tmp_path):
+    address = net_hosts.serve()
+    out = tmp_path / "slow.json"
+    timeout_s, obs = 3.0, [4096]  # rows of ~8 KiB with their next observations
+    sizes = [128, 4096, 128]  # 1 MiB passes at 20 Mbit/s within 3 s; 32 MiB cannot
+    proc = net_hosts.client(
+        "slow", table="slow", out=str(out), L=L, obs=obs, capacity=20_000, episodes=600,
+        timeout_s=timeout_s, sizes=sizes,
+    )  # fmt: skip
+    assert proc.stdout.readline().startswith("WRITTEN")
+    net_hosts.rate(20)
+    proc.stdin.write("GO\n")
+    proc.stdin.flush()
+    report = finish(proc, out)
+    small, large, again = report["calls"]
+    assert small["type"] is None and again["type"] is None, report["calls"]
+    assert large["type"] == "DeadlineExceededError", large
+    assert address in large["msg"] and "4096 rows" in large["msg"] and "MiB" in large["msg"]
+    for call in report["calls"]:
+        assert call["end"] - call["start"] <= timeout_s + SAMPLE_SLACK_S + MARGIN_S, call
+    assert large["end"] - large["start"] >= timeout_s  # it was given its time
+    assert report["wrong_rows"] == 0
+    # The rate limiter counts what arrived: the answer cut off on the wire was given back.
+    assert report["counted"] == report["rows"] == 256
+    print(f"20 Mbit/s: {[round(c['end'] - c['start'], 2) for c in report['calls']]} s")
