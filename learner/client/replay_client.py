@@ -39,8 +39,12 @@ from millpond.learner.client._masses import ShardMasses
 from millpond.learner.client._shards import Resolver, ShardSet
 from millpond.learner.client._split import SplitSampler
 from millpond.learner.client.table_reader import TableReader
+from millpond.learner.client.writer import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
+    Writer,
+)
 from millpond.learner.client.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
-from millpond.learner.client.writer import Writer
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto
 from millpond.routing import shard_of
@@ -323,9 +327,10 @@ class ReplayClient:
         self,
         table: str,
         writer_id: str | None = None,
-        max_in_flight: int = 64,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         shard: int | None = None,
         timeout_s: float | None = DEFAULT_WRITER_TIMEOUT_S,
+        max_in_flight_bytes: int | None = DEFAULT_MAX_IN_FLIGHT_BYTES,
     ) -> Writer:
         """A :class:`Writer` pinned to shard ``shard``, by default to shard
         ``writer_hash(writer_id) % num_shards``.
@@ -340,6 +345,12 @@ class ReplayClient:
         ``max_in_flight``, ``flush``, ``close`` and so leaving a ``with`` block): past it
         :class:`DeadlineExceededError` names the shard, the writer and what is still
         unacknowledged. ``None`` waits for ever.
+
+        The window, ``max_in_flight`` segments holding at most ``max_in_flight_bytes``
+        (4,096 and 32 MiB by default), is what the writer sends ahead of the shard's
+        acknowledgements, keeps to re-send while the shard is unreachable, and so what it
+        gets per round trip: a link with a 100 ms round trip carries at most ten windows a
+        second.
         """
         _check_table(table)
         if writer_id is None:
@@ -368,6 +379,7 @@ class ReplayClient:
             table,
             writer_id,
             max_in_flight,
+            max_in_flight_bytes=max_in_flight_bytes,
             metadata=self._set.metadata,
             max_message_bytes=self.max_message_mb * 1024 * 1024,
             table_config=lambda: self._masses.configs.get(table),

@@ -108,6 +108,32 @@ def slow(p: dict[str, Any]) -> dict[str, Any]:
     return {"calls": calls, "rows": rows, "wrong_rows": wrong, "counted": counted}
 
 
+def throughput(p: dict[str, Any]) -> dict[str, Any]:
+    """Steps per second a writer gets acknowledged, writing chunks of 16 segments of ``L``
+    steps as fast as it can for ``seconds`` (after a second to warm up)."""
+    from millpond.segments import Segment
+
+    client = ReplayClient(p["address"], timeout_s=30)
+    table, shape, length = p["table"], p["obs"], p["L"]
+    client.create_table(TableConfig.uniform(table, capacity=1_000_000, seed=1))
+    window = {k: p[k] for k in ("max_in_flight", "max_in_flight_bytes") if k in p}
+    writer = client.writer(table, **window)
+    chunk = [pattern_segment(ep, 0, length, shape) for ep in range(16)]
+    segments = [Segment(s.steps, s.tail, s.episode_id, 0) for s in chunk]
+    marks: list[tuple[float, int]] = []
+    start = time.monotonic()
+    while time.monotonic() - start < p["seconds"] + 1.0:
+        writer.write_segments(segments)
+        now = time.monotonic()
+        if not marks and now - start >= 1.0:
+            marks.append((now, writer.acked))
+    marks.append((time.monotonic(), writer.acked))
+    writer.close()
+    client.close()
+    (t0, a0), (t1, a1) = marks
+    return {"steps_per_s": (a1 - a0) * length / (t1 - t0)}
+
+
 def wrong_rows(batch, shape: list[int]) -> int:
     """Rows of ``batch`` whose observations are not those of their ``(episode, step)``."""
     eps, steps = batch["episode_id"].reshape(-1), batch["step"].reshape(-1)
@@ -125,7 +151,8 @@ def stream(p: dict[str, Any]) -> dict[str, Any]:
     table, shape, length = p["table"], p["obs"], p["L"]
     client = ReplayClient(p["address"], timeout_s=p["timeout_s"])
     client.create_table(TableConfig.uniform(table, capacity=p.get("capacity", 200_000), seed=5))
-    writer = client.writer(table, writer_id="net-stream", timeout_s=p["writer_timeout_s"])
+    window = {"max_in_flight": p["max_in_flight"]} if "max_in_flight" in p else {}
+    writer = client.writer(table, writer_id="net-stream", timeout_s=p["writer_timeout_s"], **window)
     stop = threading.Event()
     events: dict[str, list[dict[str, Any]]] = {"write": [], "iterate": [], "probe": []}
     batches: list[float] = []
@@ -234,7 +261,9 @@ def stream(p: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     scenario, params = sys.argv[1], json.loads(sys.argv[2])
-    report = {"exact": exact, "stream": stream, "slow": slow}[scenario](params)
+    report = {"exact": exact, "stream": stream, "slow": slow, "throughput": throughput}[scenario](
+        params
+    )
     with open(params["out"], "w") as f:
         json.dump(report, f)
     print("DONE", flush=True)

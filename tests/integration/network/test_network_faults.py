@@ -70,6 +70,7 @@ def test_new_client_connects_and_stays_exact_at_100ms_round_trip_with_loss(net_h
     assert report["size"] == episodes * L
     rows = torch.load(str(out) + ".pt")
     assert check_rows(rows, episodes) == 8 * 256
+    print(f"100 ms round trip, 1% loss: connected in {report['connect_s']:.2f} s")
 
 
 #: How long the partition lasts (the issue's 20 s; shorter proves the same where the
@@ -173,6 +174,7 @@ def test_vanished_host_ends_every_call_with_an_error_naming_the_shard(net_hosts,
     proc = net_hosts.client(
         "stream", table="gone", out=str(out), L=L, obs=OBS, timeout_s=timeout_s,
         writer_timeout_s=writer_timeout_s, batch_size=64, join_s=60, close_s=5, probes=True,
+        max_in_flight=64,  # a small window, full at once: the blocked write is the one timed
     )  # fmt: skip
     assert proc.stdout.readline().startswith("READY")
     gone = time.monotonic()
