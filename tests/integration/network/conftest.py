@@ -87,7 +87,11 @@ class NetHosts:
         self._partitioned = False
         self._loss: float | None = None
         self.vanished = False
-        self._build()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
 
     # -- topology ------------------------------------------------------------------------
     def _build(self) -> None:

@@ -98,24 +98,38 @@ def first(items, predicate):
     return next((x for x in items if predicate(x)), None)
 
 
-def test_partition_is_noticed_in_seconds_and_loses_or_duplicates_nothing(net_hosts, tmp_path):
-    address = net_hosts.serve()
-    out = tmp_path / "stream.json"
-    timeout_s = 10.0  # the learner's deadline (ReplayClient timeout_s)
-    proc = net_hosts.client(
-        "stream", table="part", out=str(out), L=L, obs=OBS, timeout_s=timeout_s,
-        writer_timeout_s=120, batch_size=64, join_s=60, close_s=60,
-    )  # fmt: skip
+def stream_through(hosts, tmp_path, table: str, fault, **params) -> dict:
+    """The ``stream`` scenario: once it writes and samples, ``fault()`` runs (returning when
+    the client is to stop); the client's report."""
+    out = tmp_path / f"{table}.json"
+    proc = hosts.client(
+        "stream", table=table, out=str(out), L=L, obs=OBS, batch_size=64, join_s=60, **params
+    )
     assert proc.stdout.readline().startswith("READY")
-    cut = time.monotonic()
-    net_hosts.partition()
-    time.sleep(PARTITION_S)
-    net_hosts.heal()
-    healed = time.monotonic()
-    time.sleep(RECONNECT_S + MARGIN_S)
+    fault()
     proc.stdin.write("STOP\n")
     proc.stdin.flush()
-    report = finish(proc, out)
+    return finish(proc, out)
+
+
+def test_partition_is_noticed_in_seconds_and_loses_or_duplicates_nothing(net_hosts, tmp_path):
+    address = net_hosts.serve()
+    timeout_s = 10.0  # the learner's deadline (ReplayClient timeout_s)
+    marks: dict[str, float] = {}
+
+    def partition() -> None:
+        marks["cut"] = time.monotonic()
+        net_hosts.partition()
+        time.sleep(PARTITION_S)
+        net_hosts.heal()
+        marks["healed"] = time.monotonic()
+        time.sleep(RECONNECT_S + MARGIN_S)
+
+    report = stream_through(
+        net_hosts, tmp_path, "part", partition, timeout_s=timeout_s, writer_timeout_s=120,
+        close_s=60,
+    )  # fmt: skip
+    cut, healed = marks["cut"], marks["healed"]
     assert net_hosts.stop_server() == 0, net_hosts.server_log[-3000:]
 
     # Nothing hung; every written segment acknowledged, stored once.
@@ -169,20 +183,20 @@ def test_partition_is_noticed_in_seconds_and_loses_or_duplicates_nothing(net_hos
 
 def test_vanished_host_ends_every_call_with_an_error_naming_the_shard(net_hosts, tmp_path):
     address = net_hosts.serve()
-    out = tmp_path / "vanish.json"
     timeout_s, writer_timeout_s = 10.0, 12.0
-    proc = net_hosts.client(
-        "stream", table="gone", out=str(out), L=L, obs=OBS, timeout_s=timeout_s,
-        writer_timeout_s=writer_timeout_s, batch_size=64, join_s=60, close_s=5, probes=True,
+    marks: dict[str, float] = {}
+
+    def vanish() -> None:
+        marks["gone"] = time.monotonic()
+        net_hosts.vanish()
+        time.sleep(writer_timeout_s + 2 * MARGIN_S)
+
+    report = stream_through(
+        net_hosts, tmp_path, "gone", vanish, timeout_s=timeout_s,
+        writer_timeout_s=writer_timeout_s, close_s=5, probes=True,
         max_in_flight=64,  # a small window, full at once: the blocked write is the one timed
     )  # fmt: skip
-    assert proc.stdout.readline().startswith("READY")
-    gone = time.monotonic()
-    net_hosts.vanish()
-    time.sleep(writer_timeout_s + 2 * MARGIN_S)
-    proc.stdin.write("STOP\n")
-    proc.stdin.flush()
-    report = finish(proc, out)
+    gone = marks["gone"]
     assert report["hung"] == []
 
     # Sample, info and iterate: each call ends within the keepalive bound and one
