@@ -345,12 +345,8 @@ class ReplayClient:
         ``max_in_flight``, ``flush``, ``close`` and so leaving a ``with`` block): past it
         :class:`DeadlineExceededError` names the shard, the writer and what is still
         unacknowledged. ``None`` waits for ever.
-
-        The window, ``max_in_flight`` segments holding at most ``max_in_flight_bytes``
-        (4,096 and 32 MiB by default), is what the writer sends ahead of the shard's
-        acknowledgements, keeps to re-send while the shard is unreachable, and so what it
-        gets per round trip: a link with a 100 ms round trip carries at most ten windows a
-        second.
+        ``max_in_flight`` segments holding ``max_in_flight_bytes``: the writer's window
+        (see :class:`Writer`), what it sends per round trip and keeps while the shard is away.
         """
         _check_table(table)
         if writer_id is None:
