@@ -82,7 +82,7 @@ class SampleRPC:
                     self.metrics.sampled(
                         table.name, time.monotonic() - started, batch.numel(), len(framed)
                     )
-                    yield framed
+                    yield from _given_back_unless_sent(framed, table, batch, counted)
                     sent += 1
                     continue
                 response = samples.encode_slot_sample(sampled, compress=compress)
@@ -108,7 +108,7 @@ class SampleRPC:
                     )
                 return
             self.metrics.sampled(table.name, time.monotonic() - started, batch.numel(), size)
-            yield response
+            yield from _given_back_unless_sent(response, table, batch, counted)
             sent += 1
 
     def _check_batch_size(self, table, batch_size: int, colocated: bool = False) -> None:
@@ -166,3 +166,15 @@ def _size_bound(batch, extra: Sequence[torch.Tensor] = ()) -> int:
     leaves = [*batch.values(include_nested=True, leaves_only=True), *extra]
     data = sum(t.numel() * t.element_size() for t in leaves)
     return data + data // 256 + 1024 * (len(leaves) + 1) + 11 * batch.numel()
+
+
+def _given_back_unless_sent(response, table, batch, counted: bool):
+    """Yield ``response``; if the call ends before gRPC has sent it (the client cancelled, or
+    its deadline passed while a slow link carried it), gRPC closes the generator here and
+    the batch's steps are given back: nobody received them."""
+    try:
+        yield response
+    except GeneratorExit:
+        if counted:
+            table.give_back(batch)
+        raise

@@ -42,6 +42,17 @@ from millpond.service.weights import WeightStore
 
 log = logging.getLogger("millpond.server")
 SERVICE_NAME = "millpond.v1.Replay"
+#: Clients ping every 2 s, also on idle channels and while nothing is sent, to notice a
+#: silent link in seconds: allow it (gRPC's default answers such pings with GOAWAY
+#: "too_many_pings"). The shard pings its clients too, less often, so that the streams of
+#: a client whose host vanished (each holds a thread) end within about 15 s.
+KEEPALIVE_OPTIONS = (
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),  # 0: never close a connection for its pings
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+)
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,7 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
             ("grpc.so_reuseport", 0),
+            *KEEPALIVE_OPTIONS,
         ],
         maximum_concurrent_rpcs=config.max_workers * 4,
     )

@@ -20,22 +20,36 @@ from millpond.errors import InvalidConfigError
 TLS = bool | str | os.PathLike | None
 
 
-def channel_options(max_message_mb: int) -> list[tuple[str, Any]]:
-    """gRPC channel options: message size limits, keepalive, quick reconnects.
+#: A ping goes to the shard after this long without a frame from it (and every this long on
+#: an idle channel); a ping unanswered for :data:`KEEPALIVE_TIMEOUT_MS` closes the
+#: connection and fails its calls with UNAVAILABLE. A shard behind a silent link (a
+#: partition, a host that lost power) is so noticed within about 6 s rather than when TCP
+#: gives up (minutes). Servers allow pings this often (``service/server.py``).
+KEEPALIVE_TIME_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 4_000
+#: How long one connection attempt may take (TCP and HTTP/2 handshakes). gRPC reads it from
+#: ``grpc.min_reconnect_backoff_ms``; at 100 ms no connection formed at a 100 ms round
+#: trip. 5 s allows for two lost SYNs; an attempt begun during a partition ends by then, so
+#: a healed link is found again within this plus the reconnect backoff.
+CONNECT_TIMEOUT_MS = 5_000
+#: Reconnect backoff: the first retry after this, doubling up to the maximum, so that a
+#: restarted shard is found again quickly.
+RECONNECT_BACKOFF_MS = (100, 2_000)
 
-    Keepalive pings every 5 minutes: servers by default refuse pings that come more often on
-    an idle connection (``grpc.http2.min_recv_ping_interval_without_data_ms``, 5 minutes).
-    Reconnect backoff is capped at 2 s, so a restarted shard is found again quickly.
-    """
+
+def channel_options(max_message_mb: int) -> list[tuple[str, Any]]:
+    """gRPC channel options: message size limits, keepalive, connect timeout, reconnects."""
     size = int(max_message_mb) * 1024 * 1024
     return [
         ("grpc.max_send_message_length", size),
         ("grpc.max_receive_message_length", size),
-        ("grpc.keepalive_time_ms", 300_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging while nothing is sent
+        ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
 
 

@@ -60,6 +60,12 @@ def details_of(err: BaseException) -> str:
     return text or str(err)
 
 
+def is_own_deadline(err: BaseException) -> bool:
+    """Whether ``err`` is the call's own deadline, passed before the answer arrived (the
+    server names every error it sends; gRPC's own deadline names none)."""
+    return code_of(err) == grpc.StatusCode.DEADLINE_EXCEEDED and error_name_of(err) is None
+
+
 def is_connect_failure(err: BaseException) -> bool:
     """Whether ``err`` says the shard could not be reached, rather than refused the call.
 

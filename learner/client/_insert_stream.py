@@ -57,6 +57,8 @@ class InsertStream:
             message limit, once the shard says it).
         max_in_flight: :meth:`enqueue` waits while this many segments await
             acknowledgement.
+        max_in_flight_bytes: ... or while their messages hold this many bytes (``None``:
+            no byte bound).
         timeout_s: the longest :meth:`enqueue` waits for room without an acknowledgement
             (``None``: for ever).
         metadata: gRPC metadata sent with the stream (the bearer token).
@@ -71,6 +73,7 @@ class InsertStream:
         packer: MessagePacker,
         *,
         max_in_flight: int,
+        max_in_flight_bytes: int | None = None,
         timeout_s: float | None,
         metadata: tuple[tuple[str, str], ...] | None,
         on_stored: Callable[[], None],
@@ -78,11 +81,13 @@ class InsertStream:
         self._shard, self._table, self._writer_id = shard, table, writer_id
         self._packer, self._metadata, self._on_stored = packer, metadata, on_stored
         self._max_in_flight, self._timeout_s = max_in_flight, timeout_s
+        self._max_bytes = max_in_flight_bytes
 
         self._cv = threading.Condition(threading.Lock())
         # Queued messages by their last sequence, in sequence order, and their segments.
         self._unacked: dict[int, Queued] = {}
         self._pending = 0
+        self._pending_bytes = 0
         self._next_sequence = 1
         # Sequences are renumbered once, on the first connection, to follow what the shard
         # already stored from this writer id (an actor restarted under the same id).
@@ -99,6 +104,8 @@ class InsertStream:
         self._stream_id = 0
         self._requests_in_flight = 0  # of the current stream
         self._call: Any = None
+        # When the stream last failed to reach the shard (monotonic), None while it answers.
+        self._unavailable_since: float | None = None
 
         self._thread = threading.Thread(
             target=self._run, name=f"millpond-writer-{writer_id}", daemon=True
@@ -111,6 +118,12 @@ class InsertStream:
         """Segments queued but not acknowledged yet."""
         with self._cv:
             return self._pending
+
+    @property
+    def unavailable_s(self) -> float | None:
+        """Seconds since the stream found the shard unreachable; ``None`` while it answers."""
+        since = self._unavailable_since
+        return None if since is None else time.monotonic() - since
 
     @property
     def error(self) -> MillpondError | None:
@@ -129,7 +142,7 @@ class InsertStream:
         returns the sequences of their segments.
 
         A call's messages are queued together once fewer than ``max_in_flight`` segments
-        await acknowledgement (so a large call may pass the bound by its own size): a call
+        (holding fewer than ``max_in_flight_bytes``) await acknowledgement (so a large call may pass the bound by its own size): a call
         is queued whole or not at all. The wait lasts at most ``timeout_s`` without an
         acknowledgement; then nothing of the call is queued and it may be written again."""
         sequences: list[int] = []
@@ -139,7 +152,9 @@ class InsertStream:
             acked = self.acked
             while True:
                 self._raise_if_unusable_locked()
-                if self._pending < self._max_in_flight:
+                if self._pending < self._max_in_flight and (
+                    self._max_bytes is None or self._pending_bytes < self._max_bytes
+                ):
                     break
                 if self.acked != acked:  # the shard answers: wait again in full
                     acked = self.acked
@@ -156,6 +171,7 @@ class InsertStream:
                 self._next_sequence += queued.count
                 self._unacked[queued.last] = queued
                 self._pending += queued.count
+                self._pending_bytes += queued.size
                 sequences.extend(range(queued.first, queued.last + 1))
             self._cv.notify_all()
         return sequences
@@ -254,6 +270,7 @@ class InsertStream:
                     self._on_ack(response.sequences)
                     self._on_stored()
                     if failing:
+                        self._unavailable_since = None
                         logger.info(
                             "writer %r: shard %s is back; re-sent unacknowledged segments",
                             self._writer_id,
@@ -296,6 +313,7 @@ class InsertStream:
                 failing = True  # logs when the shard answers at its new address
                 continue
             if not failing:
+                self._unavailable_since = time.monotonic()
                 reason = "ended the stream early" if err is None else from_rpc_error(err)
                 logger.warning(
                     "writer %r: shard %s unavailable (%s); reconnecting with backoff, then "
@@ -325,6 +343,7 @@ class InsertStream:
                     self._next_sequence += stored_through
                 self._numbering_known = True
             self._unacked = self._packer.refit(self._unacked)
+            self._pending_bytes = sum(q.size for q in self._unacked.values())
             self._answered_stream = stream_id
             self._cv.notify_all()
 
@@ -390,6 +409,7 @@ class InsertStream:
                 queued = self._unacked.pop(sequence, None)
                 if queued is not None:
                     self._pending -= queued.count
+                    self._pending_bytes -= queued.size
                     self.acked += queued.count
             self._cv.notify_all()
 

@@ -20,7 +20,12 @@ import torch
 from tensordict import TensorDict
 
 from millpond.config import TableConfig
-from millpond.errors import MillpondError, RateLimiterTimeoutError, ShardBusyError
+from millpond.errors import (
+    DeadlineExceededError,
+    MillpondError,
+    RateLimiterTimeoutError,
+    ShardBusyError,
+)
 from millpond.learner.client._calls import CallSet, Cancelled
 from millpond.learner.client._channels import TLS
 from millpond.learner.client._colocated import Colocation
@@ -28,6 +33,7 @@ from millpond.learner.client._errors import (
     ShardUnavailableError,
     from_rpc_error,
     is_connect_failure,
+    is_own_deadline,
 )
 from millpond.learner.client._masses import ShardMasses
 from millpond.learner.client._shards import ShardHandle, ShardSet
@@ -37,8 +43,13 @@ from millpond.protos.samples import decode_colocated, decode_sample
 
 T = TypeVar("T")
 
-#: Extra seconds a call's gRPC deadline allows beyond the wait the server is asked to honour.
+#: Extra seconds a colocated stream's gRPC deadline allows beyond the waits the server is
+#: asked to honour.
 DEADLINE_SLACK_S = 10.0
+#: Extra seconds a Sample call's deadline allows beyond the wait the server is asked to
+#: honour (so that the server's own rate-limiter timeout arrives as such): ``sample`` with
+#: ``timeout_s=T`` ends within ``T`` plus this, an answer still on the wire then included.
+SAMPLE_SLACK_S = 1.0
 #: A shard that refuses a Sample as busy is asked again after this, doubling up to the max.
 BUSY_BACKOFF_INITIAL_S = 0.05
 BUSY_BACKOFF_MAX_S = 1.0
@@ -363,7 +374,7 @@ class SplitSampler:
             colocated=colocated,
             redraw=redraw,
         )
-        deadline = None if wait is None else wait + DEADLINE_SLACK_S
+        deadline = None if wait is None else wait + SAMPLE_SLACK_S
         if calls.cancelled:
             raise Cancelled
         if colocated:
@@ -379,6 +390,8 @@ class SplitSampler:
         except grpc.RpcError as err:
             if calls.cancelled:
                 raise Cancelled from None
+            if deadline is not None and is_own_deadline(err):
+                raise DeadlineExceededError(self._late(shard, table, n, deadline)) from err
             error = from_rpc_error(err, shard.address)
             if is_connect_failure(err):
                 self._set.note_down(shard, error)
@@ -396,6 +409,22 @@ class SplitSampler:
             response = wire.parse_sample_response(response)
         self._masses.set_mass(shard, table, response.mass)
         return response
+
+    def _late(self, shard: ShardHandle, table: str, n: int, seconds: float) -> str:
+        """What a Sample answer that did not arrive within its deadline says: the shard, and
+        how large the answer was (as far as the table's spec tells)."""
+        config = self._masses.configs.get(table)
+        spec = None if config is None else config.spec
+        if spec is None:
+            size = "of a size the client does not know yet"
+        else:  # each row carries its slot and its next observation
+            rows = n * (config.slice_len or 1)
+            size = f"about {rows * (spec.slot_bytes + spec.observation_bytes) / 2**20:.1f} MiB"
+        return (
+            f"shard {shard.address}: the sample of {n} rows of table {table!r} ({size}) did "
+            f"not arrive within {seconds:.3g} s: the link carries less than that in this time, "
+            "or the shard did not answer; ask for fewer rows or give a longer timeout_s"
+        )
 
     def _allocate(
         self,

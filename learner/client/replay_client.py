@@ -39,8 +39,12 @@ from millpond.learner.client._masses import ShardMasses
 from millpond.learner.client._shards import Resolver, ShardSet
 from millpond.learner.client._split import SplitSampler
 from millpond.learner.client.table_reader import TableReader
+from millpond.learner.client.writer import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
+    Writer,
+)
 from millpond.learner.client.writer import DEFAULT_TIMEOUT_S as DEFAULT_WRITER_TIMEOUT_S
-from millpond.learner.client.writer import Writer
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.tables import config_from_proto, config_to_proto
 from millpond.routing import shard_of
@@ -178,6 +182,12 @@ class ReplayClient:
         """Indexes of the shards that the ``resolver`` says are lost for good: never tried
         again, their mass 0 (see :mod:`millpond.learner.client._shards`)."""
         return [s.index for s in self._set.shards if s.gone]
+
+    @property
+    def unavailable_shards(self) -> list[int]:
+        """Indexes of the shards this client's last call to them found unreachable (samples
+        skip them and ask them again every few seconds), the lost ones included."""
+        return [s.index for s in self._set.shards if s.down]
 
     def colocated_shards(self, table: str) -> list[int]:
         """Indexes of the shards whose ``table`` this client has read from the table's
@@ -317,9 +327,10 @@ class ReplayClient:
         self,
         table: str,
         writer_id: str | None = None,
-        max_in_flight: int = 64,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         shard: int | None = None,
         timeout_s: float | None = DEFAULT_WRITER_TIMEOUT_S,
+        max_in_flight_bytes: int | None = DEFAULT_MAX_IN_FLIGHT_BYTES,
     ) -> Writer:
         """A :class:`Writer` pinned to shard ``shard``, by default to shard
         ``writer_hash(writer_id) % num_shards``.
@@ -334,6 +345,8 @@ class ReplayClient:
         ``max_in_flight``, ``flush``, ``close`` and so leaving a ``with`` block): past it
         :class:`DeadlineExceededError` names the shard, the writer and what is still
         unacknowledged. ``None`` waits for ever.
+        ``max_in_flight`` segments holding ``max_in_flight_bytes``: the writer's window
+        (see :class:`Writer`), what it sends per round trip and keeps while the shard is away.
         """
         _check_table(table)
         if writer_id is None:
@@ -362,6 +375,7 @@ class ReplayClient:
             table,
             writer_id,
             max_in_flight,
+            max_in_flight_bytes=max_in_flight_bytes,
             metadata=self._set.metadata,
             max_message_bytes=self.max_message_mb * 1024 * 1024,
             table_config=lambda: self._masses.configs.get(table),
@@ -408,7 +422,9 @@ class ReplayClient:
 
         Waits up to ``timeout_s`` (default: the client's) for the rate limiter or for data,
         then raises :class:`~millpond.errors.DeadlineExceededError` (a
-        :class:`~millpond.errors.RateLimiterTimeoutError`).
+        :class:`~millpond.errors.RateLimiterTimeoutError`). The whole call ends within
+        ``timeout_s`` plus 1 s: an answer still on the wire then (a slow link) raises
+        :class:`~millpond.errors.DeadlineExceededError` naming the shard and the answer's size.
         """
         _check_table(table)
         check_batch_size(batch_size)

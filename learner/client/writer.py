@@ -47,6 +47,13 @@ logger = logging.getLogger("millpond.client")
 #: inserts back with nobody sampling) would otherwise block an actor, and the ``with`` block
 #: around its writer, forever.
 DEFAULT_TIMEOUT_S = 60.0
+#: The default window: segments a writer sends ahead of the shard's acknowledgements, and
+#: the bytes they may hold. A writer gets at most a window per round trip: with a 100 ms
+#: round trip, 64 small segments got 5% of what the writer sends without delay, 1,024 got
+#: 44-47%, 4,096 67% (``benchmarks/network_faults.py``); the byte bound keeps large
+#: segments (images) from holding more than 32 MiB per writer.
+DEFAULT_MAX_IN_FLIGHT = 4096
+DEFAULT_MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024
 
 
 class Writer:
@@ -60,7 +67,10 @@ class Writer:
         table: the table to insert into.
         writer_id: this writer's identity; the shard dedupes re-sent segments by it.
         max_in_flight: :meth:`write_segment` blocks while this many segments await
-            acknowledgement.
+            acknowledgement (:data:`DEFAULT_MAX_IN_FLIGHT`).
+        max_in_flight_bytes: ... or while the segments awaiting acknowledgement hold this
+            many bytes on the wire (:data:`DEFAULT_MAX_IN_FLIGHT_BYTES`; ``None``: no bound
+            but ``max_in_flight``). A write is queued whole once below both bounds.
         metadata: gRPC metadata sent with the stream (the bearer token).
         max_message_bytes: the channel's message size limit.
         table_config: returns the table's config as far as the client knows it (``None``
@@ -80,8 +90,9 @@ class Writer:
         shard: ShardHandle,
         table: str,
         writer_id: str,
-        max_in_flight: int = 64,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         *,
+        max_in_flight_bytes: int | None = DEFAULT_MAX_IN_FLIGHT_BYTES,
         metadata: Sequence[tuple[str, str]] | None = None,
         max_message_bytes: int = 256 * 1024 * 1024,
         table_config: Callable[[], TableConfig | None] = lambda: None,
@@ -97,6 +108,14 @@ class Writer:
         ):
             raise InvalidConfigError(
                 f"max_in_flight ({max_in_flight!r}) must be a positive integer"
+            )
+        if max_in_flight_bytes is not None and (
+            isinstance(max_in_flight_bytes, bool)
+            or not isinstance(max_in_flight_bytes, int)
+            or max_in_flight_bytes < 1
+        ):
+            raise InvalidConfigError(
+                f"max_in_flight_bytes ({max_in_flight_bytes!r}) must be a positive integer or None"
             )
         if timeout_s is not None and (
             isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s < 0
@@ -125,6 +144,7 @@ class Writer:
             writer_id,
             self._packer,
             max_in_flight=max_in_flight,
+            max_in_flight_bytes=max_in_flight_bytes,
             timeout_s=self._timeout_s,
             metadata=tuple(metadata) if metadata else None,
             on_stored=on_stored,
@@ -168,6 +188,13 @@ class Writer:
     def pending(self) -> int:
         """Segments written but not acknowledged yet."""
         return self._stream.pending
+
+    @property
+    def unavailable_s(self) -> float | None:
+        """Seconds since this writer found its shard unreachable (a stream failed without an
+        answer: the shard is down, or the link silent past the keepalive timeout); ``None``
+        while the shard answers. Unacknowledged segments are kept and re-sent meanwhile."""
+        return self._stream.unavailable_s
 
     @property
     def error(self) -> MillpondError | None:

@@ -7,7 +7,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from millpond import DeadlineExceededError, ReplayClient, TableConfig
+from millpond import DeadlineExceededError, InvalidConfigError, ReplayClient, TableConfig
 from millpond.learner.client.writer import DEFAULT_TIMEOUT_S
 from millpond.protos import millpond_pb2_grpc as pb_grpc
 from millpond.service.server import ServerConfig, create_server
@@ -130,3 +130,20 @@ def test_rate_limited_shard_bounds_writes_and_close(tmp_path):
         client.close(timeout_s=1)
     finally:
         server.stop(grace=0.5)
+
+
+def test_byte_window_holds_writes_back_like_the_segment_window(wedged_shard):
+    client = ReplayClient(wedged_shard, timeout_s=5)
+    with pytest.raises(InvalidConfigError, match="max_in_flight_bytes"):
+        client.writer("t", max_in_flight_bytes=0)
+    writer = client.writer(
+        "t", writer_id="byte-window", max_in_flight=1_000, max_in_flight_bytes=1, timeout_s=1.0
+    )
+    writer.write_segment(*segment(0), episode_id=0, first_step=0)  # below both bounds: queued
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match="byte-window"):
+        writer.write_segment(*segment(1), episode_id=1, first_step=0)  # over the byte bound
+    assert time.monotonic() - started >= 1.0
+    assert writer.pending == 1 and writer.sequence == 1
+    with pytest.raises(DeadlineExceededError):
+        client.close(timeout_s=0.5)
