@@ -75,7 +75,9 @@ class Recovery(SlotRecords):
             match[tails] |= shared
             offsets = np.cumsum(length[good] + 1) - (length[good] + 1)
             good[good] = np.logical_and.reduceat(match, offsets)
-        deferred = self._column_bytes and good.any() and not check_data and not self._unchecked
+        deferred = (
+            bool(self._column_bytes) and good.any() and not check_data and not self._unchecked
+        )
         if self._column_bytes and good.any() and not deferred:
             kept = np.flatnonzero(good)
             sums = cks.combine(self._data_sums(start[kept], length[kept], live[kept]), r[kept])

@@ -11,7 +11,9 @@ once whatever its table's size, and never a row that was not checked:
   (unpublished, counted in ``dropped_segments``, logged), then redrawn or left out;
 * in the background: a thread (:meth:`Verifier.start`) checks the rest in slot order, about
   :data:`CHUNK_BYTES` at a time (at most ``rate_mb`` MiB/s if given), so that the whole
-  table is verified a while after it opens, read or not.
+  table is verified a while after it opens, read or not. It gives way to reads that are
+  checking segments (it waits between chunks while one does): a sample's checks are what
+  its caller waits for, and the thread's are not.
 
 Each check reads the segments' bytes outside the table's lock and records what it found
 under it, where a segment overwritten meanwhile (its generation changed) is told apart from
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 VERIFY_MODES = ("background", "reads", "open")
 #: About this many bytes of segment data per check of the background thread (the table's
 #: lock is taken twice per chunk, briefly; never held while reading).
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 8 << 20
 
 
 def check_verify_settings(verify: str, rate_mb: float) -> None:
@@ -83,6 +85,8 @@ class Verifier:
         self._chunk = threading.Lock()  # one background chunk at a time, whoever runs it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._readers = 0  # reads checking segments now: the thread waits for them
+        self._idle = threading.Condition(threading.Lock())
 
     def check_slots(self, slots: np.ndarray, everything: bool = False) -> bool:
         """Check the unverified segments holding ``slots`` (``everything``: every one of
@@ -91,7 +95,16 @@ class Verifier:
             return False
         with self._cond:
             records, rows = self._storage.to_check(slots, everything)
-        return self._check(records, rows)
+        if not len(records):
+            return False
+        with self._idle:
+            self._readers += 1
+        try:
+            return self._check(records, rows)
+        finally:
+            with self._idle:
+                self._readers -= 1
+                self._idle.notify_all()
 
     def check_locked(self, slots: np.ndarray, everything: bool = False) -> bool:
         """:meth:`check_slots` for a caller holding the table's lock (a queue's batch,
@@ -121,6 +134,9 @@ class Verifier:
     def _step(self) -> int | None:
         """Check the next chunk of unverified segments: the bytes read, ``None`` when none
         is left."""
+        with self._idle:  # reads first
+            while self._readers and not self._stop.is_set():
+                self._idle.wait(0.1)
         with self._chunk:
             with self._cond:
                 if self._stop.is_set():
