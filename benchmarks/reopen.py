@@ -76,7 +76,7 @@ def build(shard: Path, size_gb: float) -> int:
     return steps
 
 
-def child(shard: str) -> None:
+def child(shard: str, verify: str) -> None:
     """One restart: prints the timings as JSON (run with the code under test importable)."""
     import millpond
     from millpond import ReplayClient
@@ -84,14 +84,17 @@ def child(shard: str) -> None:
 
     fields = ServerConfig.__dataclass_fields__
     t0 = time.perf_counter()
-    server, port = create_server(ServerConfig(dir=shard))
+    extra = {"verify": verify} if "verify" in fields else {}
+    server, port = create_server(ServerConfig(dir=shard, **extra))
     t_open = time.perf_counter() - t0
     client = ReplayClient([f"127.0.0.1:{port}"], colocated=False)
     batch = client.sample("t", 256)
     t_sample = time.perf_counter() - t0
     assert batch.shape[0] == 256
     table = server.shard.table("t")
-    if "verify" in fields:  # code that verifies after the open
+    if extra and verify == "reads":  # no background check: not measured
+        t_verified = float("nan")
+    elif extra:  # code that verifies after the open
         while table.info()["unverified_segments"]:
             time.sleep(0.005)
         t_verified = time.perf_counter() - t0
@@ -122,10 +125,10 @@ def drop_caches() -> bool:
         return False
 
 
-def restart(shard: Path, code: Path) -> dict:
+def restart(shard: Path, code: Path, verify: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(code))
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(shard)],
+        [sys.executable, __file__, "--child", str(shard), "--verify", verify],
         env=env,
         capture_output=True,
         text=True,
@@ -139,10 +142,15 @@ def main() -> None:
     ap.add_argument("--sizes-gb", default="0.1,0.5,2")
     ap.add_argument("--code", action="append", default=[], help="NAME=PATH (repeatable)")
     ap.add_argument("--dir", type=Path, default=None, help="where the tables go (a temp dir)")
+    ap.add_argument(
+        "--verify",
+        default="background",
+        help="millpond serve --verify for code that has it (reads: verified is not measured)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.verify)
         return
     codes = [tuple(c.split("=", 1)) for c in args.code] or [("here", ".")]
     root = Path(tempfile.mkdtemp(prefix="millpond-reopen-", dir=args.dir))
@@ -160,7 +168,7 @@ def main() -> None:
                 for cache in ("cold", "warm"):
                     if cache == "cold" and not drop_caches():
                         cache = "warm (no drop_caches)"
-                    r = restart(shard, Path(path).resolve())
+                    r = restart(shard, Path(path).resolve(), args.verify)
                     print(
                         f"| {gb:.2f} GB | {steps:,} | {name} | {cache} | {r['open']:.2f} | "
                         f"{r['first_sample']:.2f} | {r['verified']:.2f} |",

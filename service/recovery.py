@@ -10,6 +10,7 @@ runs (``verify_reads``).
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -31,6 +32,7 @@ class Recovery(SlotRecords):
     _unchecked: bool
     _verify_order: np.ndarray  # records left unverified at open, by first slot
     _verify_next: int  # how far the background verifier went through them
+    _column_fds: dict
 
     def recover(self, check_data: bool = True) -> SegmentBatch:
         """Find the complete, intact published segments (oldest first); clear the others.
@@ -160,6 +162,8 @@ class Recovery(SlotRecords):
             size += int(total[end - 1])
             i += end
         self._verify_next = i
+        if i >= len(order) and len(order):  # all gone through: the list is not needed
+            self._verify_order, self._verify_next = order[:0], 0
         records = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
         return records, self.records[records], size
 
@@ -171,9 +175,25 @@ class Recovery(SlotRecords):
         ok = (records > 0) & (rows[:, RecordField.GENERATION] > 0)
         if ok.any():
             r = rows[ok]
+            self._read_ahead(r[:, RecordField.START], r[:, RecordField.LENGTH])
             sums = self._data_sums(r[:, RecordField.START], r[:, RecordField.LENGTH], records[ok])
             ok[ok] = self.checksums[records[ok]] == cks.combine(sums, r)
         return ok
+
+    def _read_ahead(self, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Have the kernel read the segments' rows in, all at once: a check of cold
+        segments reads many ranges, and one page fault at a time each waits for the disk."""
+        if not hasattr(os, "posix_fadvise") or len(starts) < 2:
+            return
+        order = np.argsort(starts)
+        starts, ends = starts[order], starts[order] + lengths[order] + 1
+        # Runs of touching segments (the background check's are) go as one range.
+        cut = np.flatnonzero(starts[1:] > ends[:-1]) + 1
+        firsts, lasts = starts[np.r_[0, cut]], ends[np.r_[cut - 1, len(ends) - 1]]
+        for fd, (rows, _) in zip(self._column_fds.values(), self._column_bytes):
+            width = rows.shape[1]
+            for a, b in zip(firsts.tolist(), lasts.tolist()):
+                os.posix_fadvise(fd, a * width, (b - a) * width, os.POSIX_FADV_WILLNEED)
 
     def settle(self, records: np.ndarray, rows: np.ndarray, ok: np.ndarray) -> SegmentBatch:
         """Record what :meth:`check` found (under the table's lock): segments still as they
