@@ -159,6 +159,8 @@ class TableDraws:
                     selection, rows = self._without_damaged(selection, rows)
                 gathered = form.read(self.storage, selection.slots)
                 return form.package(gathered, Drawn(selection, rows, next_gens))
+        if self.storage.unverified:
+            self._check_unverified(selection, rows, next_gens)
         gathered = form.read(self.storage, selection.slots)
         for _ in range(100):
             if self._verifier.check_slots(selection.slots, self.config.verify_reads):
@@ -182,6 +184,24 @@ class TableDraws:
             idx = self._redraw(stale, selection, rows, next_gens)
             gathered = form.reread(self.storage, gathered, selection.slots, idx)
         return form.package(gathered, Drawn(selection, rows, next_gens))
+
+    def _check_unverified(
+        self, selection: Selection, rows: np.ndarray, next_gens: np.ndarray | None
+    ) -> None:
+        """Check the drawn segments that are not verified yet (a reopened table's) before
+        their rows are read, redrawing those found damaged; the rows of cold segments are
+        then in memory for the read (the check reads each segment at once, a read row by
+        row). The read's own checks still follow: they cover rows overwritten meanwhile."""
+        for _ in range(100):
+            if not self._verifier.check_slots(selection.slots):
+                return
+            with self._cond:
+                gens = self.storage.generations(selection.slots)
+            stale = gens != rows[..., SlotColumn.GENERATION]
+            if stale.ndim > 1:
+                stale = stale.any(axis=tuple(range(1, stale.ndim)))
+            if stale.any():
+                self._redraw(stale, selection, rows, next_gens)
 
     def _allow_redraws(self, steps: int) -> None:
         """``steps`` were dropped: as many uncounted redraws may follow (under the lock)."""
