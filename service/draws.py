@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from millpond.service.rate_limiter import RateLimiter
     from millpond.service.samplers import Sampler
     from millpond.service.storage import SegmentStorage
+    from millpond.service.verifier import Verifier
 
 T = TypeVar("T")
 
@@ -61,6 +62,7 @@ class TableDraws:
     _redraw_allowance: int
     _evicted_steps: int
     _queue_full_writers: int
+    _verifier: Verifier
 
     def sample(
         self, batch_size: int, timeout: float | None = None, *, counted: bool = True
@@ -153,14 +155,16 @@ class TableDraws:
             self._cond.notify_all()
             if isinstance(self.sampler, QueueSampler):
                 # Delivered queue segments become evictable at once, so read them now.
-                if self.config.verify_reads:
+                if self.config.verify_reads or self.storage.unverified:
                     selection, rows = self._without_damaged(selection, rows)
                 gathered = form.read(self.storage, selection.slots)
                 return form.package(gathered, Drawn(selection, rows, next_gens))
+        if self.storage.unverified:
+            self._check_unverified(selection, rows, next_gens)
         gathered = form.read(self.storage, selection.slots)
         for _ in range(100):
-            if self.config.verify_reads and self._drop_damaged(selection.slots, rows):
-                pass  # unpublished: redrawn below, as overwritten rows are
+            if self._verifier.check_slots(selection.slots, self.config.verify_reads):
+                pass  # damaged ones unpublished: redrawn below, as overwritten rows are
             elif self._evictions == evictions:
                 # Nothing was unpublished since the slots were picked, so no row was
                 # overwritten during the gather (a writer unpublishes, under the lock,
@@ -181,22 +185,23 @@ class TableDraws:
             gathered = form.reread(self.storage, gathered, selection.slots, idx)
         return form.package(gathered, Drawn(selection, rows, next_gens))
 
-    def _drop_damaged(self, slots: np.ndarray, rows: np.ndarray) -> bool:
-        """``verify_reads``: unpublish the sampled segments whose data no longer matches
-        their checksum; whether there were any. The check runs outside the lock and again
-        under it, so a segment a writer overwrote meanwhile is not taken for damaged."""
-        ok = self.storage.verify(slots)
-        if ok.all():
-            return False
-        with self._cond:
-            suspects = slots[~ok]
-            live = self.storage.generations(suspects) == rows[..., SlotColumn.GENERATION][~ok]
-            suspects = suspects[live]
-            damaged = self.storage.segments_at(suspects[~self.storage.verify(suspects)])
-            if not len(damaged):
-                return False
-            self._drop(damaged)
-        return True
+    def _check_unverified(
+        self, selection: Selection, rows: np.ndarray, next_gens: np.ndarray | None
+    ) -> None:
+        """Check the drawn segments that are not verified yet (a reopened table's) before
+        their rows are read, redrawing those found damaged; the rows of cold segments are
+        then in memory for the read (the check reads each segment at once, a read row by
+        row). The read's own checks still follow: they cover rows overwritten meanwhile."""
+        for _ in range(100):
+            if not self._verifier.check_slots(selection.slots):
+                return
+            with self._cond:
+                gens = self.storage.generations(selection.slots)
+            stale = gens != rows[..., SlotColumn.GENERATION]
+            if stale.ndim > 1:
+                stale = stale.any(axis=tuple(range(1, stale.ndim)))
+            if stale.any():
+                self._redraw(stale, selection, rows, next_gens)
 
     def _allow_redraws(self, steps: int) -> None:
         """``steps`` were dropped: as many uncounted redraws may follow (under the lock)."""
@@ -215,13 +220,13 @@ class TableDraws:
     def _without_damaged(
         self, selection: Selection, rows: np.ndarray
     ) -> tuple[Selection, np.ndarray]:
-        """``verify_reads`` on a queue batch (under the lock, before it is read): the
-        segments that fail their checksum are dropped from the table and from the batch,
-        since a queue cannot redraw what it delivers in order."""
-        ok = self.storage.verify(selection.slots)
-        if ok.all():
+        """The checksums of a queue batch (under the lock, before it is read): those of its
+        unverified segments (every one with ``verify_reads``). Those that fail are dropped
+        from the table and from the batch, since a queue cannot redraw what it delivers in
+        order."""
+        if not self._verifier.check_locked(selection.slots, self.config.verify_reads):
             return selection, rows
-        self._drop(self.storage.segments_at(selection.slots[~ok]))
+        ok = self.storage.generations(selection.slots) == rows[:, SlotColumn.GENERATION]
         self.rate_limiter.on_give_back(int((~ok).sum()))
         if not ok.any():
             raise StorageCorruptedError(

@@ -432,6 +432,7 @@ def _export(
     values are meaningless); the sink is then called with ``(row offset, chunk)``.
     """
     flat = _FlatBreaks()
+    table.verify_all()  # a reopened table's unverified segments: every row is read
     with table.reading() as storage:
         if storage.spec is None:  # nothing was ever inserted
             open_sink(0, TensorDict({}, batch_size=[1]))

@@ -132,6 +132,12 @@ _TABLE_METRICS = (
     (_G, "millpond_queue_depth_steps", "queue_depth", "Steps waiting in a queue table."),
     (_G, "millpond_disk_bytes", "bytes_on_disk", "Bytes the table's files occupy on disk."),
     (_C, "millpond_dropped_segments", "dropped_segments", "Segments dropped as damaged."),
+    (
+        _G,
+        "millpond_unverified_segments",
+        "unverified_segments",
+        "Segments of a reopened table whose checksums are not checked yet.",
+    ),
 )
 
 

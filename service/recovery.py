@@ -10,6 +10,7 @@ runs (``verify_reads``).
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -29,8 +30,11 @@ class Recovery(SlotRecords):
 
     corrupted: list[tuple[int, int, int]]
     _unchecked: bool
+    _verify_order: np.ndarray  # records left unverified at open, by first slot
+    _verify_next: int  # how far the background verifier went through them
+    _column_fds: dict
 
-    def recover(self) -> SegmentBatch:
+    def recover(self, check_data: bool = True) -> SegmentBatch:
         """Find the complete, intact published segments (oldest first); clear the others.
 
         A segment is complete when its record has a generation, sane fields (a range inside
@@ -40,6 +44,10 @@ class Recovery(SlotRecords):
         publishes the generation last and clears it first) has had its files damaged: it is
         unpublished, counted in :attr:`corrupted` and logged, never served. Slot pointers to
         anything but a kept segment are cleared.
+
+        ``check_data=False``: the data is not read now; the kept segments are left
+        unverified (see the module docstring), to be checked before any of their rows is
+        read, and dropped then if damaged.
 
         A table without ``checksums.bin`` (written before checksums) gets its checksums
         computed from its data as it is, and a log line says so.
@@ -69,7 +77,10 @@ class Recovery(SlotRecords):
             match[tails] |= shared
             offsets = np.cumsum(length[good] + 1) - (length[good] + 1)
             good[good] = np.logical_and.reduceat(match, offsets)
-        if self._column_bytes and good.any():
+        deferred = (
+            bool(self._column_bytes) and good.any() and not check_data and not self._unchecked
+        )
+        if self._column_bytes and good.any() and not deferred:
             kept = np.flatnonzero(good)
             sums = cks.combine(self._data_sums(start[kept], length[kept], live[kept]), r[kept])
             if self._unchecked:
@@ -88,6 +99,11 @@ class Recovery(SlotRecords):
         self._drop_corrupted(live[~good], r[~good])
         # Slot pointers: exactly the slots of the kept segments.
         start, length, live = start[good], length[good], live[good]
+        if deferred:
+            self._unverified[live] = True
+            self.unverified = len(live)
+            self._verify_order = live[np.argsort(start, kind="stable")]
+            self._verify_next = 0
         expected = np.zeros(self.capacity, dtype=np.int32)
         expected[ranges(start, length + 1)] = np.repeat(live, length + 1)
         expected[start] = live  # a shared slot is its step's (a kept successor's)
@@ -116,6 +132,82 @@ class Recovery(SlotRecords):
         self.corrupted.extend(dropped)
         cks.log_dropped(log, self.table_dir, dropped)
 
+    # -- verification after open -------------------------------------------------------
+    def to_check(self, slots: np.ndarray, everything: bool = False) -> tuple[np.ndarray, ...]:
+        """The distinct published segments holding ``slots`` (any shape) that are not
+        verified yet (``everything``: all of them), as ``(records, record rows)``: what
+        :meth:`check` takes. Call it under the table's lock (the rows are a snapshot)."""
+        pointers = self._pointers(np.asarray(slots, dtype=np.int64).reshape(-1))
+        if not everything:
+            pointers = pointers[self._unverified[pointers]]
+        records = np.unique(pointers).astype(np.int64)
+        records = records[(records > 0) & (self._generation[records] > 0)]
+        return records, self.records[records]
+
+    def next_unverified(self, max_bytes: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """The next segments left unverified at open, in slot order, about ``max_bytes`` of
+        data (one at least), as :meth:`to_check` returns them, and their bytes; none when
+        all are checked. Call it under the table's lock."""
+        order, i = self._verify_order, self._verify_next
+        slot_bytes = sum(rows.shape[1] for rows, _ in self._column_bytes) or 1
+        taken: list[np.ndarray] = []
+        size = 0
+        while i < len(order) and size < max_bytes and self.unverified:
+            block = order[i : i + 4096]
+            pending = self._unverified[block]
+            sizes = np.where(pending, self.records[block, RecordField.LENGTH] + 1, 0)
+            total = np.cumsum(sizes) * slot_bytes
+            end = min(int(np.searchsorted(total, max_bytes - size)) + 1, len(block))
+            taken.append(block[:end][pending[:end]])
+            size += int(total[end - 1])
+            i += end
+        self._verify_next = i
+        if i >= len(order) and len(order):  # all gone through: the list is not needed
+            self._verify_order, self._verify_next = order[:0], 0
+        records = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+        return records, self.records[records], size
+
+    def check(self, records: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Whether each segment's data matches its checksum (``records`` and their ``rows``
+        as :meth:`to_check` gives them). Reads the segments' bytes: call it outside the
+        table's lock, then :meth:`settle` under it (a segment overwritten meanwhile fails
+        here and is told apart there)."""
+        ok = (records > 0) & (rows[:, RecordField.GENERATION] > 0)
+        if ok.any():
+            r = rows[ok]
+            self._read_ahead(r[:, RecordField.START], r[:, RecordField.LENGTH])
+            sums = self._data_sums(r[:, RecordField.START], r[:, RecordField.LENGTH], records[ok])
+            ok[ok] = self.checksums[records[ok]] == cks.combine(sums, r)
+        return ok
+
+    def _read_ahead(self, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Have the kernel read the segments' rows in, all at once: a check of cold
+        segments reads many ranges, and one page fault at a time each waits for the disk."""
+        if not hasattr(os, "posix_fadvise") or len(starts) < 2:
+            return
+        order = np.argsort(starts)
+        starts, ends = starts[order], starts[order] + lengths[order] + 1
+        # Runs of touching segments (the background check's are) go as one range.
+        cut = np.flatnonzero(starts[1:] > ends[:-1]) + 1
+        firsts, lasts = starts[np.r_[0, cut]], ends[np.r_[cut - 1, len(ends) - 1]]
+        for fd, (rows, _) in zip(self._column_fds.values(), self._column_bytes):
+            width = rows.shape[1]
+            for a, b in zip(firsts.tolist(), lasts.tolist()):
+                os.posix_fadvise(fd, a * width, (b - a) * width, os.POSIX_FADV_WILLNEED)
+
+    def settle(self, records: np.ndarray, rows: np.ndarray, ok: np.ndarray) -> SegmentBatch:
+        """Record what :meth:`check` found (under the table's lock): segments still as they
+        were (same generation: nothing wrote their slots meanwhile) become verified if
+        ``ok``; the others of them are returned, damaged, for the table to drop. Segments
+        overwritten since are left alone (their new data was checksummed by its writer)."""
+        gens = rows[:, RecordField.GENERATION]
+        same = (gens > 0) & (self._generation[records] == gens)
+        good = records[same & ok]
+        if len(good):
+            self.unverified -= int(np.count_nonzero(self._unverified[good]))
+            self._unverified[good] = False
+        return self._segments_of(records[same & ~ok])
+
     def verify(self, slots: np.ndarray) -> np.ndarray:
         """Whether the data of each slot's segment still matches its checksum.
 
@@ -129,12 +221,7 @@ class Recovery(SlotRecords):
         slots = np.asarray(slots, dtype=np.int64)
         pointers = self._pointers(slots.reshape(-1)).astype(np.int64)
         records, inverse = np.unique(pointers, return_inverse=True)
-        rows = self.records[records]
-        ok = (records > 0) & (rows[:, RecordField.GENERATION] > 0)
-        if ok.any():
-            r = rows[ok]
-            sums = self._data_sums(r[:, RecordField.START], r[:, RecordField.LENGTH], records[ok])
-            ok[ok] = self.checksums[records[ok]] == cks.combine(sums, r)
+        ok = self.check(records, self.records[records])
         return ok[inverse].reshape(slots.shape)
 
     def count_dropped(self, segments: SegmentBatch) -> None:

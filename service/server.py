@@ -38,6 +38,7 @@ from millpond.service.admission import AdmissionInterceptor
 from millpond.service.auth import TokenAuthInterceptor, load_tokens
 from millpond.service.servicer import DEFAULT_MAX_WEIGHTS_BYTES, ReplayServicer
 from millpond.service.shard import Shard
+from millpond.service.verifier import VERIFY_MODES, check_verify_settings
 from millpond.service.weights import WeightStore
 
 log = logging.getLogger("millpond.server")
@@ -76,6 +77,10 @@ class ServerConfig:
         max_weights_mb: the largest weights PublishWeights takes, in MiB.
         metrics_port: serve Prometheus metrics over HTTP on this port of ``host`` (0: a
             free port, :attr:`ShardServer.metrics_port` says which); ``None``: not at all.
+        verify: when reopened tables check their segments' data against their checksums:
+            ``background`` (after the open, in a thread; reads check what they touch
+            first), ``reads`` (only what reads touch), ``open`` (before serving).
+        verify_rate_mb: the background check's bound, MiB/s (0: none).
     """
 
     dir: str
@@ -90,8 +95,11 @@ class ServerConfig:
     max_workers: int = 64
     max_weights_mb: int = DEFAULT_MAX_WEIGHTS_BYTES >> 20
     metrics_port: int | None = None
+    verify: str = "background"
+    verify_rate_mb: float = 0.0
 
     def __post_init__(self) -> None:
+        check_verify_settings(self.verify, self.verify_rate_mb)
         if not 0 <= self.port < 65536:
             raise InvalidConfigError(f"port ({self.port}) must be in [0, 65535]")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -160,7 +168,12 @@ def tune_shard_process() -> None:
 
 def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
     """Build and start a shard server; returns it and the port it bound."""
-    shard = Shard(config.dir, fsync=config.fsync)
+    shard = Shard(
+        config.dir,
+        fsync=config.fsync,
+        verify=config.verify,
+        verify_rate_mb=config.verify_rate_mb,
+    )
     for table_config in config.tables:
         shard.create_table(table_config)
     weights = WeightStore(Path(config.dir) / "weights")
@@ -346,6 +359,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--tls-key", help="PEM private key (with --tls-cert)")
     p.add_argument("--token-file", help="file of 'ROLE TOKEN' lines; calls then need a token")
     p.add_argument("--fsync", action="store_true", help="fsync each insert before acking it")
+    p.add_argument(
+        "--verify",
+        choices=VERIFY_MODES,
+        default="background",
+        help="when reopened tables check their data's checksums: in a background thread "
+        "(reads check what they touch first), only on reads, or all before serving",
+    )
+    p.add_argument(
+        "--verify-rate-mb",
+        type=float,
+        default=0.0,
+        help="the background check reads at most this many MiB/s (0: no limit)",
+    )
     p.add_argument("--max-message-mb", type=int, default=256, help="largest message, MiB")
     p.add_argument(
         "--max-workers",
@@ -389,6 +415,8 @@ def serve(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         max_weights_mb=args.max_weights_mb,
         metrics_port=args.metrics_port,
+        verify=args.verify,
+        verify_rate_mb=args.verify_rate_mb,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -420,6 +448,7 @@ def _serve_many(args: argparse.Namespace) -> int:
     passthrough += ["--max-message-mb", str(args.max_message_mb)]
     passthrough += ["--max-workers", str(args.max_workers), "--host", args.host]
     passthrough += ["--max-weights-mb", str(args.max_weights_mb)]
+    passthrough += ["--verify", args.verify, "--verify-rate-mb", str(args.verify_rate_mb)]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

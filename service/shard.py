@@ -38,6 +38,7 @@ from millpond.service.table_files import (
     refuse_without_meta,
     restorable,
 )
+from millpond.service.verifier import check_verify_settings
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,22 @@ class Shard:
     Args:
         path: the shard's directory; created if missing, resumed if it holds tables.
         fsync: flush each insert to disk (survives a machine crash, not just a killed process).
+        verify, verify_rate_mb: when the reopened tables check their segments' data against
+            their checksums (see :meth:`Table.open`).
     """
 
-    def __init__(self, path: str | os.PathLike, *, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        fsync: bool = False,
+        verify: str = "background",
+        verify_rate_mb: float = 0.0,
+    ) -> None:
+        check_verify_settings(verify, verify_rate_mb)
         self.path = Path(path)
         self.fsync = fsync
+        self._verify = (verify, verify_rate_mb)
         self._lock = threading.Lock()
         self._tables: dict[str, Table] = {}
         #: Tables whose directory cannot be opened, by name: what every call naming them gets.
@@ -79,7 +91,10 @@ class Shard:
         name = table_dir.name
         try:
             if holds_table(table_dir) or restorable(table_dir):
-                table = Table.open(table_dir, fsync=self.fsync, name=name)
+                verify, rate = self._verify
+                table = Table.open(
+                    table_dir, fsync=self.fsync, name=name, verify=verify, verify_rate_mb=rate
+                )
                 self._tables[table.name] = table
             elif holds_data(table_dir):
                 raise refuse_without_meta(table_dir)

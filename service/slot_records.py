@@ -53,6 +53,11 @@ class SlotRecords:
     _column_bytes: list[tuple[np.ndarray, int]]
     _prefix_bytes: list[np.ndarray]
     _fds: list[int]
+    #: Per record: its published segment's data is not checked against its checksum yet
+    #: (left so by a reopen, see :mod:`.recovery`).
+    _unverified: np.ndarray
+    #: Published segments not checked yet (the true entries of ``_unverified``).
+    unverified: int
 
     # -- cursor and bounds ---------------------------------------------------------------
     def _save_cursor(self) -> None:
@@ -138,6 +143,9 @@ class SlotRecords:
         own = self.slot_records[slots] == np.repeat(records, segments.lengths + 1)
         records = records[records > 0]
         self._generation[records] = 0
+        if self.unverified:  # nothing left to check: a new segment there comes checksummed
+            self.unverified -= int(np.count_nonzero(self._unverified[records]))
+            self._unverified[records] = False
         self.slot_records[slots[own]] = 0
         self._free.extend(records.tolist())
         before = segments.starts[segments.starts > 0] - 1
@@ -152,6 +160,9 @@ class SlotRecords:
         if self._next_record > 1:  # record 0 alone may lie in a page never written
             self._generation[: self._next_record] = 0
         self._claimed_records = 0
+        if self.unverified:  # (the flags' pages stay untouched otherwise)
+            self._unverified[:] = False
+            self.unverified = 0
         # Only those: unwritten pages stay unwritten.
         held = np.flatnonzero(self.slot_records[: self._slot_bound()])
         self.slot_records[held] = 0

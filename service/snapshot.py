@@ -11,7 +11,9 @@ Episodes stay unbroken: a segment overwritten before its episode sent anything i
 beginning of that episode evicted, as a ring evicts (its later segments still go); one
 overwritten after an earlier segment of its episode was read leaves a gap, so the episode's
 later segments are left out too (counted as cut). Each episode's steps that are read are
-then one unbroken run, as in any state the table itself goes through.
+then one unbroken run, as in any state the table itself goes through. A reopened table's
+segments not verified yet are checked before their group is read (:mod:`.verifier`); one
+found damaged is dropped from the table and left out here as an overwritten one.
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class TableSnapshot:
         stacks. The copy runs under the table's lock (:meth:`Table.reading`); call it for
         consecutive groups, in order."""
         starts, lengths = self.starts[i:j], self.lengths[i:j]
+        table.verify_slots(starts)  # a damaged one is dropped: left out as if overwritten
         with table.reading() as storage:
             alive = storage.generations(starts) == self.generations[i:j]
             if alive.any():

@@ -223,6 +223,11 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
         #: Per segment record: a row of :class:`RecordField`.
         self.records = self._record_map.view(np.ndarray)
         self._generation = self.records[:, RecordField.GENERATION]  # the commit markers
+        # What recovery leaves for the verifier: a byte per record, a list of those left.
+        self._unverified = np.zeros(n_records, dtype=bool)
+        self.unverified = 0
+        self._verify_order = np.zeros(0, dtype=np.int64)
+        self._verify_next = 0
         # Records never written are not on disk: new segments take freed records first.
         self._free: list[int] = []  # freed record indices (a stack)
         self._next_record = 1  # records [1, next) have been handed out at least once

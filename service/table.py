@@ -57,11 +57,13 @@ from millpond.service.table_files import (
     TableFiles,
     check_files,
     new_table_dir,
+    open_episodes_of,
     os_error,
     read_config,
     read_config_copy,
     restorable,
 )
+from millpond.service.verifier import Verifier, check_verify_settings
 from millpond.spec import Key, TableSpec
 from millpond.ted import OpenEpisodes, compact_ted, episode_base
 
@@ -74,7 +76,16 @@ class Table(TableInserts, TableDraws):
     Use :meth:`create` for a new table and :meth:`open` to resume one from disk.
     """
 
-    def __init__(self, path: Path, config: TableConfig, *, fsync: bool, fresh: bool) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: TableConfig,
+        *,
+        fsync: bool,
+        fresh: bool,
+        verify: str = "background",
+        verify_rate_mb: float = 0.0,
+    ) -> None:
         self.path = path
         self.config = config
         self._cond = threading.Condition(threading.Lock())
@@ -91,7 +102,8 @@ class Table(TableInserts, TableDraws):
         # Trajectories extend() left open, by episode id (every source's ids differ): their
         # next step and last next observation, so a trajectory that continues in the next
         # call keeps counting its steps (and slices chain across calls).
-        self._extend_state: OpenEpisodes = {}
+        # (None: not read yet from a reopened table's data, see _open_episodes.)
+        self._extend_state: OpenEpisodes | None = {}
         self._extend_lock = threading.Lock()
         # Highest stored sequence per writer hash, for idempotent re-sends.
         self._writer_hwm: dict[int, int] = {}
@@ -102,6 +114,7 @@ class Table(TableInserts, TableDraws):
         )
         # Where writers' short segments go (none in tables without a record per slot).
         self._regions = Regions(config.capacity if self.storage.continuations else 0)
+        self._verifier = Verifier(config.name, self._cond, self.storage, self._drop, verify_rate_mb)
         try:
             c = config
             self.rate_limiter = RateLimiter(
@@ -114,14 +127,14 @@ class Table(TableInserts, TableDraws):
             if fresh:
                 self._write_meta()
             else:
-                recovered = self._files.recover(self.storage, self.sampler)
+                recovered = self._files.recover(self.storage, self.sampler, verify == "open")
                 self._writer_hwm = recovered.writer_sequences
-                # The last next observations are not recovered: a reopened table takes a
-                # trajectory's continuation on its id alone.
-                self._extend_state = {ep: (n, None) for ep, n in recovered.open_episodes.items()}
+                self._extend_state = _extend_state(recovered.open_episodes)
         except BaseException:
             self.storage.close()  # its descriptors; the maps go with the object
             raise
+        if verify == "background":
+            self._verifier.start()
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -155,20 +168,41 @@ class Table(TableInserts, TableDraws):
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike, *, fsync: bool = False, name: str | None = None
+        cls,
+        path: str | os.PathLike,
+        *,
+        fsync: bool = False,
+        name: str | None = None,
+        verify: str = "background",
+        verify_rate_mb: float = 0.0,
     ) -> Table:
         """Resume the table stored in ``path``: data, priorities, queue position and counters.
 
         Files that are missing, unreadable, or not the ones ``meta.json`` describes (nor,
         given a ``name``, that table's) raise :class:`StorageCorruptedError` naming the file
         and the fix; nothing is rewritten.
+
+        The open reads the segments' records and slot pointers, not their data: each
+        segment's checksum is checked before any of its rows is read, and by a background
+        thread meanwhile (``verify``, one of :data:`~millpond.service.verifier.VERIFY_MODES`:
+        ``"background"``, ``"reads"`` without the thread, ``"open"`` all of them before the
+        open returns; ``verify_rate_mb``: the thread's bound, MiB/s, 0 for none). A damaged
+        segment is dropped, counted and logged when it is found, never served.
         """
+        check_verify_settings(verify, verify_rate_mb)
         path = Path(path)
         try:
             restore = restorable(path)
             config = (read_config_copy if restore else read_config)(path, name)
             check_files(path, config)
-            table = cls(path, config, fsync=fsync, fresh=False)
+            table = cls(
+                path,
+                config,
+                fsync=fsync,
+                fresh=False,
+                verify=verify,
+                verify_rate_mb=verify_rate_mb,
+            )
             if restore:
                 table._write_meta()
                 log.warning(
@@ -214,11 +248,21 @@ class Table(TableInserts, TableDraws):
         """
         base = 0 if source is None else episode_base(source)
         with self._extend_lock:  # one extend at a time keeps step counts consistent
+            if self._extend_state is None:
+                self._extend_state = self._open_episodes()
             state = dict(self._extend_state)
             packed = compact_ted(td, state, base)
             gens = self.insert_packed(packed, timeout)
             self._extend_state = state  # only once the insert succeeded
             return gens
+
+    def _open_episodes(self) -> OpenEpisodes:
+        """The episodes a reopened table holds open, read from its data once it is verified
+        (when :meth:`extend` first needs them)."""
+        self.verify_all()
+        with self.reading() as storage:
+            segments = storage.segments_at(storage.published_step_slots())
+            return _extend_state(open_episodes_of(storage, segments)) or {}
 
     def _check_spec(self, packed: PackedSegments) -> PackedSegments:
         """``packed`` checked against the spec (set from it if there is none yet), its
@@ -300,6 +344,7 @@ class Table(TableInserts, TableDraws):
                 "sampler_state": self.sampler.state(),
                 "next_generation": self._files.next_generation,
                 "dropped_segments": len(self.storage.corrupted),
+                "unverified_segments": self.storage.unverified,
                 "blocked_inserts": self._waiting["insert"],
                 "blocked_samples": self._waiting["sample"],
                 "bytes_on_disk": self.storage.nbytes_on_disk(),
@@ -357,6 +402,7 @@ class Table(TableInserts, TableDraws):
                 "blocked_samples": self._waiting["sample"],
                 "queue_depth": self.sampler.size if isinstance(self.sampler, QueueSampler) else 0,
                 "dropped_segments": len(self.storage.corrupted),
+                "unverified_segments": self.storage.unverified,
             }
         values["bytes_on_disk"] = self.storage.nbytes_on_disk()  # walks files: not locked
         return values
@@ -385,6 +431,7 @@ class Table(TableInserts, TableDraws):
 
     def close(self) -> None:
         """Checkpoint and release the files; blocked callers get :class:`ClosedError`."""
+        self._verifier.stop()  # first, outside the lock: its thread takes the lock
         with self._cond:
             if self._closed:
                 return
@@ -406,6 +453,17 @@ class Table(TableInserts, TableDraws):
         """Close the table and delete its directory."""
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+    def verify_all(self) -> None:
+        """Check every segment not verified yet (a reopened table's), in the calling thread
+        along with the background verifier; damaged ones are dropped, counted and logged.
+        Afterwards everything stored is verified (new segments come verified)."""
+        self._verifier.finish()
+
+    def verify_slots(self, slots: np.ndarray) -> None:
+        """Check the unverified segments holding ``slots`` (any shape) before reading them
+        directly (:meth:`reading`); damaged ones are dropped (their generation is then 0)."""
+        self._verifier.check_slots(slots)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[SegmentStorage]:
@@ -435,6 +493,14 @@ class Table(TableInserts, TableDraws):
                 raise RateLimiterTimeoutError(message)
         finally:
             self._waiting[side] -= 1
+
+
+def _extend_state(open_episodes: dict[int, int] | None) -> OpenEpisodes | None:
+    # The last next observations are not recovered: a reopened table takes a trajectory's
+    # continuation on its id alone.
+    if open_episodes is None:
+        return None
+    return {ep: (n, None) for ep, n in open_episodes.items()}
 
 
 def _make_sampler(config: TableConfig, directory: Path) -> Sampler:

@@ -373,7 +373,9 @@ class Recovered(NamedTuple):
     """What :meth:`TableFiles.recover` rebuilds besides the storage and the sampler."""
 
     writer_sequences: dict[int, int]  # writer hash -> highest stored sequence
-    open_episodes: dict[int, int]  # episode id -> next step, for episodes not ended
+    # Episode id -> next step, for episodes not ended; None while the data is unverified
+    # (the episode ends are read from it: see open_episodes).
+    open_episodes: dict[int, int] | None
 
 
 class TableFiles:
@@ -449,21 +451,24 @@ class TableFiles:
             },
         )
 
-    def recover(self, storage: SegmentStorage, sampler: Sampler) -> Recovered:
+    def recover(
+        self, storage: SegmentStorage, sampler: Sampler, check_data: bool = True
+    ) -> Recovered:
         """Rebuild the in-memory state of a reopened table from its files.
 
         The storage drops torn segments and the sampler takes back the others; writer marks
         come from ``writers.json`` and the stored segments (whichever is newer), and the
-        next generation moves past the newest stored one.
+        next generation moves past the newest stored one. ``check_data``: see
+        :meth:`SegmentStorage.recover`.
         """
         writers = self._read_writers()  # first: a garbled file refuses before any repair
-        segments = storage.recover()
+        segments = storage.recover(check_data)
         sampler.recover(segments)
         if len(segments) and segments.writers is not None and segments.sequences is not None:
             for w, q in zip(segments.writers.tolist(), segments.sequences.tolist()):
                 if w and q > writers.get(w, 0):
                     writers[w] = q
-        open_episodes = _open_episodes(storage, segments)
+        open_episodes = open_episodes_of(storage, segments) if not storage.unverified else None
         newest = int(segments.generations.max()) if len(segments) else 0
         self._counters[Counter.NEXT_GENERATION] = max(self.next_generation, newest + 1)
         return Recovered(writers, open_episodes)
@@ -485,8 +490,9 @@ class TableFiles:
             ) from None
 
 
-def _open_episodes(storage: SegmentStorage, segments: SegmentBatch) -> dict[int, int]:
-    """Episode id -> next step, for episodes whose newest stored segment did not end."""
+def open_episodes_of(storage: SegmentStorage, segments: SegmentBatch) -> dict[int, int]:
+    """Episode id -> next step, for episodes whose newest stored segment did not end (read
+    from the segments' data: verified segments only)."""
     if not len(segments) or storage.spec is None:
         return {}
     order = np.lexsort((segments.first_steps, segments.episode_ids))

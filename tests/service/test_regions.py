@@ -144,6 +144,7 @@ def test_a_damaged_continuation_leaves_its_predecessor_whole(tmp_path):
         f.seek((sb + 3) * 16)
         f.write(b"\xff" * 16)
     table = Table.open(tmp_path / "t")
+    table.verify_all()  # the data's checksums are checked after the open
     assert [c[0] for c in table.storage.corrupted] == [5]
     assert list(stored_segments(table)) == [(5, 0, 4, sa)]  # whole: its tail is its own
     _check_samples(table, 64)

@@ -127,9 +127,11 @@ def test_restart_rebuilds_everything_from_the_metadata_files(tmp_path):
     assert stored_segments(u) == before
     assert u.storage.cursor == cursor
     assert u.writer_sequence("actor-0") == 5
-    # Episode 9 is open, its next step 2 (table.extend may keep more per open episode).
-    assert list(u._extend_state) == [9]
-    state = u._extend_state[9]
+    # Episode 9 is open, its next step 2 (table.extend may keep more per open episode;
+    # a reopened table reads them from its data, once verified, when extend needs them).
+    episodes = u._open_episodes()
+    assert list(episodes) == [9]
+    state = episodes[9]
     assert (state[0] if isinstance(state, tuple) else state) == 2
     gens = u.insert_many(segs, writer_id="actor-0")  # re-sent: nothing stored twice
     assert (gens == 0).all() and stored_segments(u) == before
