@@ -47,6 +47,11 @@ from millpond.learner.client import ReplayClient
 __all__ = ["PrioritizedReplayBuffer", "ReplayBuffer", "TorchRLUnsupportedError"]
 
 _REDUCTIONS = ("max", "min", "mean", "median", "sum")
+_NO_PRIORITY_DUMPS = (
+    "PrioritizedReplayBuffer.{what}: a TED export holds the steps, not their priorities; "
+    "rb.client.checkpoint() keeps both (`millpond serve --dir` on that directory resumes "
+    "them), and `millpond export --format ted` exports the steps alone"
+)
 
 
 class ReplayBuffer:
@@ -323,8 +328,8 @@ class ReplayBuffer:
         self.close()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A copy in another process (a multi-collector's worker) gets a client of its own:
-        # one source of trajectories per process, as extend wants.
+        # A copy (in another process) gets a client of its own, with the same options: one
+        # source of trajectories per copy, as extend wants.
         kwargs = {
             "batch_size": self._batch_size,
             "transform": self._transform,
@@ -332,7 +337,7 @@ class ReplayBuffer:
             "timeout_s": self._timeout_s,
             **self._reduce_kwargs(),
         }
-        return (_rebuild, (type(self), self._client.addresses, self.table, kwargs))
+        return (_rebuild, (type(self), self._client, self.table, kwargs))
 
     def _reduce_kwargs(self) -> dict[str, Any]:
         return {}
@@ -431,6 +436,14 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 "priorities=...)"
             )
 
+    def dumps(self, path: str | Path) -> None:
+        """Refused: an export holds the steps, not their priorities."""
+        raise TorchRLUnsupportedError(_NO_PRIORITY_DUMPS.format(what="dumps"))
+
+    def loads(self, path: str | Path) -> None:
+        """Refused: an export holds the steps, not their priorities."""
+        raise TorchRLUnsupportedError(_NO_PRIORITY_DUMPS.format(what="loads"))
+
     def _info(self, batch: TensorDict) -> dict[str, Any]:
         weight = batch.pop("weight")
         batch.set("priority_weight", weight)
@@ -495,5 +508,9 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def _rebuild(cls: type, addresses: list[str], table: str, kwargs: dict[str, Any]) -> Any:
-    return cls(addresses, table, **kwargs)
+def _rebuild(cls: type, client: ReplayClient, table: str, kwargs: dict[str, Any]) -> Any:
+    # The client arrives as a new one (it pickles as its addresses and options): the copy
+    # owns it.
+    buffer = cls(client, table, **kwargs)
+    buffer._owns_client = True
+    return buffer

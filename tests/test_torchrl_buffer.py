@@ -11,6 +11,7 @@ sampling is checked against TorchRL's documented formula (``P(i) = p_i^a / sum p
 from __future__ import annotations
 
 import itertools
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -345,6 +346,8 @@ def test_what_it_cannot_honour_is_refused_with_what_to_use(address):
         prio.update_priority(torch.arange(4), torch.ones(4))
     with pytest.raises(InvalidDataError, match="td_error"):
         prio.update_tensordict_priority(prio.sample(4))
+    with pytest.raises(TorchRLUnsupportedError, match="checkpoint"):
+        prio.dumps("anywhere")
     rb.close()
     prio.close()
 
@@ -409,9 +412,14 @@ def test_import_millpond_does_not_import_torchrl():
     assert importers == ["millpond/torchrl.py"]
 
 
-def test_a_given_client_is_kept_open(address):
-    client = ReplayClient(address)
-    rb = ReplayBuffer(client, TableConfig.uniform("owned", capacity=100))
+def test_a_given_client_is_kept_open_and_a_copy_is_a_source_of_its_own(address):
+    client = ReplayClient(address, timeout_s=20)
+    rb = ReplayBuffer(client, TableConfig.uniform("owned", capacity=100), batch_size=4)
+    twin = pickle.loads(pickle.dumps(rb))  # what a collector's worker process would get
+    assert twin.table == rb.table and twin.batch_size == 4
+    assert twin.client is not client and twin.client.timeout_s == 20
+    assert twin.client.episode_base != client.episode_base
+    twin.close()
     rb.close()
     assert client.info("owned")["size"] == 0  # the caller's client still works
     client.close()
