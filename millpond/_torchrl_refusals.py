@@ -55,9 +55,6 @@ CONSTRUCTOR_ADVICE: dict[str, str] = {
 #: use instead.
 ATTRIBUTE_ADVICE: dict[str, str] = {
     "storage": _TABLE + "; read it with rb.client.read_table(rb.table) or rb.dumps(path)",
-    "_storage": _TABLE
-    + " (TorchRL's multi-process collectors ask for it: run a Collector in each process, "
-    "each with a buffer of its own over the table)",
     "sampler": "the table samples in the service; rb.client.info(rb.table)['config'] says how",
     "_sampler": "the table samples in the service",
     "writer": "the service writes: rb.extend / rb.add, or rb.client.writer(rb.table)",

@@ -72,6 +72,9 @@ class ReplayBuffer:
 
     TorchRL's other constructor arguments (``storage``, ``sampler``, ``writer``, ...) raise
     :class:`TorchRLUnsupportedError` saying what stands for them here.
+
+    Attributes: ``client`` (what the buffer reaches its table through), ``table`` (the
+    table's name), ``batch_size`` and ``transform``, as given.
     """
 
     _SAMPLERS: tuple[str, ...] = ("uniform",)
@@ -96,53 +99,36 @@ class ReplayBuffer:
             raise InvalidConfigError(f"prefetch ({prefetch!r}) must be a positive integer or None")
         if prefetch is not None and batch_size is None:
             raise InvalidConfigError("prefetch needs a batch_size: it draws batches of that size")
+        self.transform = _as_transform(transform)
+        self.batch_size = batch_size
+        self._prefetch = prefetch
+        self._timeout_s = timeout_s
+        self._batches: Iterator[TensorDict] | None = None
         self._owns_client = not isinstance(client, ReplayClient)
-        self._client = ReplayClient(client) if self._owns_client else client
+        self.client: ReplayClient = ReplayClient(client) if self._owns_client else client
         try:
             self._config = self._open_table(table)
         except BaseException:
-            if self._owns_client:
-                self._client.close()
+            self.close()
             raise
-        self._batch_size = batch_size
-        self._prefetch = prefetch
-        self._timeout_s = timeout_s
-        self._transform = _as_transform(transform)
-        self._batches: Iterator[TensorDict] | None = None
+        self.table: str = self._config.name
 
     # -- identity ------------------------------------------------------------------------
-    @property
-    def client(self) -> ReplayClient:
-        """The client the buffer reaches its table through."""
-        return self._client
-
-    @property
-    def table(self) -> str:
-        """The table's name."""
-        return self._config.name
-
-    @property
-    def batch_size(self) -> int | None:
-        return self._batch_size
-
-    @property
-    def transform(self) -> Transform | Callable[[TensorDictBase], TensorDictBase] | None:
-        return self._transform
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(table={self.table!r}, "
-            f"addresses={','.join(self._client.addresses)!r}, batch_size={self._batch_size})"
+            f"addresses={','.join(self.client.addresses)!r}, batch_size={self.batch_size})"
         )
 
     def __len__(self) -> int:
         """The steps the table holds now, on all its shards (every writer's)."""
-        return int(self._client.info(self.table)["size"])
+        return int(self.client.info(self.table)["size"])
 
     @property
     def write_count(self) -> int:
         """The steps stored into the table since it was created, by every writer."""
-        return int(self._client.info(self.table)["inserts"])
+        return int(self.client.info(self.table)["inserts"])
 
     # -- insert --------------------------------------------------------------------------
     def extend(self, data: TensorDictBase, *, update_priority: bool | None = None) -> int:
@@ -159,11 +145,11 @@ class ReplayBuffer:
                 f"{type(data).__name__}"
             )
         self._check_extend_priorities(data, update_priority)
-        if isinstance(self._transform, Transform):
-            data = self._transform.inv(data)
+        if isinstance(self.transform, Transform):
+            data = self.transform.inv(data)
             if data is None:
                 return 0
-        return self._client.extend(self.table, data)
+        return self.client.extend(self.table, data)
 
     def add(self, data: TensorDictBase) -> int:
         """Store one step: a TensorDict of batch ``[]`` (one env) or ``[P]`` (one step of
@@ -195,23 +181,23 @@ class ReplayBuffer:
         holds ``"index"`` (and ``"priority_weight"`` for a prioritized table).
         """
         if batch_size is None:
-            batch_size = self._batch_size
+            batch_size = self.batch_size
             if batch_size is None:
                 raise InvalidConfigError(
                     "batch_size not given: pass it to sample() or to the buffer's constructor"
                 )
         check_batch_size(batch_size)
-        if self._prefetch is not None and batch_size == self._batch_size:
+        if self._prefetch is not None and batch_size == self.batch_size:
             if self._batches is None:
-                self._batches = self._client.iterate(
+                self._batches = self.client.iterate(
                     self.table, batch_size, self._prefetch, self._timeout_s
                 )
             batch = next(self._batches)
         else:
-            batch = self._client.sample(self.table, batch_size, self._timeout_s)
+            batch = self.client.sample(self.table, batch_size, self._timeout_s)
         info = self._info(batch)
-        if self._transform is not None:
-            batch = self._transform(batch)
+        if self.transform is not None:
+            batch = self.transform(batch)
             for key, value in info.items():  # as TorchRL: the info outlives the transform
                 batch.set(key, value)
         return (batch, info) if return_info else batch
@@ -225,7 +211,7 @@ class ReplayBuffer:
 
     def __iter__(self) -> Iterator[TensorDict]:
         """Batches of ``batch_size`` for ever (TorchRL's random sampler never runs out)."""
-        if self._batch_size is None:
+        if self.batch_size is None:
             raise InvalidConfigError(
                 "cannot iterate over the buffer: construct it with a batch_size"
             )
@@ -245,8 +231,8 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, Any]:
         """The buffer's own state: its table, batch size and transform's state. The data
         stays in the service (durable there: ``rb.client.checkpoint()``)."""
-        transform = self._transform.state_dict() if isinstance(self._transform, Transform) else {}
-        return {"table": self.table, "batch_size": self._batch_size, "transform": transform}
+        transform = self.transform.state_dict() if isinstance(self.transform, Transform) else {}
+        return {"table": self.table, "batch_size": self.batch_size, "transform": transform}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s batch size and transform state (same table)."""
@@ -255,10 +241,10 @@ class ReplayBuffer:
                 f"the state is of table {state_dict.get('table')!r}, this buffer's is "
                 f"{self.table!r}: build a buffer over that table to load it"
             )
-        self._batch_size = state_dict["batch_size"]
+        self.batch_size = state_dict["batch_size"]
         self._close_batches()
-        if isinstance(self._transform, Transform):
-            self._transform.load_state_dict(state_dict["transform"])
+        if isinstance(self.transform, Transform):
+            self.transform.load_state_dict(state_dict["transform"])
 
     def dumps(self, path: str | Path) -> None:
         """Write the table's steps to ``path`` as a memory-mapped TED export (a consistent
@@ -271,7 +257,7 @@ class ReplayBuffer:
         if path.exists() and any(path.iterdir()):
             raise InvalidConfigError(f"{path} holds files: dump into a new or empty directory")
         path.parent.mkdir(parents=True, exist_ok=True)
-        with self._client.read_table(self.table) as reader:
+        with self.client.read_table(self.table) as reader:
             slots = reader.steps + reader.segments
             with (
                 tempfile.TemporaryDirectory(dir=path.parent) as spool,
@@ -301,7 +287,7 @@ class ReplayBuffer:
         fresh = torch.cumsum(new_run.long(), 0) - 1
         exported = exported.exclude(("collector", "traj_ids"))
         exported["collector", "traj_ids"] = fresh
-        with copy.copy(self._client) as loader:
+        with copy.copy(self.client) as loader:
             loader.extend(self.table, exported)
 
     def empty(self, empty_write_count: bool = True) -> None:
@@ -312,14 +298,14 @@ class ReplayBuffer:
                 "restarts with it; read rb.write_count before emptying to keep it"
             )
         self._close_batches()
-        self._client.reset(self.table)
+        self.client.reset(self.table)
 
     # -- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
         """Cancel prefetched samples; close the client if the buffer made it."""
         self._close_batches()
         if self._owns_client:
-            self._client.close()
+            self.client.close()
 
     def __enter__(self) -> ReplayBuffer:
         return self
@@ -331,16 +317,23 @@ class ReplayBuffer:
         # A copy (in another process) gets a client of its own, with the same options: one
         # source of trajectories per copy, as extend wants.
         kwargs = {
-            "batch_size": self._batch_size,
-            "transform": self._transform,
+            "batch_size": self.batch_size,
+            "transform": self.transform,
             "prefetch": self._prefetch,
             "timeout_s": self._timeout_s,
             **self._reduce_kwargs(),
         }
-        return (_rebuild, (type(self), self._client, self.table, kwargs))
+        return (_rebuild, (type(self), self.client, self.table, kwargs))
 
     def _reduce_kwargs(self) -> dict[str, Any]:
         return {}
+
+    @property
+    def _storage(self) -> TableStorage:
+        # What TorchRL's collectors probe (``rb._storage``): the table, initialised, on no
+        # local device. A multi-process collector then hands each worker a copy of this
+        # buffer (its own client: one source each) instead of preparing a local storage.
+        return TableStorage(self.table)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -361,9 +354,9 @@ class ReplayBuffer:
     # -- helpers -------------------------------------------------------------------------
     def _open_table(self, table: str | TableConfig) -> TableConfig:
         if isinstance(table, TableConfig):
-            config = self._client.create_table(table)
+            config = self.client.create_table(table)
         elif isinstance(table, str) and table:
-            config = self._client.info(table)["config"]
+            config = self.client.info(table)["config"]
         else:
             raise InvalidConfigError(f"table ({table!r}) must be a table name or a TableConfig")
         if config.sampler not in self._SAMPLERS:
@@ -380,6 +373,30 @@ class ReplayBuffer:
             with contextlib.suppress(Exception):
                 self._batches.close()  # type: ignore[attr-defined]
             self._batches = None
+
+
+class TableStorage:
+    """``rb._storage`` of a millpond buffer: what TorchRL's collectors ask of a storage
+    (``initialized``, ``device``), and nothing else; anything more is refused, naming
+    what to use."""
+
+    initialized = True
+    device = None
+
+    def __init__(self, table: str) -> None:
+        self.table = table
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_storage":  # a TensorDict storage's data: none
+            raise AttributeError(name)
+        raise TorchRLUnsupportedError(
+            f"the storage of a millpond buffer is table {self.table!r}, in the service: its "
+            f"{name!r} is not here; read the table with rb.client.read_table(rb.table) or "
+            "rb.dumps(path)"
+        )
+
+    def __len__(self) -> int:
+        raise TorchRLUnsupportedError("len(rb._storage): use len(rb)")
 
 
 class PrioritizedReplayBuffer(ReplayBuffer):
@@ -422,7 +439,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self._eps = float(eps)
         live = {k: v for k, v in (("alpha", alpha), ("beta", beta)) if v is not None}
         if live:
-            self._config = self._client.configure_table(self.table, **live)
+            self._config = self.client.configure_table(self.table, **live)
 
     def _reduce_kwargs(self) -> dict[str, Any]:
         return {"eps": self._eps, "priority_key": self.priority_key, "reduction": self.reduction}
@@ -467,7 +484,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
                 f"update_priority: {priority.numel()} priorities for {rows} steps"
             )
         priority = _reduce(priority.reshape(rows, -1), self.reduction)
-        return self._client.update_priorities(self.table, index, priority + self._eps)
+        return self.client.update_priorities(self.table, index, priority + self._eps)
 
     def update_tensordict_priority(self, data: TensorDictBase) -> int:
         """``update_priority(data["index"], data[priority_key])``: the loss's TD errors."""

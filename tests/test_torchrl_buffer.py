@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from tensordict import TensorDict
-from torchrl.collectors import Collector
+from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 from torchrl.envs import Compose, GymEnv, RenameTransform, SerialEnv, StepCounter, TransformedEnv
 
@@ -148,6 +148,26 @@ def _flat_rows(local):
     traj = rows["collector", "traj_ids"].tolist()
     steps = rows["step_count"].reshape(-1).tolist()
     return {(t, s): rows[i] for i, (t, s) in enumerate(zip(traj, steps))}
+
+
+def test_a_multi_process_collector_writes_from_each_worker(address):
+    rb = ReplayBuffer(address, TableConfig.uniform("multi", capacity=2_000), batch_size=16)
+    collector = MultiSyncCollector(
+        [lambda: GymEnv("CartPole-v1")] * 2,
+        None,
+        frames_per_batch=40,
+        total_frames=160,
+        replay_buffer=rb,
+    )
+    try:
+        assert all(out is None for out in collector)
+    finally:
+        collector.shutdown()
+    assert len(rb) == rb.write_count == 160
+    # Each worker got a copy of the buffer, with a client of its own: a source each.
+    sources = {int(e) >> 32 for _ in range(10) for e in rb.sample(64)["episode_id"]}
+    assert len(sources) == 2 and rb.client.episode_base >> 32 not in sources
+    rb.close()
 
 
 def test_add_one_step_continues_its_episode(address):
@@ -330,7 +350,11 @@ def test_what_it_cannot_honour_is_refused_with_what_to_use(address):
         ReplayBuffer(address, "refuse", colour=1)
     with pytest.raises(TorchRLUnsupportedError, match="read_table"):
         rb.storage  # noqa: B018
-    assert getattr(rb, "_storage", None) is None  # how TorchRL's collectors probe it
+    storage = rb._storage  # what TorchRL's collectors probe: initialised, on no device
+    assert storage.initialized and storage.device is None
+    assert getattr(storage, "_storage", None) is None
+    with pytest.raises(TorchRLUnsupportedError, match="read_table"):
+        storage.get(0)
     with pytest.raises(TorchRLUnsupportedError, match="sampling"):
         rb[0]
     with pytest.raises(TorchRLUnsupportedError, match="write_count"):
