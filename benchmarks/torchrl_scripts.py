@@ -12,11 +12,13 @@ transition (the buffer's files, blocks really written: TorchRL's memmap director
 table's directory as the shard reports it).
 
     python benchmarks/torchrl_scripts.py --algos dqn,sac --dqn-frames 20000 --sac-frames 6000
+    python benchmarks/torchrl_scripts.py --algos dqn --seeds 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 from collections import deque
@@ -47,13 +49,15 @@ from millpond.torchrl import ReplayBuffer  # noqa: E402
 PREFETCH = 2  # sample requests kept in flight (TorchRL's prefetch), for millpond's buffer
 
 
-def make_buffer(kind: str, name: str, capacity: int, batch_size: int, scratch: Path, address: str):
-    """The one line a script changes: TorchRL's buffer, or millpond's."""
+def make_buffer(
+    kind: str, name: str, capacity: int, batch_size: int, scratch: Path, address: str, seed: int
+):
+    """The one line a script changes: TorchRL's buffer, or millpond's (its table seeded)."""
     if kind == "local":
         return TensorDictReplayBuffer(
             storage=LazyMemmapStorage(capacity, scratch_dir=scratch / name), batch_size=batch_size
         )
-    table = TableConfig.uniform(name, capacity=capacity)
+    table = TableConfig.uniform(name, capacity=capacity, seed=seed)
     return ReplayBuffer(address, table, batch_size=batch_size, prefetch=PREFETCH)
 
 
@@ -150,11 +154,12 @@ def main() -> int:
     ap.add_argument("--algos", default="dqn,sac", help="comma-separated: dqn,sac")
     ap.add_argument("--dqn-frames", type=int, default=20_000, help="frames per DQN run")
     ap.add_argument("--sac-frames", type=int, default=6_000, help="frames per SAC run")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds, each run on both")
     ap.add_argument("--dir", type=Path, help="parent of the temporary data directory (/tmp)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     kinds = ("local", "millpond") if args.buffer == "both" else (args.buffer,)
+    seeds = [int(s) for s in args.seeds.split(",")]
     algos = {"dqn": (dqn, 150.0, args.dqn_frames), "sac": (sac, -400.0, args.sac_frames)}
     rows = []
     with scratch_root(args.dir, "torchrl-scripts-") as root:
@@ -163,12 +168,12 @@ def main() -> int:
         try:
             for algo in args.algos.split(","):
                 run, goal, frames = algos[algo]
-                for kind in kinds:
-                    torch.manual_seed(args.seed)
-                    name = f"{algo}-{kind}-{os.getpid()}"
-                    rb = make_buffer(kind, name, frames, 128, root, address)
+                for seed, kind in itertools.product(seeds, kinds):
+                    torch.manual_seed(seed)
+                    name = f"{algo}-{kind}-{seed}-{os.getpid()}"
+                    rb = make_buffer(kind, name, frames, 128, root, address, seed)
                     t0 = time.perf_counter()
-                    curve = run(rb, frames, args.seed)
+                    curve = run(rb, frames, seed)
                     wall = time.perf_counter() - t0
                     if kind == "local":
                         stored, nbytes = len(rb), _disk_bytes(root / name)
@@ -179,20 +184,20 @@ def main() -> int:
                     reached = next((f for f, r in curve if r >= goal), None)
                     best = max((r for _, r in curve), default=float("nan"))
                     per = nbytes / max(stored, 1)
-                    rows.append((algo, frames, goal, kind, reached, best, wall, per))
+                    rows.append((algo, seed, frames, goal, kind, reached, best, wall, per))
                     log(f"{algo} {kind}: {rows[-1]}")
         finally:
             if server is not None:
                 server.stop()
-    print(f"\nseed {args.seed} (one seed)\n")
     print(
-        "| loop | frames | target | buffer | frames to target | best mean-10 return | wall s "
-        "| bytes/transition |"
+        "\n| loop | seed | frames | target | buffer | frames to target | best mean-10 return "
+        "| wall s | bytes/transition |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for algo, frames, goal, kind, reached, best, wall, per in rows:
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for algo, seed, frames, goal, kind, reached, best, wall, per in rows:
         print(
-            f"| {algo} | {frames} | {goal:g} | {kind} | {reached if reached is not None else '-'} "
+            f"| {algo} | {seed} | {frames} | {goal:g} | {kind} "
+            f"| {reached if reached is not None else '-'} "
             f"| {best:.1f} | {wall:.1f} | {per:.0f} |"
         )
     return 0
