@@ -23,7 +23,15 @@ import torch
 from tensordict import TensorDict
 from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
-from torchrl.envs import Compose, GymEnv, RenameTransform, SerialEnv, StepCounter, TransformedEnv
+from torchrl.envs import (
+    Compose,
+    GymEnv,
+    RenameTransform,
+    SerialEnv,
+    StepCounter,
+    Transform,
+    TransformedEnv,
+)
 
 from millpond import InvalidConfigError, InvalidDataError, ReplayClient, TableConfig
 from millpond.service.server import ServerConfig, create_server
@@ -219,6 +227,29 @@ def test_transform_applies_at_sample_time_as_torchrl(address):
     assert torch.equal(batch["double"], 2 * batch["observation"])
     rb.close()
     scaled.close()
+
+
+class ScaleReward(Transform):
+    """A write-time transform: its ``inv`` (what extend runs) doubles the reward."""
+
+    def _inv_call(self, td):
+        return td.set(("next", "reward"), 2 * td["next", "reward"])
+
+
+def test_a_transforms_inverse_applies_at_extend_as_torchrl(address):
+    rb = ReplayBuffer(
+        address, TableConfig.uniform("inv", capacity=1_000), batch_size=16, transform=ScaleReward()
+    )
+    local = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(1_000), batch_size=16, transform=ScaleReward()
+    )
+    collect(rb, seed=7, batches=1)
+    collect(local, seed=7, batches=1)
+    reference = _flat_rows(local)
+    assert all(float(row["next", "reward"]) == 2.0 for row in reference.values())
+    for _ in range(5):
+        check_rows(rb.sample(32), rb, reference)  # doubled rewards, the rest as collected
+    rb.close()
 
 
 def test_iteration_and_prefetch(address):
