@@ -204,18 +204,24 @@ def test_add_one_step_continues_its_episode(address):
     rb.close()
 
 
-def test_transform_applies_at_sample_time_as_torchrl(address):
-    def transform():
-        return Compose(RenameTransform(["observation"], ["obs"], create_copy=True))
-
+def filled_pair(address, name, seed, transform):
+    """A millpond buffer and TorchRL's, each with ``transform()``, fed one collector batch."""
     rb = ReplayBuffer(
-        address, TableConfig.uniform("tf", capacity=1_000), batch_size=16, transform=transform()
+        address, TableConfig.uniform(name, capacity=1_000), batch_size=16, transform=transform()
     )
     local = TensorDictReplayBuffer(
         storage=LazyTensorStorage(1_000), batch_size=16, transform=transform()
     )
-    collect(rb, seed=4, batches=1)
-    collect(local, seed=4, batches=1)
+    collect(rb, seed=seed, batches=1)
+    collect(local, seed=seed, batches=1)
+    return rb, local
+
+
+def test_transform_applies_at_sample_time_as_torchrl(address):
+    def transform():
+        return Compose(RenameTransform(["observation"], ["obs"], create_copy=True))
+
+    rb, local = filled_pair(address, "tf", 4, transform)
     ours, theirs = rb.sample(), local.sample()
     assert "obs" in ours and "obs" in theirs
     assert torch.equal(ours["obs"], ours["observation"])
@@ -237,14 +243,7 @@ class ScaleReward(Transform):
 
 
 def test_a_transforms_inverse_applies_at_extend_as_torchrl(address):
-    rb = ReplayBuffer(
-        address, TableConfig.uniform("inv", capacity=1_000), batch_size=16, transform=ScaleReward()
-    )
-    local = TensorDictReplayBuffer(
-        storage=LazyTensorStorage(1_000), batch_size=16, transform=ScaleReward()
-    )
-    collect(rb, seed=7, batches=1)
-    collect(local, seed=7, batches=1)
+    rb, local = filled_pair(address, "inv", 7, ScaleReward)
     reference = _flat_rows(local)
     assert all(float(row["next", "reward"]) == 2.0 for row in reference.values())
     for _ in range(5):
