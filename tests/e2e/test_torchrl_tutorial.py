@@ -34,3 +34,5 @@ def test_the_torchrl_tutorial_runs_as_written(tmp_path: Path) -> None:
     out = result.stdout
     assert "PPO loss" in out and "DQN loss" in out and "SAC loss" in out
     assert re.search(r"^512 torch.Size\(\[64, 4\]\)$", out, re.M), out
+    assert re.search(r"^buffer 1024 1024$", out, re.M), out  # millpond.torchrl's buffer
+    assert re.search(r"^prioritized 512 \['index', 'priority_weight'\]$", out, re.M), out
