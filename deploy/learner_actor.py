@@ -349,6 +349,8 @@ class LearnerActor:
         """Write the learner checkpoint to ``path`` (on this node) atomically; with
         ``return_bytes``, also return its bytes, for a driver on another node to keep."""
         learner = self.learner
+        if hasattr(learner, "flush"):  # its version stored before the checkpoint names it
+            learner.flush()
         state = {
             "algorithm": self.config.learner.algorithm,
             "version": learner.version,
