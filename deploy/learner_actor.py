@@ -13,6 +13,7 @@ so the ranks always leave a call after the same number of steps.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import socket
 import time
@@ -160,6 +161,28 @@ def _make_actor_critic(
     )
 
 
+#: The module of each ``learner.algorithm``'s learner.
+_LEARNER_MODULES = {
+    "ppo": "millpond.learner.ppo",
+    "dqn": "millpond.learner.dqn",
+    "sac": "millpond.learner.sac",
+    "td3": "millpond.learner.td3",
+}
+
+
+def _import_learner(algorithm: str) -> None:
+    """Import what building the ``algorithm``'s learner imports: its module, its networks'
+    and torch's compiler front end (``torch._dynamo``, ~1.5 s of CPU), which making any
+    ``torch.optim`` optimizer imports. The actor's ``__init__`` runs while the shards start
+    (:meth:`LearnerActor.start` waits for them), so these leave the job's startup path."""
+    for name in ("millpond.learner.networks", _LEARNER_MODULES.get(algorithm)):
+        if name is not None:
+            importlib.import_module(name)
+    if algorithm in ("sac", "td3"):
+        importlib.import_module("millpond.learner.box_networks")
+    importlib.import_module("torch._dynamo")
+
+
 class LearnerActor:
     """The body of one learner Ray actor (``ray.remote(LearnerActor)``).
 
@@ -197,6 +220,7 @@ class LearnerActor:
         self.steps = 0
         self.learner: Any = None
         self._group = False
+        _import_learner(config.learner.algorithm)
 
     def describe(self) -> dict[str, Any]:
         """Where this learner runs: node id and IP, rank, device, the GPUs Ray gave it."""
