@@ -45,51 +45,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import log, millpond_serve, time_in_turns
+from _common import fill_random, log, millpond_serve, time_in_turns
 
 TABLE = "replay"
 ENV = "Pendulum-v1"
-
-
-def fill(client, steps: int, seed: int = 0) -> None:
-    """``steps`` Pendulum transitions of random actions, episode by episode (TED rows)."""
-    import gymnasium as gym
-    from tensordict import TensorDict
-
-    env = gym.make(ENV)
-    env.action_space.seed(seed)
-    written, episode = 0, 0
-    while written < steps:
-        obs, _ = env.reset(seed=seed + episode)
-        rows: dict[str, list] = {
-            k: [] for k in ("obs", "next", "action", "reward", "term", "trunc")
-        }
-        done = False
-        while not done:
-            action = env.action_space.sample()
-            nxt, reward, term, trunc, _ = env.step(action)
-            for key, value in zip(rows, (obs, nxt, action, reward, term, trunc)):
-                rows[key].append(value)
-            obs, done = nxt, term or trunc
-        n = len(rows["action"])
-        client.extend(
-            TABLE,
-            TensorDict(
-                {
-                    "observation": torch.from_numpy(np.stack(rows["obs"])),
-                    "action": torch.from_numpy(np.stack(rows["action"])),
-                    "next": {
-                        "observation": torch.from_numpy(np.stack(rows["next"])),
-                        "reward": torch.tensor(rows["reward"]).float().unsqueeze(-1),
-                        "terminated": torch.tensor(rows["term"]).unsqueeze(-1),
-                        "truncated": torch.tensor(rows["trunc"]).unsqueeze(-1),
-                    },
-                },
-                [n],
-            ),
-        )
-        written += n
-        episode += 1
 
 
 def sb3_step(steps: int, lr: float, batch_size: int, hidden: list[int], seed: int = 0):
@@ -148,7 +107,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch, millpond_serve(Path(scratch)) as server:
         client = ReplayClient(server.addresses)
         client.create_table(TableConfig.uniform(TABLE, args.steps + 1_000, samples_per_insert=None))
-        fill(client, args.steps)
+        fill_random(client, TABLE, ENV, args.steps)
         log(f"filled {client.info(TABLE)['size']} steps")
         wire_client = ReplayClient(server.addresses, colocated=False)
         through, wire = learner(client), learner(wire_client)
