@@ -416,16 +416,19 @@ class LearnerActor:
         }
 
     def close(self) -> bool:
-        """Cancel prefetched samples, leave the group, close the client."""
-        if self.learner is not None and hasattr(self.learner, "close"):
-            self.learner.close()
-        if self._group:
-            import torch.distributed as dist
+        """Cancel prefetched samples (and wait for a publication in flight), leave the
+        group, close the client; an error of the learner's is raised after."""
+        try:
+            if self.learner is not None and hasattr(self.learner, "close"):
+                self.learner.close()
+        finally:
+            if self._group:
+                import torch.distributed as dist
 
-            dist.destroy_process_group()
-            self._group = False
-        if self.client is not None:
-            self.client.close(timeout_s=5)
+                dist.destroy_process_group()
+                self._group = False
+            if self.client is not None:
+                self.client.close(timeout_s=5)
         return True
 
     def _modules(self) -> dict[str, torch.nn.Module]:
