@@ -138,7 +138,7 @@ def main() -> int:
         wire = DQNLearner(wire_client, TABLE, config, network())
         alone = DQNLearner(client, TABLE, config, network())
         batches = itertools.cycle([client.sample(TABLE, config.batch_size) for _ in range(64)])
-        alone._next_batch = lambda: next(batches)  # the same step, its batches sampled before
+        alone._batches.next = lambda: next(batches)  # the same step, its batches sampled before
         waits: dict[str, list[float]] = {}
 
         def timed(name: str, learner: DQNLearner):
