@@ -110,6 +110,47 @@ def collect_atari(game: str, lanes: int, chunk_len: int, chunks: int, seed: int)
         return [collector.collect() for _ in range(chunks)]
 
 
+def fill_random(client, table: str, env_id: str, steps: int, seed: int = 0) -> None:
+    """``steps`` or more transitions of ``env_id`` acted at random into ``table``, one
+    ``client.extend`` per episode (TED rows)."""
+    import gymnasium as gym
+
+    env = gym.make(env_id)
+    env.action_space.seed(seed)
+    written, episode = 0, 0
+    while written < steps:
+        obs, _ = env.reset(seed=seed + episode)
+        rows: dict[str, list] = {
+            k: [] for k in ("obs", "next", "action", "reward", "term", "trunc")
+        }
+        done = False
+        while not done:
+            action = env.action_space.sample()
+            nxt, reward, term, trunc, _ = env.step(action)
+            for key, value in zip(rows, (obs, nxt, action, reward, term, trunc)):
+                rows[key].append(value)
+            obs, done = nxt, term or trunc
+        n = len(rows["action"])
+        client.extend(
+            table,
+            TensorDict(
+                {
+                    "observation": torch.from_numpy(np.stack(rows["obs"])),
+                    "action": torch.from_numpy(np.stack(rows["action"])),
+                    "next": {
+                        "observation": torch.from_numpy(np.stack(rows["next"])),
+                        "reward": torch.tensor(rows["reward"]).float().unsqueeze(-1),
+                        "terminated": torch.tensor(rows["term"]).unsqueeze(-1),
+                        "truncated": torch.tensor(rows["trunc"]).unsqueeze(-1),
+                    },
+                },
+                [n],
+            ),
+        )
+        written += n
+        episode += 1
+
+
 def time_in_turns(
     systems: dict[str, Callable[[], object]],
     reps: int,

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import log, millpond_serve, time_in_turns
+from _common import fill_random, log, millpond_serve, time_in_turns
 
 TABLE = "replay"
 STEPS = 10_000
@@ -50,42 +50,7 @@ STEPS = 10_000
 
 def fill(client, steps: int, seed: int = 0) -> None:
     """``steps`` CartPole transitions of random actions, episode by episode (TED rows)."""
-    import gymnasium as gym
-    from tensordict import TensorDict
-
-    env = gym.make("CartPole-v1")
-    written, episode = 0, 0
-    while written < steps:
-        obs, _ = env.reset(seed=seed + episode)
-        rows: dict[str, list] = {
-            k: [] for k in ("obs", "next", "action", "reward", "term", "trunc")
-        }
-        done = False
-        while not done:
-            action = env.action_space.sample()
-            nxt, reward, term, trunc, _ = env.step(action)
-            for key, value in zip(rows, (obs, nxt, action, reward, term, trunc)):
-                rows[key].append(value)
-            obs, done = nxt, term or trunc
-        n = len(rows["action"])
-        client.extend(
-            TABLE,
-            TensorDict(
-                {
-                    "observation": torch.from_numpy(np.stack(rows["obs"])),
-                    "action": torch.tensor(rows["action"]),
-                    "next": {
-                        "observation": torch.from_numpy(np.stack(rows["next"])),
-                        "reward": torch.tensor(rows["reward"]).float().unsqueeze(-1),
-                        "terminated": torch.tensor(rows["term"]).unsqueeze(-1),
-                        "truncated": torch.tensor(rows["trunc"]).unsqueeze(-1),
-                    },
-                },
-                [n],
-            ),
-        )
-        written += n
-        episode += 1
+    fill_random(client, TABLE, "CartPole-v1", steps, seed)
 
 
 def fill_atari(client, steps: int, seed: int = 0) -> None:
@@ -173,7 +138,7 @@ def main() -> int:
         wire = DQNLearner(wire_client, TABLE, config, network())
         alone = DQNLearner(client, TABLE, config, network())
         batches = itertools.cycle([client.sample(TABLE, config.batch_size) for _ in range(64)])
-        alone._next_batch = lambda: next(batches)  # the same step, its batches sampled before
+        alone._batches.next = lambda: next(batches)  # the same step, its batches sampled before
         waits: dict[str, list[float]] = {}
 
         def timed(name: str, learner: DQNLearner):

@@ -13,6 +13,7 @@ so the ranks always leave a call after the same number of steps.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import socket
 import time
@@ -168,6 +169,28 @@ def _make_actor_critic(
     )
 
 
+#: The module of each ``learner.algorithm``'s learner.
+_LEARNER_MODULES = {
+    "ppo": "millpond.learner.ppo",
+    "dqn": "millpond.learner.dqn",
+    "sac": "millpond.learner.sac",
+    "td3": "millpond.learner.td3",
+}
+
+
+def _import_learner(algorithm: str) -> None:
+    """Import what building the ``algorithm``'s learner imports: its module, its networks'
+    and torch's compiler front end (``torch._dynamo``, ~1.5 s of CPU), which making any
+    ``torch.optim`` optimizer imports. The actor's ``__init__`` runs while the shards start
+    (:meth:`LearnerActor.start` waits for them), so these leave the job's startup path."""
+    for name in ("millpond.learner.networks", _LEARNER_MODULES.get(algorithm)):
+        if name is not None:
+            importlib.import_module(name)
+    if algorithm in ("sac", "td3"):
+        importlib.import_module("millpond.learner.box_networks")
+    importlib.import_module("torch._dynamo")
+
+
 class LearnerActor:
     """The body of one learner Ray actor (``ray.remote(LearnerActor)``).
 
@@ -205,6 +228,7 @@ class LearnerActor:
         self.steps = 0
         self.learner: Any = None
         self._group = False
+        _import_learner(config.learner.algorithm)
 
     def describe(self) -> dict[str, Any]:
         """Where this learner runs: node id and IP, rank, device, the GPUs Ray gave it."""
@@ -357,6 +381,8 @@ class LearnerActor:
         """Write the learner checkpoint to ``path`` (on this node) atomically; with
         ``return_bytes``, also return its bytes, for a driver on another node to keep."""
         learner = self.learner
+        if hasattr(learner, "flush"):  # its version stored before the checkpoint names it
+            learner.flush()
         state = {
             "algorithm": self.config.learner.algorithm,
             "version": learner.version,
@@ -398,16 +424,19 @@ class LearnerActor:
         }
 
     def close(self) -> bool:
-        """Cancel prefetched samples, leave the group, close the client."""
-        if self.learner is not None and hasattr(self.learner, "close"):
-            self.learner.close()
-        if self._group:
-            import torch.distributed as dist
+        """Cancel prefetched samples (and wait for a publication in flight), leave the
+        group, close the client; an error of the learner's is raised after."""
+        try:
+            if self.learner is not None and hasattr(self.learner, "close"):
+                self.learner.close()
+        finally:
+            if self._group:
+                import torch.distributed as dist
 
-            dist.destroy_process_group()
-            self._group = False
-        if self.client is not None:
-            self.client.close(timeout_s=5)
+                dist.destroy_process_group()
+                self._group = False
+            if self.client is not None:
+                self.client.close(timeout_s=5)
         return True
 
     def _modules(self) -> dict[str, torch.nn.Module]:

@@ -15,6 +15,13 @@ go through :meth:`ReplayClient.update_priorities` with the batch's ``index``, so
 overwritten since it was sampled keeps its new step's priority; the table raises each
 priority to its ``alpha``.
 
+The step's fixed costs are kept off its work (``benchmarks/sac_learner.py`` measures it
+against Stable-Baselines3's): the targets move in one fused ``lerp`` over all their
+parameters, Adam is the fused kernel, the critic the policy's loss reads through is one
+made once with its parameters detached (not re-parametrised per step), the step's
+scalars leave the device in one transfer, and weights publish on a thread of their own
+(:class:`~millpond.learner._common.PublishAhead`) while the next steps run.
+
 Each algorithm names its config class (``config_type``) and gives
 :meth:`ActorCriticLearner._setup` (what it holds beyond the shared networks),
 :meth:`ActorCriticLearner.losses` (its losses on one batch, at the current parameters, as
@@ -39,6 +46,7 @@ from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
 from millpond.learner._common import (
     BatchSource,
+    PublishAhead,
     PublishClock,
     check_learner_args,
     publish_module,
@@ -46,7 +54,7 @@ from millpond.learner._common import (
 )
 from millpond.learner.client import ReplayClient
 
-__all__ = ["ActorCriticConfig", "ActorCriticLearner", "polyak_update"]
+__all__ = ["ActorCriticConfig", "ActorCriticLearner", "detached_view", "polyak_update"]
 
 #: The losses a step backpropagates, those of them an algorithm's ``losses`` returns.
 LOSS_KEYS = ("loss_critic", "loss_actor", "loss_alpha")
@@ -107,8 +115,23 @@ class ActorCriticConfig:
 @torch.no_grad()
 def polyak_update(target: nn.Module, online: nn.Module, tau: float) -> None:
     """``theta' <- tau theta + (1 - tau) theta'`` for every parameter of ``target``."""
-    for t, o in zip(target.parameters(), online.parameters(), strict=True):
-        t.lerp_(o, tau)
+    targets, onlines = list(target.parameters()), list(online.parameters())
+    if len(targets) != len(onlines):
+        raise InvalidDataError(
+            f"polyak_update: the target has {len(targets)} parameters, the online network "
+            f"{len(onlines)}"
+        )
+    torch._foreach_lerp_(targets, onlines, tau)
+
+
+def detached_view(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are ``module``'s own, detached: the
+    same storage (an optimizer's in-place updates show in it), no gradient to them, while a
+    gradient still flows to its inputs. ``torch.func.functional_call`` with detached
+    parameters computes the same, re-parametrising the module on every call."""
+    memo: dict[int, Any] = {id(p): p.detach() for p in module.parameters()}
+    memo.update({id(b): b for b in module.buffers()})
+    return copy.deepcopy(module, memo)
 
 
 class ActorCriticLearner:
@@ -135,7 +158,7 @@ class ActorCriticLearner:
         optimizer: one Adam over the parameter groups (Adam is per parameter: the same as
             one optimizer each).
         updates: gradient steps taken.
-        version: the last published version.
+        version: the last version published, or handed to publication by :meth:`step`.
     """
 
     #: The algorithm's config class.
@@ -172,9 +195,16 @@ class ActorCriticLearner:
         self._batches = BatchSource(
             client, table, config.batch_size, config.prefetch, config.sample_timeout_s
         )
+        self._publisher = PublishAhead(client, self._clock, data_parallel)
+        self._frozen_critic = detached_view(critic)
         groups = [self.policy.parameters(), self.critic.parameters(), *self._setup()]
+        # fused: the same update as the per-tensor loops, in one kernel (CPU and CUDA)
+        fused = self.device.type in ("cpu", "cuda")
         self.optimizer = torch.optim.Adam(
-            [{"params": list(g)} for g in groups], lr=config.lr, foreach=True
+            [{"params": list(g)} for g in groups],
+            lr=config.lr,
+            fused=fused or None,
+            foreach=None if fused else True,
         )
 
     def _setup(self) -> list[list[nn.Parameter]]:
@@ -190,9 +220,10 @@ class ActorCriticLearner:
         Returns metrics: ``loss`` (the critic's), the algorithm's other losses and scalars
         (:meth:`losses`), ``td_error`` (mean ``|y - Q_i(s, a)|`` over both Q's),
         ``q_value`` (mean ``Q_i(s, a)``), ``updates``, ``target_updated``, ``published``
-        (the version published after this step, or ``None``), ``version``, ``sample_s`` /
-        ``update_s``, ``priorities_applied`` (prioritized tables) and, when the batch
-        records it, the policy lag (``policy_lag_mean`` / ``_max`` in versions,
+        (the version handed to publication after this step, or ``None``: it is stored on
+        a thread of its own while the next steps run, see :meth:`flush`), ``version``,
+        ``sample_s`` / ``update_s``, ``priorities_applied`` (prioritized tables) and, when
+        the batch records it, the policy lag (``policy_lag_mean`` / ``_max`` in versions,
         ``policy_lag_steps_mean`` / ``_max`` in gradient steps).
         """
         started = time.perf_counter()
@@ -221,13 +252,19 @@ class ActorCriticLearner:
         metrics["target_updated"] = self.update_targets()
         metrics["published"] = None
         if self.updates % self.config.publish_every == 0:
-            metrics["published"] = self.publish()
-        for key, value in losses.items():
-            if value.ndim == 0:
-                metrics["loss" if key == "loss_critic" else key] = float(value.detach())
+            self.version = self._publisher.submit(self.policy, self.version, self.updates)
+            metrics["published"] = self.version
+        # the scalars in one transfer: one device sync a step, not one each
+        names = [k for k, v in losses.items() if v.ndim == 0]
+        values = torch.stack(
+            [losses[k].detach().float() for k in names]
+            + [losses["td_error"].abs().mean(), losses["q_value"].mean()]
+        ).tolist()
+        for key, value in zip(names, values[: len(names)], strict=True):
+            metrics["loss" if key == "loss_critic" else key] = value
         metrics.update(
-            td_error=float(losses["td_error"].abs().mean()),
-            q_value=float(losses["q_value"].mean()),
+            td_error=values[-2],
+            q_value=values[-1],
             updates=self.updates,
             version=self.version,
         )
@@ -286,19 +323,27 @@ class ActorCriticLearner:
     def _frozen_critic_q(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         """``Q [2, B]`` of the critic with its parameters detached: a policy's loss through
         it moves the policy only."""
-        params = {name: p.detach() for name, p in self.critic.named_parameters()}
-        return torch.func.functional_call(self.critic, params, (obs, action))
+        return self._frozen_critic(obs, action)
+
+    def flush(self) -> None:
+        """Wait until the last publication handed over is stored (raising its error)."""
+        self._publisher.wait()
 
     def close(self) -> None:
-        """Cancel prefetched sample requests (a no-op without prefetch)."""
-        self._batches.close()
+        """Wait for the publication in flight and cancel prefetched sample requests."""
+        try:
+            self._publisher.close()
+        finally:
+            self._batches.close()
 
     def publish(self) -> int:
-        """Publish the policy's weights as version :attr:`version` ``+ 1``; returns it.
+        """Publish the policy's weights as version :attr:`version` ``+ 1`` and wait until
+        the rendezvous stores it; returns it.
 
-        :meth:`step` calls it every ``publish_every`` steps. Call it once before the actors
-        start, so that they act with the learner's initial weights.
+        :meth:`step` publishes every ``publish_every`` steps without waiting. Call this
+        once before the actors start, so that they act with the learner's initial weights.
         """
+        self._publisher.wait()
         self.version = publish_module(
             self.client, self.policy, self.version, self._clock, self.updates, self.data_parallel
         )

@@ -1,11 +1,13 @@
 """What the reference learners share beyond the ground floor's checks: the published version,
-publishing a network's weights, how many gradient steps old the policy behind a batch's
-steps is, and where the batches come from."""
+publishing a network's weights (now, or on a thread of its own while the next steps run),
+how many gradient steps old the policy behind a batch's steps is, and where the batches
+come from."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from millpond.checks import check_int
-from millpond.errors import DeadlineExceededError, InvalidConfigError
+from millpond.errors import DeadlineExceededError, InvalidConfigError, MillpondError
 from millpond.learner import distributed
 from millpond.learner.client import ReplayClient
 
@@ -75,24 +77,40 @@ class PublishClock:
     def lag_steps(self, versions: torch.Tensor, steps: int) -> torch.Tensor:
         """Gradient steps taken since each of ``versions`` was published (int64, like it)."""
         acted = versions.numpy() if versions.device.type == "cpu" else versions.cpu().numpy()
+        return torch.from_numpy(self._lag_steps(acted, steps))
+
+    def _lag_steps(self, acted: np.ndarray, steps: int) -> np.ndarray:
         # the latest publication at or before each version (the oldest known for older ones)
         i = np.searchsorted(self._versions[: self._n], acted, side="right") - 1
-        return torch.from_numpy(steps - self._steps[np.maximum(i, 0)])
+        return steps - self._steps[np.maximum(i, 0)]
 
     def lag_metrics(self, acted: torch.Tensor, version: int, steps: int) -> dict[str, Any]:
         """How far behind ``version`` (after ``steps`` gradient steps) the policies that
         acted ``acted`` (a batch's ``policy_version``) are: ``policy_lag_mean`` /
         ``policy_lag_max`` in versions, ``policy_lag_steps_mean`` / ``policy_lag_steps_max``
         in gradient steps."""
+        # numpy: a learner computes these every step, and four small torch reductions
+        # cost more than its whole polyak update
         acted = acted.reshape(-1)
-        lag = version - acted
-        lag_steps = self.lag_steps(acted, steps)
+        acted_np = (acted if acted.device.type == "cpu" else acted.cpu()).numpy()
+        lag = version - acted_np
+        lag_steps = self._lag_steps(acted_np, steps)
         return {
-            "policy_lag_mean": float(lag.float().mean()),
+            "policy_lag_mean": float(lag.mean(dtype=np.float64)),
             "policy_lag_max": int(lag.max()),
-            "policy_lag_steps_mean": float(lag_steps.float().mean()),
+            "policy_lag_steps_mean": float(lag_steps.mean(dtype=np.float64)),
             "policy_lag_steps_max": int(lag_steps.max()),
         }
+
+
+def module_weights(module: nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
+    """``module``'s state dict on the host; ``copy``: tensors of their own even where they
+    are there already (a snapshot that later in-place updates leave as it is)."""
+    state = {}
+    for k, v in module.state_dict().items():
+        v = v.detach()
+        state[k] = v.clone() if copy and v.device.type == "cpu" else v.cpu()
+    return state
 
 
 def publish_module(
@@ -112,7 +130,7 @@ def publish_module(
     if data_parallel and distributed.rank() != 0:
         version += 1
     else:
-        state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        state = module_weights(module)
         while max_lag is not None:
             try:
                 version = client.publish_weights(state, version + 1, max_lag=max_lag)
@@ -123,6 +141,59 @@ def publish_module(
             version = client.publish_weights(state, version + 1)
     clock.published(version, steps)
     return version
+
+
+class PublishAhead:
+    """A learner's periodic weight publications, each sent on a thread of its own while the
+    learner takes its next steps.
+
+    A publication waits for the weights rendezvous to store it (a gRPC stream to a shard
+    that shares the learner's cores), time in which the learner's gradient steps stop; here
+    it is a snapshot of the weights handed to one thread. One publication is in flight at a
+    time: the next one, :meth:`wait` and :meth:`close` wait for it first, so versions land
+    in order, and an error the rendezvous answered is raised there. Data-parallel ranks
+    other than 0 count the version without sending anything, as :func:`publish_module`.
+    """
+
+    def __init__(self, client: ReplayClient, clock: PublishClock, data_parallel: bool) -> None:
+        self._client, self._clock, self._data_parallel = client, clock, data_parallel
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[Future[int], int] | None = None
+
+    def submit(self, module: nn.Module, version: int, steps: int) -> int:
+        """Hand ``module``'s weights over as version ``version + 1`` after ``steps``
+        gradient steps; returns that version (stored once the thread is done)."""
+        self.wait()
+        version += 1
+        if not (self._data_parallel and distributed.rank() != 0):
+            state = module_weights(module, copy=True)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="millpond-publish")
+            future = self._pool.submit(self._client.publish_weights, state, version)
+            self._pending = (future, version)
+        self._clock.published(version, steps)
+        return version
+
+    def wait(self) -> None:
+        """Wait for the publication in flight, if any; raise its error."""
+        if self._pending is None:
+            return
+        future, version = self._pending
+        self._pending = None
+        stored = future.result()
+        if stored != version:
+            raise MillpondError(
+                f"the weights rendezvous stored version {stored} for version {version}"
+            )
+
+    def close(self) -> None:
+        """Wait for the publication in flight (raising its error) and end the thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
 
 class BatchSource:

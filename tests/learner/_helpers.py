@@ -56,7 +56,10 @@ def write_chunk(client: ReplayClient, table: str, chunk: TensorDict) -> int:
 def assert_published(
     client: ReplayClient, learner: Any, version: int, network: torch.nn.Module
 ) -> None:
-    """The server holds ``version``, the learner's version, with ``network``'s weights."""
+    """The server holds ``version``, the learner's version, with ``network``'s weights
+    (once the publication the learner's last step handed over is stored)."""
+    if hasattr(learner, "flush"):
+        learner.flush()
     weights, got = client.get_weights()
     assert got == version == learner.version
     expected = network.state_dict()
