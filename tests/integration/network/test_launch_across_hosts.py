@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -28,10 +27,10 @@ from .test_network_faults import DETECT_S, MARGIN_S, PARTITION_S, RECONNECT_S
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[3]
+CONFIG = Path(__file__).resolve().parents[3] / "deploy" / "configs" / "cartpole-dqn.yaml"
 FRAMES = 12_000
 #: A progress line, and one that names the unreachable shard.
-PROGRESS = re.compile(r"^\[\s*[\d.]+s\] frames", re.M)
+PROGRESS = re.compile(r"^\[\s*[\d.]+s\] frames.*$", re.M)
 UNAVAILABLE = re.compile(r"^\[.*UNAVAILABLE shard 0 for \d+s$", re.M)
 
 
@@ -50,20 +49,15 @@ def test_launch_survives_a_partition_between_its_actors_and_its_shard(net_hosts,
     address = net_hosts.serve()
     run_dir = tmp_path / "run"
     launch = [
-        sys.executable, "-m", "millpond.cli", "launch", "deploy/configs/cartpole-dqn.yaml",
+        sys.executable, "-m", "millpond.cli", "launch", str(CONFIG),
         "--replay", address, "--run-dir", str(run_dir),
         "--set", f"run.frames={FRAMES}", "--set", "run.status_every_s=1",
         "--set", "run.stop_at_return=null", "--set", "ray.num_cpus=2",
         "--set", "actors.num_actors=1", "--set", "replay.table.min_size=1000",
         "--set", "replay.table.capacity=20000",  # nothing evicted: every segment is counted
     ]  # fmt: skip
-    log = tmp_path / "launch.out"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            net_hosts.exec(net_hosts.client_ns, *launch),
-            stdout=out, stderr=subprocess.STDOUT, env=net_hosts._env(), cwd=ROOT,
-        )  # fmt: skip
-    net_hosts._procs.append(proc)
+    proc = net_hosts.on_client("launch", *launch)
+    log = net_hosts.workdir / "launch.out"
     started = watch(
         log, proc, time.monotonic() + 240, lambda t: re.search(r"frames +[1-9]\d{3,} ", t)
     )
@@ -78,8 +72,7 @@ def test_launch_survives_a_partition_between_its_actors_and_its_shard(net_hosts,
     lines_at_heal = len(PROGRESS.findall(log.read_text()))
 
     def cleared(text: str) -> bool:  # a progress line after the heal names no shard
-        lines = [m.group(0) for m in re.finditer(r"^\[.*$", text, re.M)]
-        return any("UNAVAILABLE" not in line for line in lines[lines_at_heal:])
+        return any("UNAVAILABLE" not in line for line in PROGRESS.findall(text)[lines_at_heal:])
 
     back = watch(log, proc, healed + RECONNECT_S + 2 * MARGIN_S, cleared)
     proc.wait(300)
