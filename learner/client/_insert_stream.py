@@ -130,7 +130,9 @@ class InsertStream:
     @property
     def unavailable_total_s(self) -> float:
         """Seconds the shard was unreachable, all outages together, the current one too."""
-        return self._unavailable_before + (self.unavailable_s or 0.0)
+        with self._cv:  # the two change together when the shard answers again
+            since, before = self._unavailable_since, self._unavailable_before
+        return before + (0.0 if since is None else time.monotonic() - since)
 
     @property
     def error(self) -> MillpondError | None:
@@ -277,9 +279,12 @@ class InsertStream:
                     self._on_ack(response.sequences)
                     self._on_stored()
                     if failing:
-                        if self._unavailable_since is not None:
-                            self._unavailable_before += time.monotonic() - self._unavailable_since
-                        self._unavailable_since = None
+                        with self._cv:
+                            if self._unavailable_since is not None:
+                                self._unavailable_before += (
+                                    time.monotonic() - self._unavailable_since
+                                )
+                            self._unavailable_since = None
                         logger.info(
                             "writer %r: shard %s is back; re-sent unacknowledged segments",
                             self._writer_id,
