@@ -46,7 +46,8 @@ class FleetStatus:
             (:mod:`millpond.actors.acting_lag`).
         acting_lag_total: the sum of their acting lags, in versions.
         acting_lag_max: the largest acting lag of a frame so far, in versions.
-        actors: the latest report of each actor (see :meth:`EnvActor.status`).
+        actors: the latest report of each actor (see :meth:`EnvActor.status`); after
+            :meth:`ActorFleet.stop`, its status once closed.
     """
 
     frames: int = 0
@@ -240,7 +241,14 @@ class ActorFleet:
                 with contextlib.suppress(ray.exceptions.RayError):  # died while stopping
                     self._account(index, ray.get(ref))
         closing = [a.close.remote(timeout_s) for a in self.actors]
-        ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+        done, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+        for index, ref in enumerate(closing):
+            if ref in done:  # the writers' counters after their last flush
+                with contextlib.suppress(ray.exceptions.RayError):
+                    self._status.actors[index] = {
+                        **self._status.actors.get(index, {}),
+                        **ray.get(ref),
+                    }
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         return self._status

@@ -263,6 +263,11 @@ class EnvActor:
             "segments_acked": self.writer.acked,
             "segments_pending": self.writer.pending,
             "shard": getattr(self.writer, "shard_index", None),
+            # The writer's shard unreachable: since when (None while it answers), how often
+            # and for how long in all.
+            "writer_unavailable_s": getattr(self.writer, "unavailable_s", None),
+            "writer_outages": getattr(self.writer, "outages", 0),
+            "writer_unavailable_total_s": getattr(self.writer, "unavailable_total_s", 0.0),
             "lost_shards": list(self.lost_shards),
         }
 

@@ -414,7 +414,7 @@ class Launch:
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + c.run.status_every_s
-                row = self._status_row(now - started)
+                row = self._status_row()
                 report.record(row)
                 note = self._shards.note() if self._shards is not None else ""
                 self._say(progress_line(row, c.run.frames) + note)
@@ -425,9 +425,11 @@ class Launch:
                 with _logged("writing the learner checkpoint"):  # a lost rank 0: polled next
                     self._learners.save_checkpoint()
 
-    def _status_row(self, elapsed: float) -> dict[str, Any]:
-        status = self._fleet.status
+    def _status_row(self) -> dict[str, Any]:
         counters = self._rows.counters(self.client, self.table)
+        # Timed after the counters: a shard that does not answer holds them for seconds.
+        elapsed = time.monotonic() - self._started_at
+        status = self._fleet.status
         return self._eval.annotate(self._rows.row(elapsed, status, counters, self._learners))
 
     # -- shutdown --------------------------------------------------------------------------
@@ -474,7 +476,7 @@ class Launch:
         row = None
         if self._looped:  # a job that failed to start has no counters of its own
             with _logged("reading the final counters"):
-                row = self._status_row(time.monotonic() - self._started_at)
+                row = self._status_row()
         if hasattr(self, "client"):
             with _logged("checkpointing the replay service"):
                 if self._shards is not None and self._shards.lost:
@@ -512,7 +514,7 @@ class Launch:
         elapsed = row["time_s"] if row else (self._time_offset or None)
         this_run_s = elapsed - self._time_offset if elapsed is not None else None
         this_run_frames = frames - (r.frames if r else 0)
-        actors = final.actors.values() if final is not None else []
+        actors = list(final.actors.values()) if final is not None else []
         act_s = sum(a.get("act_s", 0.0) for a in actors)
         write_s = sum(a.get("write_s", 0.0) for a in actors)
         learners = self._learners
@@ -553,6 +555,7 @@ class Launch:
             "acting_lag_steps": self._rows.acting_steps(acting_lag),
             "acting_lag_max": final.acting_lag_max if acting_lag is not None else None,
             "learner_publish_wait_s": round(learners.timing["publish_wait_s"], 2),
+            **self._rows.outages(actors, learners),
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint else None,
             "ray": self._ray_info,

@@ -322,13 +322,18 @@ class LearnerActor:
         PPO), ``sample_s`` / ``update_s``, ``publish_wait_s`` (publications waiting for the
         actors, DQN's ``max_policy_lag``), ``sample_age`` (in versions; PPO's policy lag),
         ``sample_age_steps`` (in gradient steps) and ``loss`` (means over the steps, or
-        ``None``) and ``version`` (the last published weight version).
+        ``None``), ``version`` (the last published weight version), ``unavailable_shards``
+        (the shards its client finds unreachable now) and ``unavailable_s`` (seconds its
+        samples and publications waited on an unreachable shard).
         """
         from millpond.learner.distributed import any_true
 
         deadline = time.monotonic() + seconds
         steps = dropped = 0
         sample_s = update_s = publish_wait_s = 0.0
+        # Seconds waiting on an unreachable shard: an iterator's here, the rest counted by
+        # the client (_Counting).
+        unavailable_s, unavailable_before = 0.0, self.client.unavailable_s
         ages: list[float] = []
         age_steps: list[float] = []
         losses: list[float] = []
@@ -347,6 +352,7 @@ class LearnerActor:
             except ShardUnavailableError:  # every shard down (one restarting): wait for it
                 time.sleep(0.2)
                 sample_s += time.perf_counter() - t0
+                unavailable_s += time.perf_counter() - t0
                 continue
             sample_s += metrics["sample_s"]
             update_s += metrics["update_s"]
@@ -375,6 +381,8 @@ class LearnerActor:
             "sample_age_steps": sum(age_steps) / len(age_steps) if age_steps else None,
             "loss": sum(losses) / len(losses) if losses else None,
             "version": self.learner.version,
+            "unavailable_shards": self.client.unavailable_shards,
+            "unavailable_s": unavailable_s + self.client.unavailable_s - unavailable_before,
         }
 
     def checkpoint(self, path: str, return_bytes: bool = False) -> bytes | None:
@@ -468,18 +476,22 @@ class _Counting:
     def __init__(self, client: Any) -> None:
         self._client = client
         self.published = 0
+        self.unavailable_s = 0.0  # samples and publications that found no shard to answer
 
     def sample(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.monotonic()
         try:
             return self._client.sample(*args, **kwargs)
         except ShardUnavailableError as e:
             time.sleep(0.2)  # not a busy loop while the shards come back
+            self.unavailable_s += time.monotonic() - t0
             raise DeadlineExceededError(f"no shard reachable now: {e}") from e
 
     def publish_weights(self, state_dict: Any, version: int, **kwargs: Any) -> int:
         deadline = time.monotonic() + PUBLISH_WAIT_S
         retried = False
         while True:
+            t0 = time.monotonic()
             try:
                 version = self._client.publish_weights(state_dict, version, **kwargs)
                 break
@@ -488,6 +500,7 @@ class _Counting:
                     raise
                 retried = True
                 time.sleep(0.5)
+                self.unavailable_s += time.monotonic() - t0
             except InvalidDataError:
                 # The shard stored the publication and died before it answered: the
                 # restarted shard serves this version already (its weights are on disk).

@@ -70,6 +70,10 @@ class LearnerGroup:
         self._age_steps: deque[float] = deque(maxlen=50)
         self._losses: deque[float] = deque(maxlen=50)
         self._publish_wait_s = 0.0  # since the last take_publish_wait()
+        # The shards rank 0's client found unreachable at its last report, and the seconds
+        # of its steps taken while one was, over the run.
+        self.unavailable_shards: list[int] = []
+        self.unavailable_s = 0.0
 
     @property
     def sample_age(self) -> float | None:
@@ -200,6 +204,8 @@ class LearnerGroup:
             self.version = report["version"]
             self._publish_wait_s += report.get("publish_wait_s", 0.0)
             self.timing["publish_wait_s"] += report.get("publish_wait_s", 0.0)
+            self.unavailable_shards = report.get("unavailable_shards", [])
+            self.unavailable_s += report.get("unavailable_s", 0.0)
             if report["sample_age"] is not None:
                 self._ages.append(report["sample_age"])
             if report.get("sample_age_steps") is not None:

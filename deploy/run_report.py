@@ -61,6 +61,10 @@ COLUMNS: tuple[str, ...] = (
     "weights_version",
     "loss",
     "actor_restarts",
+    # Shards unreachable now, to the driver, a learner or an env actor's writer
+    # (deploy/status_rows.py), and the seconds since the rows first said so.
+    "shards_unavailable",
+    "unavailable_for_s",
     # A greedy evaluation of the policy that finished since the row before (run.eval_*):
     # the frames when its weights were taken, its mean and std return.
     "eval_frames",
@@ -330,6 +334,12 @@ def progress_line(row: Mapping[str, Any], budget: int) -> str:
         + (
             f"  eval {row['eval_return']:.1f}±{row.get('eval_return_std') or 0:.1f}"
             if _has(row, "eval_return")
+            else ""
+        )
+        + (
+            f"  UNAVAILABLE shard {','.join(map(str, row['unavailable_shards']))} for "
+            f"{row.get('unavailable_for_s') or 0:.0f}s"
+            if row.get("unavailable_shards")
             else ""
         )
     )

@@ -50,6 +50,9 @@ class StatusRows:
         self._acting = (0, 0)  # the fleet's acting-lag frames and total at the last row
         self._base: dict[str, int] = {}
         self._seen: dict[str, int] = {}
+        self._driver_down: list[int] = []  # the shards the driver's client found unreachable
+        self._down_since: float | None = None  # monotonic, while a shard is unreachable
+        self.unavailable_s = 0.0  # seconds of rows with a shard unreachable, over the run
 
     def begin(self, client: ReplayClient, table: str, started: float) -> None:
         """Count from now (``started``, monotonic): the loop starts."""
@@ -62,7 +65,9 @@ class StatusRows:
         try:
             info = client.info(table)
         except MillpondError:  # a shard is down: keep the last numbers
+            self._driver_down = client.unavailable_shards
             return self._seen
+        self._driver_down = client.unavailable_shards
         self._seen = {
             "inserts": int(info["inserts"]),
             "samples": int(info["samples"]),
@@ -109,6 +114,7 @@ class StatusRows:
             "weights_version": learners.version,
             "loss": learners.loss,
             "actor_restarts": status.restarts,
+            **self._unavailable(status, learners, dt),
         }
         self._last = {
             "t": time.monotonic(),
@@ -117,6 +123,46 @@ class StatusRows:
             "samples": samples,
         }
         return row
+
+    def _unavailable(
+        self, status: FleetStatus, learners: LearnerGroup, dt: float
+    ) -> dict[str, Any]:
+        """The shards unreachable now, to the driver's client, the learners' or an env
+        actor's writer (as it last reported), and since when the rows say so."""
+        down = set(self._driver_down) | set(learners.unavailable_shards)
+        down |= {
+            a["shard"]
+            for a in status.actors.values()
+            if a.get("writer_unavailable_s") is not None and a.get("shard") is not None
+        }
+        now = time.monotonic()
+        if not down:
+            self._down_since = None
+            return {"shards_unavailable": 0, "unavailable_shards": [], "unavailable_for_s": None}
+        if self._down_since is None:
+            self._down_since = now  # first seen by this row
+        else:
+            self.unavailable_s += dt
+        return {
+            "shards_unavailable": len(down),
+            "unavailable_shards": sorted(down),
+            "unavailable_for_s": now - self._down_since,
+        }
+
+    def outages(self, actors: list[dict[str, Any]], learners: LearnerGroup) -> dict[str, Any]:
+        """The summary's account of shards found unreachable (docs/service.md, "Across a
+        network"): seconds of status rows that said so, the env actors' writers' outages and
+        their seconds (``actors``: their final statuses, summed), the learners' seconds; and
+        the segments the writers saw stored."""
+        return {
+            "shard_unavailable_s": round(self.unavailable_s, 2),
+            "actors_shard_outages": sum(a.get("writer_outages", 0) for a in actors),
+            "actors_shard_unavailable_s": round(
+                sum(a.get("writer_unavailable_total_s", 0.0) for a in actors), 2
+            ),
+            "learner_shard_unavailable_s": round(learners.unavailable_s, 2),
+            "actors_segments_acked": sum(a.get("segments_acked", 0) for a in actors),
+        }
 
     def acting_steps(self, versions: float | None) -> float | None:
         """An acting lag in versions as gradient steps: a DQN learner publishes every

@@ -106,6 +106,8 @@ class InsertStream:
         self._call: Any = None
         # When the stream last failed to reach the shard (monotonic), None while it answers.
         self._unavailable_since: float | None = None
+        self.outages = 0  # times the stream found the shard unreachable
+        self._unavailable_before = 0.0  # seconds of the outages that ended
 
         self._thread = threading.Thread(
             target=self._run, name=f"millpond-writer-{writer_id}", daemon=True
@@ -124,6 +126,13 @@ class InsertStream:
         """Seconds since the stream found the shard unreachable; ``None`` while it answers."""
         since = self._unavailable_since
         return None if since is None else time.monotonic() - since
+
+    @property
+    def unavailable_total_s(self) -> float:
+        """Seconds the shard was unreachable, all outages together, the current one too."""
+        with self._cv:  # the two change together when the shard answers again
+            since, before = self._unavailable_since, self._unavailable_before
+        return before + (0.0 if since is None else time.monotonic() - since)
 
     @property
     def error(self) -> MillpondError | None:
@@ -270,7 +279,12 @@ class InsertStream:
                     self._on_ack(response.sequences)
                     self._on_stored()
                     if failing:
-                        self._unavailable_since = None
+                        with self._cv:
+                            if self._unavailable_since is not None:
+                                self._unavailable_before += (
+                                    time.monotonic() - self._unavailable_since
+                                )
+                            self._unavailable_since = None
                         logger.info(
                             "writer %r: shard %s is back; re-sent unacknowledged segments",
                             self._writer_id,
@@ -314,6 +328,7 @@ class InsertStream:
                 continue
             if not failing:
                 self._unavailable_since = time.monotonic()
+                self.outages += 1
                 reason = "ended the stream early" if err is None else from_rpc_error(err)
                 logger.warning(
                     "writer %r: shard %s unavailable (%s); reconnecting with backoff, then "

@@ -197,6 +197,17 @@ class Writer:
         return self._stream.unavailable_s
 
     @property
+    def outages(self) -> int:
+        """Times this writer found its shard unreachable (each outage counted once)."""
+        return self._stream.outages
+
+    @property
+    def unavailable_total_s(self) -> float:
+        """Seconds this writer's shard was unreachable, all outages together (the current
+        one so far included)."""
+        return self._stream.unavailable_total_s
+
+    @property
     def error(self) -> MillpondError | None:
         """The error that stopped this writer (its stream was refused), ``None`` while it
         runs; once set, every write, :meth:`flush` and :meth:`close` raises it."""

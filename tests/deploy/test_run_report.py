@@ -57,6 +57,16 @@ def test_progress_line_and_summary_table():
     table = format_summary({"frames": 5000, "nested": {"a": 1}, "mean_return": 30.25})
     assert "frames" in table and "30.25" in table and "nested" not in table
 
+    assert "UNAVAILABLE" not in line
+
+
+def test_progress_line_names_the_shards_found_unreachable():
+    down = {**row(3.0, 100, None), "unavailable_shards": [0, 2], "unavailable_for_s": 6.4}
+    line = progress_line(down, budget=1000)
+    assert line.endswith("  UNAVAILABLE shard 0,2 for 6s"), line
+    healed = {**row(4.0, 200, None), "unavailable_shards": [], "unavailable_for_s": None}
+    assert "UNAVAILABLE" not in progress_line(healed, budget=1000)
+
 
 def test_rows_reach_tensorboard_as_scalars_by_frames(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

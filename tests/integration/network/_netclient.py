@@ -250,6 +250,8 @@ def stream(p: dict[str, Any]) -> dict[str, Any]:
     report.update(
         written=written[0],
         acked=writer.acked,
+        outages=writer.outages,
+        unavailable_total_s=writer.unavailable_total_s,
         batches=batches,
         wrong_rows=wrong[0],
         events=events,

@@ -15,7 +15,9 @@ server's namespace gets a hostname of its own, so a client never takes it for it
   stays up, so its packets go unanswered, as to a host that lost power.
 
 ``serve(...)`` starts a real ``millpond serve`` in the server's namespace;
-``run_client(script args)`` runs ``_netclient.py`` in the client's. Nothing leaves the
+``client(scenario, ...)`` runs ``_netclient.py`` in the client's, ``on_client(name, cmd)``
+any command there (a ``millpond launch`` job). Whatever runs in a namespace when the hosts
+close is killed. Nothing leaves the
 machine. The fixture skips where it cannot run (not root, no ``ip netns``, no iptables).
 """
 
@@ -179,6 +181,11 @@ class NetHosts:
         path = self.workdir / "server.out"
         return path.read_text() if path.exists() else ""
 
+    def on_client(self, name: str, *cmd: str) -> subprocess.Popen:
+        """Run ``cmd`` on the client host from the project's root, its output (stdout and
+        stderr) in ``workdir/NAME.out``; ended with the hosts, with whatever it started."""
+        return self._spawn(self.exec(self.client_ns, *cmd), name, cwd=str(HERE.parents[2]))
+
     def client(self, scenario: str, **params: object) -> subprocess.Popen:
         """Start ``_netclient.py SCENARIO`` on the client host, its stdin and stdout piped.
 
@@ -298,6 +305,11 @@ class NetHosts:
         for ns in (self.client_ns, self.switch_ns, self.server_ns):
             if ns == self.server_ns and self.vanished:
                 continue
+            # What the processes started in it left running (a job's Ray instance): a
+            # namespace deleted does not end them.
+            for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
             _run("ip", "netns", "del", ns, check=False)
 
 

@@ -171,6 +171,13 @@ def test_partition_is_noticed_in_seconds_and_loses_or_duplicates_nothing(net_hos
         report["metrics"], lambda m: m["t"] > healed and m["writer_unavailable_s"] is None
     )
     assert resumed is not None and resumed["t"] <= healed + RECONNECT_S + MARGIN_S
+    # One outage, lasting from its notice to the writer's return.
+    assert report["outages"] == 1
+    outage_s = resumed["t"] - metric["t"]
+    assert abs(report["unavailable_total_s"] - outage_s) <= MARGIN_S, (
+        report["unavailable_total_s"],
+        outage_s,
+    )
     batch = first(report["batches"], lambda t: t > healed)
     assert batch is not None and batch <= healed + RECONNECT_S + MARGIN_S
     print(
