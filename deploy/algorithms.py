@@ -13,14 +13,12 @@ imported when used, no torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from millpond.errors import InvalidConfigError
 
 if TYPE_CHECKING:
     import gymnasium as gym
-
-    from millpond.deploy.launch_config import LaunchConfig
 
 __all__ = ["ALGORITHMS", "check_action_space", "check_sections"]
 
@@ -60,10 +58,14 @@ def check_action_space(algorithm: str, space: gym.Space, env_id: str) -> None:
         )
 
 
-def check_sections(config: LaunchConfig) -> None:
+def check_sections(config: Any) -> None:
     """Raise :class:`InvalidConfigError` naming the key unless the table and the keys that
     belong to one algorithm (exploration noise, Ape-X and learner priorities, observation
-    normalisation) fit ``learner.algorithm``."""
+    normalisation) fit ``learner.algorithm``.
+
+    ``config`` is a :class:`~millpond.deploy.launch_config.LaunchConfig`, typed ``Any``
+    because that module calls this one (naming its class here would close an import
+    circle)."""
     from millpond.config import SLICE_SAMPLERS  # deferred, as gymnasium (it loads torch)
 
     table = config.replay.table_config()

@@ -82,7 +82,7 @@ class SampleRPC:
                     self.metrics.sampled(
                         table.name, time.monotonic() - started, batch.numel(), len(framed)
                     )
-                    yield from _given_back_unless_sent(framed, table, batch, counted)
+                    yield from _given_back_unless_sent(framed, table, batch, counted, context)
                     sent += 1
                     continue
                 response = samples.encode_slot_sample(sampled, compress=compress)
@@ -108,7 +108,7 @@ class SampleRPC:
                     )
                 return
             self.metrics.sampled(table.name, time.monotonic() - started, batch.numel(), size)
-            yield from _given_back_unless_sent(response, table, batch, counted)
+            yield from _given_back_unless_sent(response, table, batch, counted, context)
             sent += 1
 
     def _check_batch_size(self, table, batch_size: int, colocated: bool = False) -> None:
@@ -168,13 +168,19 @@ def _size_bound(batch, extra: Sequence[torch.Tensor] = ()) -> int:
     return data + data // 256 + 1024 * (len(leaves) + 1) + 11 * batch.numel()
 
 
-def _given_back_unless_sent(response, table, batch, counted: bool):
-    """Yield ``response``; if the call ends before gRPC has sent it (the client cancelled, or
-    its deadline passed while a slow link carried it), gRPC closes the generator here and
-    the batch's steps are given back: nobody received them."""
+def _given_back_unless_sent(response, table, batch, counted: bool, context):
+    """Yield ``response``; if the call's deadline passes before gRPC has sent it (a slow
+    link still carrying it), gRPC closes the generator here and the batch's steps are given
+    back: nobody received them.
+
+    Only a passed deadline gives back. A client that cancels (an iterator closed) may do so
+    just after this answer arrived, and gRPC reports that send as failed too: its steps
+    stay counted (the client drew them), as an answer a closed iterator never read is.
+    """
     try:
         yield response
     except GeneratorExit:
-        if counted:
+        remaining = context.time_remaining()
+        if counted and remaining is not None and remaining <= 0:
             table.give_back(batch)
         raise
