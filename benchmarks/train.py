@@ -256,7 +256,8 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         "seconds_to_target": seconds,
         "startup_s": startup["first_insert"] + before if "first_insert" in startup else None,
         "startup": startup,
-        "final_return": summary["mean_return"],
+        # As SB3's: none before a whole window of episodes ended.
+        "final_return": summary["mean_return"] if summary["episodes"] >= args.window else None,
         "eval_return": None,
         "frames": summary["frames"],
         "wall_s": summary["wall_s"],
