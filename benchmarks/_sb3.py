@@ -1,7 +1,8 @@
 """What the Stable-Baselines3 references (``sb3_ppo.py``, ``sb3_dqn.py``, ``sb3_sac.py``)
 share: the process's start, their command line, and a run of ``model.learn`` that follows
-SB3's mean return over the last ``--window`` episodes, stops at the target, evaluates the
-deterministic policy where asked, and prints the result as one JSON line for
+SB3's mean return over the last ``--window`` episodes, stops at the target (if any) or once
+``--max-seconds`` passed since the process's start, evaluates the deterministic policy where
+asked, and prints the result as one JSON line for
 ``benchmarks/train.py``."""
 
 from __future__ import annotations
@@ -35,14 +36,22 @@ def process_start() -> float:
         return _IMPORTED_AT
 
 
-def parser(doc: str | None, eval_every: int | None = None) -> argparse.ArgumentParser:
-    """``--seed``, ``--target``, ``--max-frames`` and ``--window``, as ``train.py`` passes
-    them; with ``eval_every``, also ``--eval-every`` (that the default) and
+def parser(
+    doc: str | None, eval_every: int | None = None, target: float | None = 450.0
+) -> argparse.ArgumentParser:
+    """``--seed``, ``--target`` (``target`` by default; ``None``: no target, the budget
+    alone stops the run), ``--max-frames``, ``--max-seconds`` and ``--window``, as
+    ``train.py`` passes them; with ``eval_every``, also ``--eval-every`` (that the default) and
     ``--eval-episodes`` for the deterministic policy's evaluation (see :func:`learn`)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target", type=float, default=450.0)
+    p.add_argument("--target", type=float, default=target)
     p.add_argument("--max-frames", type=int, default=500_000)
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        help="stop once this many seconds passed since the process's start (none: no limit)",
+    )
     p.add_argument(
         "--window", type=int, default=100, help="episodes the mean return averages (>= 1)"
     )
@@ -59,6 +68,8 @@ def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
     args = p.parse_args()
     if args.max_frames < 1 or args.window < 1:
         p.error("--max-frames and --window must be >= 1")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        p.error(f"--max-seconds ({args.max_seconds}) must be > 0")
     if getattr(args, "eval_every", 0) < 0 or getattr(args, "eval_episodes", 1) < 1:
         p.error("--eval-every must be >= 0 and --eval-episodes >= 1")
     return args
@@ -73,7 +84,9 @@ def learn(
     eval_episodes: int = 10,
 ) -> dict:
     """``model.learn`` for at most ``args.max_frames`` frames, stopped when SB3's mean return
-    of the last ``args.window`` episodes reaches ``args.target``; prints and returns the
+    of the last ``args.window`` episodes reaches ``args.target`` (unless ``None``) or once
+    ``args.max_seconds`` (unless ``None``) passed since ``started``, the evaluations' time
+    left out (``stopped_by``: ``return``, ``time`` or ``frames``); prints and returns the
     result. The model keeps that many (``stats_window_size=args.window``) or it is refused.
 
     With ``eval_env``, the deterministic policy is also evaluated over ``eval_episodes``
@@ -89,6 +102,7 @@ def learn(
     curve: list[tuple[int, float]] = []
     eval_curve: list[tuple[int, float]] = []
     reached: dict[str, float] = {}
+    out_of_time = [False]
     eval_s = [0.0]
     spacing = min(2048, max(1, args.max_frames // 100))  # frames between the curve's points
 
@@ -122,6 +136,12 @@ def learn(
                 and frames % eval_every < self.training_env.num_envs
             ):
                 evaluate(frames)
+            if (
+                args.max_seconds is not None
+                and time.time() - started - eval_s[0] >= args.max_seconds
+            ):
+                out_of_time[0] = True
+                return False
             mean = mean_return()
             if mean is None:
                 return True
@@ -129,7 +149,7 @@ def learn(
                 curve.append((frames, mean))
                 if len(curve) % 10 == 0:
                     print(f"{frames} frames, mean return {mean:.1f}", file=sys.stderr, flush=True)
-            if mean >= args.target:
+            if args.target is not None and mean >= args.target:
                 if curve[-1][0] != frames:
                     curve.append((frames, mean))
                 reached.update(frames=frames, seconds=time.time() - started - eval_s[0])
@@ -145,7 +165,9 @@ def learn(
         curve.append((model.num_timesteps, last))
     if eval_env is not None and (not eval_curve or eval_curve[-1][0] != model.num_timesteps):
         evaluate(model.num_timesteps)
+    stopped_by = "return" if reached else "time" if out_of_time[0] else "frames"
     result = {
+        "stopped_by": stopped_by,
         "frames_to_target": reached.get("frames"),
         "seconds_to_target": reached.get("seconds"),
         "startup_s": learn_started - started,  # the interpreter, the imports, the model

@@ -1,4 +1,5 @@
-"""Training benchmark: frames and wall time to reach a mean return (CartPole-v1, Pendulum-v1).
+"""Training benchmark: frames and wall time to reach a mean return (CartPole-v1, Pendulum-v1),
+or what a fixed wall-time budget buys (HalfCheetah-v5).
 
 Runs ``millpond launch`` for each shipped config, each seed in a fresh process (``python -m
 millpond.cli launch``), on a local Ray instance with ``ray.num_cpus`` CPUs, stopping when the
@@ -54,6 +55,20 @@ of a launch, the references' own windows); configs of different envs in one run 
 (``benchmarks/sb3_sac.py``) the same way as ``sb3-dqn``, with one torch thread, its
 deterministic policy evaluated over 10 episodes at the end (``eval return``).
 
+``halfcheetah-sac`` (``deploy/configs/halfcheetah-sac.yaml``) and ``sb3-sac`` train
+HalfCheetah-v5 (``sb3-sac`` takes the env of the run's millpond configs: rl-zoo's MuJoCo
+entry there), by default with no target (a fixed-budget run) over 10 episodes.
+``--max-seconds S`` gives every config and reference of the run the same wall time, from its
+process's start to its stop: a reference stops itself once ``S`` seconds passed, a launch is
+sent SIGTERM ``S`` seconds after its process started and stops cleanly (its summary written,
+``stopped_by: interrupted``). ``--learning-starts N`` sets ``replay.table.min_size`` of the
+millpond configs and SB3's ``learning_starts`` alike (SAC and TD3 runs only).
+
+Every run also gets a budget table (and its medians): frames reached, seconds from the
+process's start to the stop, frames/s and learner updates/s over those seconds (startup
+included), the final training return and the evaluation's. A launch's frames and steps are
+counted at its shutdown: a few after its decision to stop are in.
+
 Writes ``train.md`` (the table and the medians), ``train.json`` and ``train.png`` (mean
 return against frames for every run) into ``--out``::
 
@@ -65,6 +80,8 @@ return against frames for every run) into ``--out``::
     python benchmarks/train.py --configs sac sb3-sac --seeds 3 --max-frames 20000
     python benchmarks/train.py --configs sac td3 --seeds 3 --target -200 --window 10
     python benchmarks/train.py --configs ppo --set learner.ppo.epochs=10 --out /tmp/try
+    python benchmarks/train.py --configs halfcheetah-sac sb3-sac --max-seconds 480 \
+        --learning-starts 1000
 """
 
 from __future__ import annotations
@@ -76,6 +93,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -94,29 +112,40 @@ CONFIGS = {  # a config and the overrides of its variant
     "dqn": (ROOT / "deploy" / "configs" / "cartpole-dqn.yaml", []),
     "sac": (ROOT / "deploy" / "configs" / "pendulum-sac.yaml", []),
     "td3": (ROOT / "deploy" / "configs" / "pendulum-td3.yaml", []),
+    "halfcheetah-sac": (ROOT / "deploy" / "configs" / "halfcheetah-sac.yaml", []),
 }
 # Single-process references: cleanrl-dqn in this process, the SB3 ones in processes of their
 # own (their scripts).
 SB3 = {"sb3-ppo": "sb3_ppo.py", "sb3-dqn": "sb3_dqn.py", "sb3-sac": "sb3_sac.py"}
 REFERENCES = ("cleanrl-dqn", *SB3)
+# The envs a reference trains: the run's millpond configs' env if among them, else the first.
 REFERENCE_ENVS = {
-    "cleanrl-dqn": "CartPole-v1",
-    "sb3-ppo": "CartPole-v1",
-    "sb3-dqn": "CartPole-v1",
-    "sb3-sac": "Pendulum-v1",
+    "cleanrl-dqn": ("CartPole-v1",),
+    "sb3-ppo": ("CartPole-v1",),
+    "sb3-dqn": ("CartPole-v1",),
+    "sb3-sac": ("Pendulum-v1", "HalfCheetah-v5"),
 }
-# Per env: the default target and the episodes its mean return averages.
-ENV_DEFAULTS = {"CartPole-v1": (475.0, 100), "Pendulum-v1": (-200.0, 10)}
+# Per env: the default target (None: none, a fixed-budget run) and the episodes its mean
+# return averages.
+ENV_DEFAULTS = {
+    "CartPole-v1": (475.0, 100),
+    "Pendulum-v1": (-200.0, 10),
+    "HalfCheetah-v5": (None, 10),
+}
+# Off-policy configs whose learning starts at a replay size (--learning-starts).
+_LEARNING_STARTS = {"sac", "td3", "halfcheetah-sac", "sb3-sac"}
 # A reference has no actors or sampling whose time to split.
 _NO_PIPELINE = dict.fromkeys(
     ("actors_acting", "actors_inserting", "learner_sampling", "learner_learning")
 )
 
 
-def env_of(name: str) -> str:
-    """The env config ``name`` trains (a millpond config's ``env.id``)."""
+def env_of(name: str, run_env: str | None = None) -> str:
+    """The env config ``name`` trains (a millpond config's ``env.id``); a reference's is
+    ``run_env`` (the run's millpond configs') where it trains that one."""
     if name in REFERENCE_ENVS:
-        return REFERENCE_ENVS[name]
+        envs = REFERENCE_ENVS[name]
+        return run_env if run_env in envs else envs[0]
     import yaml
 
     return yaml.safe_load(CONFIGS[name][0].read_text())["env"]["id"]
@@ -128,7 +157,7 @@ def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
     from cleanrl_dqn import Config, train
 
     torch.set_num_threads(1)
-    log(f"{name} seed {seed}: running (target {args.target}, at most {args.max_frames} frames)")
+    log(f"{name} seed {seed}: running ({_budget(args)})")
     last, reached_s = [0.0], []
 
     def on_log(frame: int, t: float, episodes: int, mean: float) -> None:
@@ -164,7 +193,12 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     path, extra = CONFIGS[name]
     overrides = [
         f"run.seed={seed}",
-        f"run.stop_at_return={args.target}",
+        *([] if args.target is None else [f"run.stop_at_return={args.target}"]),
+        *(
+            []
+            if args.learning_starts is None
+            else [f"replay.table.min_size={args.learning_starts}"]
+        ),
         f"run.frames={args.max_frames}",
         f"run.return_window={args.window}",
         f"ray.num_cpus={args.num_cpus}",
@@ -174,19 +208,27 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         *args.set,
     ]
     run_dir = work / f"{name}-{seed}"
-    log(f"{name} seed {seed}: launching (target {args.target}, at most {args.max_frames} frames)")
+    log(f"{name} seed {seed}: launching ({_budget(args)})")
     command = [sys.executable, "-m", "millpond.cli", "launch", str(path), "--run-dir", str(run_dir)]
     for override in overrides:
         command += ["--set", override]
     launched = time.time()
-    process_wall = _stream(command, f"  {name}/{seed} ")[1]
+    # SIGTERM stops a launch cleanly, its summary written (exit status 130).
+    process_wall = _stream(command, f"  {name}/{seed} ", args.max_seconds)[1]
     summary = json.loads((run_dir / "summary.json").read_text())
     # The job's times count from its command line's start; the interpreter's start before
     # it counts here too, as it does for the single-process references.
     before = max(0.0, summary.get("started_at", launched) - launched)
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     reached = next(
-        (r for r in rows if r["mean_return"] and float(r["mean_return"]) >= args.target), None
+        (
+            r
+            for r in rows
+            if args.target is not None
+            and r["mean_return"]
+            and float(r["mean_return"]) >= args.target
+        ),
+        None,
     )
     startup = summary.get("startup_s") or {}
     # The job stops as soon as the return is reached (the status rows come only every 2 s):
@@ -200,14 +242,22 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
         frames = int(reached["frames"])
     act, write = summary["actors_act_s"], summary["actors_write_s"]
     wait, learn = summary["learner_sample_s"], summary["learner_update_s"]
+    stopped_by = summary["stopped_by"]
+    if stopped_by == "interrupted" and args.max_seconds is not None:
+        stopped_by = "time"  # the SIGTERM sent at the budget's end
+    stop_s = summary.get("stopped_at_s")
+    stop_s = None if stop_s is None else stop_s + before
     return {
         "config": name,
         "seed": seed,
+        "stopped_by": stopped_by,
+        "stop_s": stop_s,
         "frames_to_target": frames,
         "seconds_to_target": seconds,
         "startup_s": startup["first_insert"] + before if "first_insert" in startup else None,
         "startup": startup,
-        "final_return": summary["mean_return"],
+        # As SB3's: none before a whole window of episodes ended.
+        "final_return": summary["mean_return"] if summary["episodes"] >= args.window else None,
         "eval_return": None,
         "frames": summary["frames"],
         "wall_s": summary["wall_s"],
@@ -225,17 +275,26 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
 def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
     """A Stable-Baselines3 reference (``benchmarks/sb3_ppo.py``, ``sb3_dqn.py``,
     ``sb3_sac.py``) in a fresh process."""
-    log(f"{name} seed {seed}: running (target {args.target}, at most {args.max_frames} frames)")
+    log(f"{name} seed {seed}: running ({_budget(args)})")
     command = [
         sys.executable, str(ROOT / "benchmarks" / SB3[name]), "--seed", str(seed),
-        "--target", str(args.target), "--max-frames", str(args.max_frames),
-        "--window", str(args.window),
+        "--max-frames", str(args.max_frames), "--window", str(args.window),
     ]  # fmt: skip
+    if args.target is not None:
+        command += ["--target", str(args.target)]
+    if args.max_seconds is not None:
+        command += ["--max-seconds", str(args.max_seconds)]
+    if name == "sb3-sac":
+        command += ["--env", args.env]
+        if args.learning_starts is not None:
+            command += ["--learning-starts", str(args.learning_starts)]
     lines, process_wall = _stream(command, f"  {name}/{seed} ")
     run = json.loads(lines[-1])
     return {
         "config": name,
         "seed": seed,
+        "stopped_by": run["stopped_by"],
+        "stop_s": run["wall_s"],  # from the process's start, the evaluations' time left out
         "frames_to_target": run["frames_to_target"],
         "seconds_to_target": run["seconds_to_target"],
         "startup_s": run["startup_s"],
@@ -253,28 +312,52 @@ def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
     }
 
 
-def _stream(command: list[str], prefix: str) -> tuple[list[str], float]:
-    """Run ``command``, echoing its output indented; returns its stdout lines and wall time."""
+def _budget(args: argparse.Namespace) -> str:
+    target = "no target" if args.target is None else f"target {args.target:g}"
+    seconds = "" if args.max_seconds is None else f", at most {args.max_seconds:g} s"
+    return f"{target}, at most {args.max_frames} frames{seconds}"
+
+
+def _stream(
+    command: list[str], prefix: str, terminate_after_s: float | None = None
+) -> tuple[list[str], float]:
+    """Run ``command``, echoing its output indented; returns its stdout lines and wall time.
+    With ``terminate_after_s``, it is sent SIGTERM that many seconds after its start, and
+    exit status 130 (a launch's, stopped so) counts as success."""
     started = time.monotonic()
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    timer = None
+    if terminate_after_s is not None:
+        timer = threading.Timer(terminate_after_s, process.terminate)
+        timer.start()
     lines = []
     assert process.stdout is not None
-    for line in process.stdout:
-        line = line.rstrip("\n")
-        lines.append(line)
-        if line.strip() and not line.startswith("{"):
-            print(prefix + line, flush=True)
-    if process.wait() != 0:
-        raise SystemExit(f"{' '.join(command)} failed ({process.returncode})")
+    try:
+        for line in process.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if line.strip() and not line.startswith("{"):
+                print(prefix + line, flush=True)
+        status = process.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if status != 0 and not (timer is not None and status == 130):
+        raise SystemExit(f"{' '.join(command)} failed ({status})")
     return lines, time.monotonic() - started
 
 
-def table(results: list[dict], target: float) -> str:
-    def fmt(value, spec=".0f"):
-        return "-" if value is None else format(value, spec)
+def _fmt(value, spec=".0f"):
+    return "-" if value is None else format(value, spec)
 
+
+def table(results: list[dict], target: float | None) -> str:
+    """The time-to-target table and its medians (with a target), then the budget's."""
+    if target is None:
+        return budget_table(results)
+    fmt = _fmt
     lines = [
         f"| config | seed | frames to {target:g} | seconds to {target:g} | of which startup | "
         "final return | eval return | frames/s | actors: acting / inserting | learner: sampling / learning "
@@ -290,7 +373,55 @@ def table(results: list[dict], target: float) -> str:
             f"{fmt(r['actors_inserting'], '.0%')} | {fmt(r['learner_sampling'], '.0%')} / "
             f"{fmt(r['learner_learning'], '.0%')} | {r['learner_steps']} |"
         )
-    lines += ["", medians(results, target)]
+    lines += ["", medians(results, target), "", budget_table(results)]
+    return "\n".join(lines)
+
+
+def _median(runs: list[dict], key: str, spec: str) -> str:
+    """The median of ``key`` over the ``runs`` that have it, formatted (``-``: none)."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return format(statistics.median(values), spec) if values else "-"
+
+
+def _per_budget(r: dict) -> dict:
+    """``r``'s frames/s and learner updates/s over the seconds from its process's start to
+    its stop."""
+    seconds = r.get("stop_s")
+    return {
+        "frames_per_s": r["frames"] / seconds if seconds else None,
+        "updates_per_s": r["learner_steps"] / seconds if seconds else None,
+    }
+
+
+def budget_table(results: list[dict]) -> str:
+    """Per run: what its wall time bought, end to end; then the medians per config."""
+    lines = [
+        "| config | seed | stopped by | seconds | frames | frames/s | learner updates | "
+        "updates/s | final return | eval return |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        per = _per_budget(r)
+        lines.append(
+            f"| {r['config']} | {r['seed']} | {r.get('stopped_by', '-')} | "
+            f"{_fmt(r.get('stop_s'), '.1f')} | {r['frames']} | {_fmt(per['frames_per_s'], '.1f')} "
+            f"| {r['learner_steps']} | {_fmt(per['updates_per_s'], '.1f')} | "
+            f"{_fmt(r['final_return'], '.1f')} | {_fmt(r.get('eval_return'), '.1f')} |"
+        )
+    lines += [
+        "",
+        "| config | seeds | median frames | median frames/s | median updates/s | "
+        "median final return | median eval return |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in dict.fromkeys(r["config"] for r in results):
+        runs = [{**r, **_per_budget(r)} for r in results if r["config"] == name]
+
+        lines.append(
+            f"| {name} | {len(runs)} | {_median(runs, 'frames', '.0f')} | "
+            f"{_median(runs, 'frames_per_s', '.1f')} | {_median(runs, 'updates_per_s', '.1f')} | "
+            f"{_median(runs, 'final_return', '.1f')} | {_median(runs, 'eval_return', '.1f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -305,13 +436,9 @@ def medians(results: list[dict], target: float) -> str:
         runs = [r for r in results if r["config"] == name]
         done = [r for r in runs if r["frames_to_target"] is not None]
 
-        def med(key, spec, done=done):
-            values = [r[key] for r in done if r.get(key) is not None]
-            return format(statistics.median(values), spec) if values else "-"
-
         lines.append(
-            f"| {name} | {len(done)}/{len(runs)} | {med('frames_to_target', '.0f')} | "
-            f"{med('seconds_to_target', '.1f')} | {med('startup_s', '.1f')} |"
+            f"| {name} | {len(done)}/{len(runs)} | {_median(done, 'frames_to_target', '.0f')} | "
+            f"{_median(done, 'seconds_to_target', '.1f')} | {_median(done, 'startup_s', '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -332,7 +459,8 @@ def plot(results: list[dict], args: argparse.Namespace, env: str, path: Path) ->
                 "o--",
                 label=f"{r['config']} (seed {r['seed']}), deterministic evaluation",
             )
-    ax.axhline(args.target, color="gray", ls="--", lw=1, label=f"target {args.target:g}")
+    if args.target is not None:
+        ax.axhline(args.target, color="gray", ls="--", lw=1, label=f"target {args.target:g}")
     ax.set_xlabel("frames")
     ax.set_ylabel(f"mean return (lines: last {args.window} training episodes)")
     ax.set_title(f"{env}: millpond launch (and single-process references)")
@@ -347,13 +475,28 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=[*CONFIGS, *REFERENCES], default=["ppo", "dqn"])
     p.add_argument("--seeds", type=int, default=1, help="seeds per config (0, 1, ...)")
-    p.add_argument("--target", type=float, help="default: the env's (475 CartPole, -200 Pendulum)")
+    p.add_argument(
+        "--target",
+        type=float,
+        help="default: the env's (475 CartPole, -200 Pendulum, none HalfCheetah)",
+    )
     p.add_argument("--max-frames", type=int, default=500_000)
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        help="every run's wall time, from its process's start to its stop (default: none)",
+    )
+    p.add_argument(
+        "--learning-starts",
+        type=int,
+        help="replay.table.min_size of the millpond configs and SB3's learning_starts "
+        "(SAC and TD3 runs; default: each config's own)",
+    )
     p.add_argument(
         "--window",
         type=int,
         help="episodes the mean return averages, for every config (default: the env's, "
-        "100 CartPole, 10 Pendulum)",
+        "100 CartPole, 10 Pendulum and HalfCheetah)",
     )
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "docs")
@@ -365,21 +508,31 @@ def main() -> int:
         help="a config override for every millpond run (as `millpond launch --set`)",
     )
     args = p.parse_args()
-    envs = {name: env_of(name) for name in args.configs}
+    ours = {env_of(name) for name in args.configs if name in CONFIGS}
+    run_env = next(iter(ours)) if len(ours) == 1 else None
+    envs = {name: env_of(name, run_env) for name in args.configs}
     if len(set(envs.values())) > 1:
         p.error(
             "one target and window compare one env; these configs train different ones ("
             + ", ".join(f"{n}: {e}" for n, e in envs.items())
             + "): run them apart"
         )
-    env = next(iter(envs.values()))
+    env = args.env = next(iter(envs.values()))
     target, window = ENV_DEFAULTS.get(env, (None, 100))
     args.target = target if args.target is None else args.target
     args.window = window if args.window is None else args.window
-    if args.target is None:
-        p.error(f"{env} has no default target: give --target")
     if args.window < 1:
         p.error(f"--window ({args.window}) must be >= 1")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        p.error(f"--max-seconds ({args.max_seconds}) must be > 0")
+    if args.learning_starts is not None:
+        if args.learning_starts < 1:
+            p.error(f"--learning-starts ({args.learning_starts}) must be >= 1")
+        others = [n for n in args.configs if n not in _LEARNING_STARTS]
+        if others:
+            p.error(f"--learning-starts: {', '.join(others)} start learning otherwise")
+    if args.max_seconds is not None and "cleanrl-dqn" in args.configs:
+        p.error("cleanrl-dqn runs to a target and a frame budget, not a wall time")
     log(f"code {code_version(['service', 'actors', 'learner', 'deploy'])}")
     results = []
     with tempfile.TemporaryDirectory(prefix="millpond-train-") as work:
