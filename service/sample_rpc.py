@@ -168,6 +168,9 @@ def _size_bound(batch, extra: Sequence[torch.Tensor] = ()) -> int:
     return data + data // 256 + 1024 * (len(leaves) + 1) + 11 * batch.numel()
 
 
+_DEADLINE_SLACK_S = 0.5
+
+
 def _given_back_unless_sent(response, table, batch, counted: bool, context):
     """Yield ``response``; if the call's deadline passes before gRPC has sent it (a slow
     link still carrying it), gRPC closes the generator here and the batch's steps are given
@@ -180,7 +183,9 @@ def _given_back_unless_sent(response, table, batch, counted: bool, context):
     try:
         yield response
     except GeneratorExit:
+        # The client's own deadline cancels the call a moment before the shard's (the
+        # deadline reaches the shard one transit later): "passed" allows for that.
         remaining = context.time_remaining()
-        if counted and remaining is not None and remaining <= 0:
+        if counted and remaining is not None and remaining <= _DEADLINE_SLACK_S:
             table.give_back(batch)
         raise
