@@ -133,6 +133,6 @@ def held_back(shard: dict[str, Any]) -> str:
         why = limiter.why_sample_waits(shard["size"]) or "a batch larger than what is stored"
         parts.append(f"{shard['blocked_samples']} sample(s) wait: {why}")
     if shard.get("blocked_inserts"):
-        why = limiter.why_insert_waits() or "a full queue (steps not yet delivered)"
+        why = limiter.why_insert_waits(shard["size"]) or "a full queue (steps not yet delivered)"
         parts.append(f"{shard['blocked_inserts']} insert(s) wait: {why}")
     return "; ".join(parts) or "nobody"

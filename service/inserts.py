@@ -154,10 +154,10 @@ class TableInserts:
                 writes = place.ranges(start, packed.lengths)
                 if n_slots:
                     writes.append((start, n_slots))
-                if not self.rate_limiter.can_insert():
+                if not self.rate_limiter.can_insert(self.sampler.size):
                     reason = (
                         f"the rate limiter holds inserts back: "
-                        f"{self.rate_limiter.why_insert_waits()} ({self.rate_limiter.describe()})"
+                        f"{self.rate_limiter.why_insert_waits(self.sampler.size)} ({self.rate_limiter.describe()})"
                     )
                 elif any(self._overlaps_inflight(s, n) for s, n in writes):
                     reason = "the slots are being written by another writer"

@@ -7,8 +7,12 @@ With a ratio ``spi`` and an error buffer ``e``, let ``diff = inserts * spi - sam
     min_diff = spi * min_size - e,     max_diff = spi * min_size + e.
 
 An insert may proceed while ``diff <= max_diff`` (learners have kept up), a sample while
-``diff >= min_diff`` and the table holds at least ``min_size`` steps. Inserts below
-``min_size`` always proceed. Each check is made *before* the operation, so one operation
+``diff >= min_diff`` and the table holds at least ``min_size`` steps. An insert into a table
+holding fewer than ``min_size`` steps always proceeds, as in Reverb (whose limiter counts
+deletions too): no sample can, so only an insert can move either side. That covers the first
+fill, and also a table that once held ``min_size`` steps and holds fewer now (evictions that
+free more than an insert adds, e.g. writer regions set aside, or a queue), where blocking
+the insert would stop both sides for good. Each check is made *before* the operation, so one operation
 may overshoot the bound by its own size; that is what keeps a segment or batch larger than
 the error buffer from deadlocking the two sides.
 """
@@ -80,8 +84,9 @@ class RateLimiter:
             return 0.0
         return self.inserts * self.samples_per_insert - self.samples
 
-    def can_insert(self) -> bool:
-        if self.samples_per_insert is None or self.inserts < self.min_size:
+    def can_insert(self, size: int) -> bool:
+        """Whether an insert may proceed when the table holds ``size`` steps."""
+        if self.samples_per_insert is None or size < max(1, self.min_size):
             return True
         return self.diff <= self.max_diff
 
@@ -106,9 +111,10 @@ class RateLimiter:
             )
         return None
 
-    def why_insert_waits(self) -> str | None:
-        """What an insert waits for (``None``: nothing): how many more sampled steps."""
-        if self.can_insert():
+    def why_insert_waits(self, size: int) -> str | None:
+        """What an insert waits for when the table holds ``size`` steps (``None``: nothing):
+        how many more sampled steps."""
+        if self.can_insert(size):
             return None
         more = math.ceil(self.diff - self.max_diff)
         return (

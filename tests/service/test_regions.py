@@ -255,3 +255,44 @@ def test_an_insert_as_large_as_the_ring_with_short_segments_still_fits(tmp_path,
     assert stored_segments(table) == expected
     _check_samples(table, 64)
     table.close()
+
+
+def test_regions_set_aside_never_stop_inserts_and_samples_at_once(tmp_path):
+    """A writer of many lanes keeps regions set aside, so after the ring wraps the table
+    holds fewer steps at times than it did. With ``min_size`` within that dip and actors
+    ahead of the ratio, that used to stop both sides for good: no sample below
+    ``min_size``, no insert past the ratio (a 16-lane DQN launch stalled at its first wrap).
+    Single-threaded here: a learner that samples whenever the ratio lets it, then an insert."""
+    # This ring holds 1,912 steps when it first wraps, then 1,905 and 1,900 while the
+    # lanes' regions move on, then 1,936.
+    min_size = 1910
+    config = TableConfig.uniform(
+        "t", 2200, min_size=min_size, samples_per_insert=12.8, error_buffer=800.0, seed=0
+    )
+    table = Table.create(tmp_path / "t", config)
+    limiter = table.rate_limiter
+    lanes, chunk, episode_len = 16, 16, 40
+    steps = [7 * lane for lane in range(lanes)]  # each lane's next step, out of phase
+    seq, shrunk_past_the_ratio = 1, 0
+    for _ in range(100):  # 25,600 steps: the ring wraps ~12 times
+        batch = []
+        for lane in range(lanes):
+            ep, first = divmod(steps[lane], episode_len)
+            length = min(chunk, episode_len - first)
+            s = pattern_segment(
+                lane * 10_000 + ep, first, length, OBS, terminated=first + length == episode_len
+            )
+            s.sequence, seq = seq, seq + 1
+            batch.append(s)
+            steps[lane] += length
+        shrunk_past_the_ratio += table.size < min_size <= limiter.inserts and (
+            limiter.diff > limiter.max_diff
+        )
+        if table.size >= min_size:  # the learner keeps up, as far as it can sample
+            while limiter.diff > limiter.max_diff:
+                td = table.sample(128, timeout=1.0)
+                assert torch.equal(td["observation"], pattern(td["episode_id"], td["step"], OBS))
+        # Before the fix: a RateLimiterTimeoutError here, with the table below min_size.
+        table.insert_many(batch, timeout=2.0, writer_id="actor-0")
+    assert shrunk_past_the_ratio > 0  # the case was reached, and inserts went on
+    table.close()
