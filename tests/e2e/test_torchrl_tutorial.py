@@ -36,3 +36,5 @@ def test_the_torchrl_tutorial_runs_as_written(tmp_path: Path) -> None:
     assert re.search(r"^512 torch.Size\(\[64, 4\]\)$", out, re.M), out
     assert re.search(r"^buffer 1024 1024$", out, re.M), out  # millpond.torchrl's buffer
     assert re.search(r"^prioritized 512 \['index', 'priority_weight'\]$", out, re.M), out
+    # Two Ray actors' collectors, one table: every step each stored, the learner samples it.
+    assert re.search(r"^ray collectors 1024 1024 torch.Size\(\[128\]\)$", out, re.M), out
