@@ -74,21 +74,17 @@ class PublishClock:
         self._versions[self._n], self._steps[self._n] = version, steps
         self._n += 1
 
-    def lag_steps(self, versions: torch.Tensor, steps: int) -> torch.Tensor:
-        """Gradient steps taken since each of ``versions`` was published (int64, like it)."""
-        acted = versions.numpy() if versions.device.type == "cpu" else versions.cpu().numpy()
-        return torch.from_numpy(self._lag_steps(acted, steps))
-
     def _lag_steps(self, acted: np.ndarray, steps: int) -> np.ndarray:
         # the latest publication at or before each version (the oldest known for older ones)
         i = np.searchsorted(self._versions[: self._n], acted, side="right") - 1
         return steps - self._steps[np.maximum(i, 0)]
 
-    def lag_metrics(self, acted: torch.Tensor, version: int, steps: int) -> dict[str, Any]:
+    def lag_metrics(
+        self, acted: torch.Tensor, version: int, steps: int, name: str = "policy_lag"
+    ) -> dict[str, Any]:
         """How far behind ``version`` (after ``steps`` gradient steps) the policies that
-        acted ``acted`` (a batch's ``policy_version``) are: ``policy_lag_mean`` /
-        ``policy_lag_max`` in versions, ``policy_lag_steps_mean`` / ``policy_lag_steps_max``
-        in gradient steps."""
+        acted ``acted`` (a batch's ``policy_version``) are: ``{name}_mean`` / ``{name}_max``
+        in versions, ``{name}_steps_mean`` / ``{name}_steps_max`` in gradient steps."""
         # numpy: a learner computes these every step, and four small torch reductions
         # cost more than its whole polyak update
         acted = acted.reshape(-1)
@@ -96,10 +92,10 @@ class PublishClock:
         lag = version - acted_np
         lag_steps = self._lag_steps(acted_np, steps)
         return {
-            "policy_lag_mean": float(lag.mean(dtype=np.float64)),
-            "policy_lag_max": int(lag.max()),
-            "policy_lag_steps_mean": float(lag_steps.mean(dtype=np.float64)),
-            "policy_lag_steps_max": int(lag_steps.max()),
+            f"{name}_mean": float(lag.mean(dtype=np.float64)),
+            f"{name}_max": int(lag.max()),
+            f"{name}_steps_mean": float(lag_steps.mean(dtype=np.float64)),
+            f"{name}_steps_max": int(lag_steps.max()),
         }
 
 

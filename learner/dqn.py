@@ -249,13 +249,8 @@ class DQNLearner:
             )
         metrics: dict[str, Any] = {}
         if "policy_version" in batch:
-            acted = batch["policy_version"].reshape(-1)
-            lag = self.version - acted
-            metrics["sample_age_mean"] = float(lag.float().mean())
-            metrics["sample_age_max"] = int(lag.max())
-            lag_steps = self._clock.lag_steps(acted, self.updates)
-            metrics["sample_age_steps_mean"] = float(lag_steps.float().mean())
-            metrics["sample_age_steps_max"] = int(lag_steps.max())
+            acted = batch["policy_version"]
+            metrics.update(self._clock.lag_metrics(acted, self.version, self.updates, "sample_age"))
         index = batch["index"] if batch.ndim == 1 else batch["index"][:, 0]
         if self.device.type != "cpu":  # samples arrive on the CPU; moving them there costs
             batch = batch.to(self.device)

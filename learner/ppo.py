@@ -273,14 +273,13 @@ class PPOLearner:
                 "the version of the policy that acted"
             )
         acted = batch["policy_version"].reshape(n)
-        lag = self.version - acted
-        metrics["policy_lag_mean"] = float(lag.float().mean()) if n else 0.0
-        metrics["policy_lag_max"] = int(lag.max()) if n else 0
-        lag_steps = self._clock.lag_steps(acted, self.updates)
-        metrics["policy_lag_steps_mean"] = float(lag_steps.float().mean()) if n else 0.0
-        metrics["policy_lag_steps_max"] = int(lag_steps.max()) if n else 0
+        if n:
+            metrics.update(self._clock.lag_metrics(acted, self.version, self.updates))
+        else:
+            metrics.update(dict.fromkeys(("policy_lag_mean", "policy_lag_steps_mean"), 0.0))
+            metrics.update(dict.fromkeys(("policy_lag_max", "policy_lag_steps_max"), 0))
         if self.config.max_policy_lag is not None:
-            batch = batch[lag <= self.config.max_policy_lag]
+            batch = batch[self.version - acted <= self.config.max_policy_lag]
         metrics["steps"] = batch.shape[0]
         metrics["dropped"] = n - batch.shape[0]
         return batch, metrics
