@@ -100,3 +100,50 @@ def test_a_table_that_stores_the_index_refuses_an_action_not_one_hot(address):
     with pytest.raises(InvalidDataError, match="one-hot actions; rename it"):
         rb.extend(first.set("action-one-hot-int64-2", torch.zeros(LANES, TIME)))
     rb.close()
+
+
+@pytest.mark.parametrize("padding", ["same", "constant"])
+def test_catframes_stacks_are_stored_as_frames_and_sampled_back_bit_for_bit(address, padding):
+    """TorchRL's own Atari form (gray frames, ``CatFrames(N=4)`` in the env, episodes of 50
+    steps): each frame is stored once, and every sampled stack, the padded ones at episode
+    starts too, equals the collector's."""
+    pytest.importorskip("ale_py")
+    pytest.importorskip("cv2")
+    torch.manual_seed(0)
+    env = pong(padding)
+    collector = Collector(env, None, frames_per_batch=40, total_frames=-1)
+    data = [b.clone() for _, b in zip(range(3), collector)]
+    collector.shutdown()
+    config = TableConfig.uniform(
+        f"pong-{padding}", capacity=400, seed=0, frame_stacks={"pixels": 4}
+    )
+    rb = ReplayBuffer(address, config, batch_size=64)
+    local = fill(rb, data)
+    fields = spec_of(rb)
+    assert fields[("pixels",)].shape == (4, 84, 84)  # a stack per step, stored as frames
+    frame = 84 * 84 * 4  # float32; TorchRL's TED row holds 8 of them (obs and next obs)
+    assert rb.client.info(rb.table)["bytes_on_disk"] < 1.5 * frame * len(rb)
+    reference = local_rows(local)
+    firsts = 0
+    for _ in range(4):
+        batch = rb.sample()
+        check_rows(batch, rb, reference)
+        firsts += int((batch["step"] == 0).sum())
+    assert firsts >= 2  # stacks that CatFrames padded came back as it padded them
+    rb.close()
+
+
+def pong(padding):
+    import ale_py
+    import gymnasium as gym
+    from gymnasium.wrappers import ResizeObservation
+    from torchrl import envs
+
+    gym.register_envs(ale_py)
+    game = gym.make("ALE/Pong-v5", max_episode_steps=50)
+    base = envs.GymWrapper(ResizeObservation(game, (84, 84)))
+    stack = envs.CatFrames(N=4, dim=-3, in_keys=["pixels"], padding=padding)
+    pre = envs.Compose(envs.ToTensorImage(), envs.GrayScale(), stack, envs.StepCounter())
+    env = envs.TransformedEnv(base, pre)
+    env.set_seed(0)
+    return env
