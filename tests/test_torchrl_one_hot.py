@@ -147,3 +147,30 @@ def pong(padding):
     env = envs.TransformedEnv(base, pre)
     env.set_seed(0)
     return env
+
+
+def test_split_trajs_padding_and_nested_actions_are_stored_as_their_index(address):
+    """``split_trajs`` pads with zeros (not one-hot, never stored); a nested ``"action"``
+    (``("agents", "action")``) is an action too."""
+    torch.manual_seed(3)
+    collector = Collector(
+        make_env(3), None, frames_per_batch=LANES * TIME, total_frames=-1, split_trajs=True
+    )
+    data = [b.clone() for _, b in zip(range(2), collector)]
+    collector.shutdown()
+    mask = data[0]["collector", "mask"]
+    assert not mask.all() and (data[0]["action"][~mask] == 0).all()  # the padding: zeros
+    for batch in data:
+        batch["agents", "action"] = batch["action"].flip(-1)
+    rb = ReplayBuffer(address, TableConfig.uniform("one-hot-split", capacity=2_000), batch_size=64)
+    local = TensorDictReplayBuffer(storage=LazyTensorStorage(2_000), batch_size=64)
+    for batch in data:
+        rb.extend(batch)
+        local.extend(batch[batch["collector", "mask"]])
+    fields = spec_of(rb)
+    assert ("action-one-hot-int64-2",) in fields
+    assert ("agents", "action-one-hot-int64-2") in fields and ("agents", "action") not in fields
+    reference = local_rows(local)
+    for _ in range(3):
+        check_rows(rb.sample(), rb, reference)
+    rb.close()
