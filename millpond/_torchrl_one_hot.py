@@ -31,7 +31,7 @@ _ENCODED = re.compile(r"^(?P<leaf>.+)-one-hot-(?P<dtype>[a-z0-9]+)-(?P<n>[0-9]+)
 _MASK: Key = ("collector", "mask")
 
 
-def encoded_leaf(leaf: str, dtype: torch.dtype, n: int) -> str:
+def _encoded_leaf(leaf: str, dtype: torch.dtype, n: int) -> str:
     """The stored name of one-hot leaf ``leaf`` of ``n`` values of ``dtype``."""
     return f"{leaf}-one-hot-{dtype_name(dtype)}-{n}"
 
@@ -71,7 +71,7 @@ def encode_one_hot(data: TensorDictBase, spec: TableSpec | None) -> TensorDictBa
         if value.dim() != data.batch_dims + 1 or value.shape[-1] < 2 or value.dtype.is_complex:
             continue
         n = value.shape[-1]
-        stored = (*key[:-1], encoded_leaf(key[-1], value.dtype, n))
+        stored = (*key[:-1], _encoded_leaf(key[-1], value.dtype, n))
         if spec is not None and stored not in spec.fields:
             continue  # the table stores this action as it is
         index, bad_row = _index_of(value, _real_rows(data, value))
