@@ -13,6 +13,9 @@ table's directory as the shard reports it).
 
     python benchmarks/torchrl_scripts.py --algos dqn,sac --dqn-frames 20000 --sac-frames 6000
     python benchmarks/torchrl_scripts.py --algos dqn --seeds 0,1,2
+
+``--breakdown`` also lists, per millpond run, every file of the table's directory (blocks
+written over transitions stored) and the table's spec: where the bytes go.
 """
 
 from __future__ import annotations
@@ -148,6 +151,17 @@ def _disk_bytes(path: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
 
 
+def _breakdown(root: Path, table: str, info: dict) -> None:
+    """Each file of ``table``'s directory under the service's, in bytes per stored step."""
+    stored = max(info["size"], 1)
+    for key, field in info["config"].spec.fields.items():
+        log(f"  {'.'.join(key)}: {field.describe()} {field.role} ({field.nbytes} B)")
+    for path in sorted(next(p for p in root.rglob(table) if p.is_dir()).rglob("*")):
+        if path.is_file() and path.stat().st_blocks:
+            blocks = path.stat().st_blocks * 512
+            log(f"  {path.name}: {blocks} B, {blocks / stored:.1f} B/transition")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--buffer", choices=("local", "millpond", "both"), default="both")
@@ -156,6 +170,7 @@ def main() -> int:
     ap.add_argument("--sac-frames", type=int, default=6_000, help="frames per SAC run")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds, each run on both")
     ap.add_argument("--dir", type=Path, help="parent of the temporary data directory (/tmp)")
+    ap.add_argument("--breakdown", action="store_true", help="list each millpond table file")
     args = ap.parse_args()
     torch.set_num_threads(1)
     kinds = ("local", "millpond") if args.buffer == "both" else (args.buffer,)
@@ -180,6 +195,8 @@ def main() -> int:
                     else:
                         info = rb.client.info(rb.table)
                         stored, nbytes = info["size"], info["bytes_on_disk"]
+                        if args.breakdown:
+                            _breakdown(root, name, info)
                         rb.close()
                     reached = next((f for f, r in curve if r >= goal), None)
                     best = max((r for _, r in curve), default=float("nan"))

@@ -34,6 +34,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs.transforms import Compose, Transform
 
+from millpond._torchrl_one_hot import decode_one_hot, encode_one_hot, holds_one_hot
 from millpond._torchrl_refusals import (
     TorchRLUnsupportedError,
     check_constructor_kwargs,
@@ -43,6 +44,7 @@ from millpond.checks import check_batch_size
 from millpond.config import TableConfig
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner.client import ReplayClient
+from millpond.spec import TableSpec
 
 __all__ = ["PrioritizedReplayBuffer", "ReplayBuffer", "TorchRLUnsupportedError"]
 
@@ -112,6 +114,7 @@ class ReplayBuffer:
             self.close()
             raise
         self.table: str = self._config.name
+        self._spec: TableSpec | None = self._config.spec
 
     # -- identity ------------------------------------------------------------------------
 
@@ -137,7 +140,8 @@ class ReplayBuffer:
 
         Each buffer's client is one source of trajectories (see
         :meth:`ReplayClient.extend`): give each collector its own buffer or client.
-        Unlike TorchRL, no storage indices are returned: the shard places the steps.
+        Unlike TorchRL, no storage indices are returned: the shard places the steps. A
+        one-hot ``"action"`` is stored as its index (rebuilt bit for bit when sampled).
         """
         if not isinstance(data, TensorDictBase):
             raise InvalidDataError(
@@ -149,7 +153,7 @@ class ReplayBuffer:
             data = self.transform.inv(data)
             if data is None:
                 return 0
-        return self.client.extend(self.table, data)
+        return self.client.extend(self.table, encode_one_hot(data, self._table_spec()))
 
     def add(self, data: TensorDictBase) -> int:
         """Store one step: a TensorDict of batch ``[]`` (one env) or ``[P]`` (one step of
@@ -195,6 +199,7 @@ class ReplayBuffer:
             batch = next(self._batches)
         else:
             batch = self.client.sample(self.table, batch_size, self._timeout_s)
+        batch = decode_one_hot(batch)
         info = self._info(batch)
         if self.transform is not None:
             batch = self.transform(batch)
@@ -263,7 +268,11 @@ class ReplayBuffer:
                 tempfile.TemporaryDirectory(dir=path.parent) as spool,
                 spooled_table(self.table, reader, slots, spool) as snapshot,
             ):
-                export_ted(snapshot, path, order="episode")
+                if not holds_one_hot(reader.config.spec):
+                    export_ted(snapshot, path, order="episode")
+                    return
+                export_ted(snapshot, f"{spool}/ted", order="episode")
+                decode_one_hot(TensorDict.load_memmap(f"{spool}/ted").clone()).memmap_(path)
 
     def loads(self, path: str | Path) -> None:
         """Store a :meth:`dumps` export (or ``millpond export --format ted``'s) into the
@@ -288,7 +297,7 @@ class ReplayBuffer:
         exported = exported.exclude(("collector", "traj_ids"))
         exported["collector", "traj_ids"] = fresh
         with copy.copy(self.client) as loader:
-            loader.extend(self.table, exported)
+            loader.extend(self.table, encode_one_hot(exported, self._table_spec()))
 
     def empty(self, empty_write_count: bool = True) -> None:
         """Drop every step of the table, for every user of it (``ReplayClient.reset``)."""
@@ -299,6 +308,7 @@ class ReplayBuffer:
             )
         self._close_batches()
         self.client.reset(self.table)
+        self._spec = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
@@ -367,6 +377,12 @@ class ReplayBuffer:
                 "ReplayClient.sample"
             )
         return config
+
+    def _table_spec(self) -> TableSpec | None:
+        # What the table stores, once its first insert (anyone's) has fixed it.
+        if self._spec is None:
+            self._spec = self.client.info(self.table)["config"].spec
+        return self._spec
 
     def _close_batches(self) -> None:
         if self._batches is not None:
