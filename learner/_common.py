@@ -160,13 +160,13 @@ class PublishAhead:
     without sending anything, as :func:`publish_module`.
 
     **Bounded staleness** (``max_lag``): the rendezvous stores version ``v`` only once every
-    acting env actor holds ``v - max_lag`` or newer, on the thread as it did in the step, so
-    the acting lag (the newest stored version minus the one an actor acts with) is at most
-    ``max_lag``, as a publication in the step bounds it. The learner runs ahead of the stored version by the one
-    publication in flight at most, since the next hand-over waits for it: counted from the
-    learner's version the actors trail by ``max_lag + 1`` at most while one is in flight, and
-    while the actors hold a publication back the learner takes one more publication
-    interval of gradient steps before it waits (in the step it would have waited at once).
+    acting env actor holds ``v - max_lag`` or newer, on the thread as it would in the step,
+    so the acting lag (the newest stored version minus the one an actor acts with) stays
+    within ``max_lag``. The learner runs ahead of the stored version by the one publication
+    in flight at most, since the next hand-over waits for it: counted from the learner's
+    version the actors trail by ``max_lag + 1`` at most while one is in flight, and while
+    the actors hold a publication back the learner takes one more publication interval of
+    gradient steps before it waits (in the step it would have waited at once).
     """
 
     def __init__(

@@ -126,9 +126,9 @@ class DQNConfig:
             when it is needed. Prefetched batches were drawn with the priorities of their
             time, as with any asynchronous prefetch (Reverb, Acme).
         max_policy_lag: the acting policy trails the learner by at most this many versions,
-            as PPO's: every publication waits until each env actor acting holds ``version -
-            max_policy_lag`` or newer (bounded staleness; see "Acting lag" in the module
-            docstring). Old replay is still sampled: off-policy learning reuses it by
+            as PPO's: every publication waits (on the publishing thread) until each env
+            actor acting holds ``version - max_policy_lag`` or newer (bounded staleness; see
+            "Acting lag" and "Publishing ahead" in the module docstring). Old replay is still sampled: off-policy learning reuses it by
             design. ``None``: no bound.
     """
 
