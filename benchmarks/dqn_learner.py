@@ -13,8 +13,13 @@ actions) with no rate limit, so the learner never waits for actors. The client p
   service against: the same update loop run alone).
 
 Neither publishes weights (``publish_every`` is out of reach), so both do the same update
-work. One torch thread. Prints learner steps/s of each, their ratio, and the CPU time per step
-of this process and of the shard's, and the p50/p99 time of one step.
+work. ``--publish-every N`` makes the ``service`` systems publish every ``N`` steps as a
+launch's learner does, on a thread of its own while the next steps run, and adds
+``service-publish-in-step``: the same learner calling :meth:`~DQNLearner.publish` after
+every ``N``-th step, which returns once the shard has stored the weights (what a
+publication in the step would cost). One torch thread. Prints learner steps/s of each,
+their ratio, and the CPU time per step of this process and of the shard's, and the p50/p99
+time of one step.
 
 ``--shape atari`` runs ``atari-dqn.yaml``'s learner instead: a frame-stacked, zstd table of
 real Breakout frames (``uint8[4, 84, 84]``, random actions; the ``atari`` extra), the Nature
@@ -26,11 +31,14 @@ waiting for its batch (``sample_s`` of the step's metrics).
     python benchmarks/dqn_learner.py                 # 5 turns of 300 steps each
     python benchmarks/dqn_learner.py --reps 3 --calls 200 --prefetch 4
     python benchmarks/dqn_learner.py --shape atari --device cuda --calls 500
+    python benchmarks/dqn_learner.py --publish-every 10
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import platform
 import sys
@@ -46,6 +54,7 @@ from _common import fill_random, log, millpond_serve, time_in_turns
 
 TABLE = "replay"
 STEPS = 10_000
+NEVER = 10**9  # a publish_every out of reach
 
 
 def fill(client, steps: int, seed: int = 0) -> None:
@@ -71,7 +80,7 @@ def _setup(args: argparse.Namespace, client, device: torch.device):
     from millpond.learner.dqn import DQNConfig
     from millpond.learner.networks import mlp_q, nature_cnn_q
 
-    common = {"prefetch": args.prefetch, "publish_every": 10**9}
+    common = {"prefetch": args.prefetch, "publish_every": args.publish_every or NEVER}
     if args.shape == "cartpole":
         env = gym.make("CartPole-v1")
         spaces = env.observation_space, env.action_space
@@ -120,7 +129,12 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="the learner's torch device")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--atari-steps", type=int, default=20_000, help="frames to store")
+    parser.add_argument(
+        "--publish-every", type=int, default=0, help="steps between publications (0: none)"
+    )
     args = parser.parse_args()
+
+    import dataclasses
 
     from millpond import ReplayClient
     from millpond.learner.dqn import DQNLearner
@@ -136,37 +150,61 @@ def main() -> int:
         through = DQNLearner(client, TABLE, config, network())
         wire_client = ReplayClient(server.addresses, colocated=False)
         wire = DQNLearner(wire_client, TABLE, config, network())
-        alone = DQNLearner(client, TABLE, config, network())
+        unpublished = dataclasses.replace(config, publish_every=NEVER)
+        alone = DQNLearner(client, TABLE, unpublished, network())
         batches = itertools.cycle([client.sample(TABLE, config.batch_size) for _ in range(64)])
         alone._batches.next = lambda: next(batches)  # the same step, its batches sampled before
         waits: dict[str, list[float]] = {}
 
-        def timed(name: str, learner: DQNLearner):
+        def timed(name: str, learner: DQNLearner, publish_every: int = NEVER):
             def step() -> None:
                 metrics = learner.step()
+                if learner.updates % publish_every == 0:
+                    learner.publish()
                 waits.setdefault(name, []).append(metrics["sample_s"])
 
             return step
 
+        systems = {
+            "service": timed("service", through),
+            "service-wire": timed("service-wire", wire),
+            "alone": timed("alone", alone),
+        }
+        turns = {}
+        if args.publish_every:
+            in_step = DQNLearner(client, TABLE, unpublished, network())
+            systems["service-publish-in-step"] = timed(
+                "service-publish-in-step", in_step, args.publish_every
+            )
+
+            @contextlib.contextmanager
+            def publishing(learner: DQNLearner):
+                # go on from the versions the other systems published; the last publication
+                # stored before the next turn (untimed: one of the turn's calls // N)
+                learner.version = int(client.info()["weights_version"])
+                yield
+                learner.flush()
+
+            for name, learner in [
+                ("service", through),
+                ("service-wire", wire),
+                ("service-publish-in-step", in_step),
+            ]:
+                turns[name] = functools.partial(publishing, learner)
         lat, wall, cpu = time_in_turns(
-            {
-                "service": timed("service", through),
-                "service-wire": timed("service-wire", wire),
-                "alone": timed("alone", alone),
-            },
-            args.reps,
-            args.calls,
-            servers=[server.proc.pid],
+            systems, args.reps, args.calls, turns, servers=[server.proc.pid]
         )
-        through.close()
-        wire.close()
+        for learner in (through, wire, alone, *([in_step] if args.publish_every else [])):
+            learner.close()
         wire_client.close()
         client.close()
 
     steps = args.reps * args.calls
     rate = {name: steps / wall[name] for name in wall}
     print(
-        f"\nDQN learner steps, {what}, prefetch {args.prefetch}, on {device}; "
+        f"\nDQN learner steps, {what}, prefetch {args.prefetch}, "
+        + (f"publishing every {args.publish_every} steps, " if args.publish_every else "")
+        + f"on {device}; "
         f"{args.reps} turns of {args.calls} steps; {platform.processor() or platform.machine()}, "
         f"{args.threads} torch thread(s)"
         + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
@@ -177,7 +215,7 @@ def main() -> int:
         "| client CPU ms/step | shard CPU ms/step |"
     )
     print("|---|---|---|---|---|---|---|")
-    for name in ("service", "service-wire", "alone"):
+    for name in systems:
         client_cpu, shard_cpu = cpu[name]
         print(
             f"| {name} | {rate[name]:,.0f} | {rate[name] / rate['alone']:.2f} | "

@@ -48,8 +48,8 @@ from millpond.learner._common import (
     BatchSource,
     PublishAhead,
     PublishClock,
+    PublishesAhead,
     check_learner_args,
-    publish_module,
     published_version,
 )
 from millpond.learner.client import ReplayClient
@@ -134,7 +134,7 @@ def detached_view(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-class ActorCriticLearner:
+class ActorCriticLearner(PublishesAhead):
     """The shared body of :class:`~millpond.learner.sac.SACLearner` and
     :class:`~millpond.learner.td3.TD3Learner` (see the module docstring).
 
@@ -221,7 +221,8 @@ class ActorCriticLearner:
         (:meth:`losses`), ``td_error`` (mean ``|y - Q_i(s, a)|`` over both Q's),
         ``q_value`` (mean ``Q_i(s, a)``), ``updates``, ``target_updated``, ``published``
         (the version handed to publication after this step, or ``None``: it is stored on
-        a thread of its own while the next steps run, see :meth:`flush`), ``version``,
+        a thread of its own while the next steps run, see :meth:`flush`),
+        ``publish_wait_s`` (``0``: these publications wait for no actor), ``version``,
         ``sample_s`` / ``update_s``, ``priorities_applied`` (prioritized tables) and, when
         the batch records it, the policy lag (``policy_lag_mean`` / ``_max`` in versions,
         ``policy_lag_steps_mean`` / ``_max`` in gradient steps).
@@ -250,10 +251,7 @@ class ActorCriticLearner:
                 self.table, index, self.priorities(losses["td_error"])
             )
         metrics["target_updated"] = self.update_targets()
-        metrics["published"] = None
-        if self.updates % self.config.publish_every == 0:
-            self.version = self._publisher.submit(self.policy, self.version, self.updates)
-            metrics["published"] = self.version
+        self._publish_due(self.config.publish_every, metrics)
         # the scalars in one transfer: one device sync a step, not one each
         names = [k for k, v in losses.items() if v.ndim == 0]
         values = torch.stack(
@@ -325,26 +323,5 @@ class ActorCriticLearner:
         it moves the policy only."""
         return self._frozen_critic(obs, action)
 
-    def flush(self) -> None:
-        """Wait until the last publication handed over is stored (raising its error)."""
-        self._publisher.wait()
-
-    def close(self) -> None:
-        """Wait for the publication in flight and cancel prefetched sample requests."""
-        try:
-            self._publisher.close()
-        finally:
-            self._batches.close()
-
-    def publish(self) -> int:
-        """Publish the policy's weights as version :attr:`version` ``+ 1`` and wait until
-        the rendezvous stores it; returns it.
-
-        :meth:`step` publishes every ``publish_every`` steps without waiting. Call this
-        once before the actors start, so that they act with the learner's initial weights.
-        """
-        self._publisher.wait()
-        self.version = publish_module(
-            self.client, self.policy, self.version, self._clock, self.updates, self.data_parallel
-        )
-        return self.version
+    def _acting_module(self) -> nn.Module:
+        return self.policy

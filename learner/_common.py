@@ -126,17 +126,21 @@ def publish_module(
     if data_parallel and distributed.rank() != 0:
         version += 1
     else:
-        state = module_weights(module)
-        while max_lag is not None:
-            try:
-                version = client.publish_weights(state, version + 1, max_lag=max_lag)
-                break
-            except DeadlineExceededError as e:  # the step is taken: wait on
-                logger.warning("the learner waits for the actors to catch up: %s", e)
-        else:
-            version = client.publish_weights(state, version + 1)
+        version = _send(client, module_weights(module), version + 1, max_lag)
     clock.published(version, steps)
     return version
+
+
+def _send(
+    client: ReplayClient, state: dict[str, torch.Tensor], version: int, max_lag: int | None
+) -> int:
+    """Publish ``state`` as ``version``; with ``max_lag`` ask again after each deadline."""
+    while max_lag is not None:
+        try:
+            return client.publish_weights(state, version, max_lag=max_lag)
+        except DeadlineExceededError as e:  # nothing stored: wait on
+            logger.warning("the learner waits for the actors to catch up: %s", e)
+    return client.publish_weights(state, version)
 
 
 class PublishAhead:
@@ -144,17 +148,35 @@ class PublishAhead:
     learner takes its next steps.
 
     A publication waits for the weights rendezvous to store it (a gRPC stream to a shard
-    that shares the learner's cores), time in which the learner's gradient steps stop; here
-    it is a snapshot of the weights handed to one thread. One publication is in flight at a
-    time: the next one, :meth:`wait` and :meth:`close` wait for it first, so versions land
-    in order, and an error the rendezvous answered is raised there. Data-parallel ranks
-    other than 0 count the version without sending anything, as :func:`publish_module`.
+    that shares the learner's cores, and with ``max_lag`` the acting actors), time in which
+    the learner's gradient steps stop; here it is a snapshot of the weights handed to one
+    thread. One publication is in flight at a time: the next one, :meth:`now`, :meth:`wait`
+    and :meth:`close` wait for it first, so versions land in order, and an error the
+    rendezvous answered is raised there. Data-parallel ranks other than 0 count the version
+    without sending anything, as :func:`publish_module`.
+
+    **Bounded staleness** (``max_lag``): the rendezvous stores version ``v`` only once every
+    acting env actor holds ``v - max_lag`` or newer, on the thread as it would in the step,
+    so the acting lag (the newest stored version minus the one an actor acts with) stays
+    within ``max_lag``. The learner runs ahead of the stored version by the one publication
+    in flight at most, since the next hand-over waits for it: counted from the learner's
+    version the actors trail by ``max_lag + 1`` at most while one is in flight, and while
+    the actors hold a publication back the learner takes one more publication interval of
+    gradient steps before it waits (in the step it would have waited at once).
     """
 
-    def __init__(self, client: ReplayClient, clock: PublishClock, data_parallel: bool) -> None:
+    def __init__(
+        self,
+        client: ReplayClient,
+        clock: PublishClock,
+        data_parallel: bool,
+        max_lag: int | None = None,
+    ) -> None:
         self._client, self._clock, self._data_parallel = client, clock, data_parallel
+        self._max_lag = max_lag
         self._pool: ThreadPoolExecutor | None = None
         self._pending: tuple[Future[int], int] | None = None
+        self._waited_mark = self._client_waited()
 
     def submit(self, module: nn.Module, version: int, steps: int) -> int:
         """Hand ``module``'s weights over as version ``version + 1`` after ``steps``
@@ -165,10 +187,18 @@ class PublishAhead:
             state = module_weights(module, copy=True)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="millpond-publish")
-            future = self._pool.submit(self._client.publish_weights, state, version)
+            future = self._pool.submit(_send, self._client, state, version, self._max_lag)
             self._pending = (future, version)
         self._clock.published(version, steps)
         return version
+
+    def now(self, module: nn.Module, version: int, steps: int) -> int:
+        """Publish ``module``'s weights as version ``version + 1`` in this thread, after the
+        one in flight, and wait until the rendezvous stores it; returns it."""
+        self.wait()
+        return publish_module(
+            self._client, module, version, self._clock, steps, self._data_parallel, self._max_lag
+        )
 
     def wait(self) -> None:
         """Wait for the publication in flight, if any; raise its error."""
@@ -182,6 +212,16 @@ class PublishAhead:
                 f"the weights rendezvous stored version {stored} for version {version}"
             )
 
+    def waited_s(self) -> float:
+        """Seconds the publications waited at the rendezvous for the acting actors
+        (``max_lag``) since the previous call, on the thread or in :meth:`now`."""
+        waited = self._client_waited()
+        since, self._waited_mark = waited - self._waited_mark, waited
+        return since
+
+    def _client_waited(self) -> float:
+        return float(getattr(self._client, "publish_wait_s", 0.0))
+
     def close(self) -> None:
         """Wait for the publication in flight (raising its error) and end the thread."""
         try:
@@ -190,6 +230,55 @@ class PublishAhead:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+class PublishesAhead:
+    """What a learner whose steps publish through a :class:`PublishAhead` adds to them:
+    :meth:`publish`, :meth:`flush`, :meth:`close` and the publication after a step.
+
+    The learner sets ``version``, ``updates``, ``_publisher`` and ``_batches`` and names the
+    module the actors run (:meth:`_acting_module`).
+    """
+
+    version: int
+    updates: int
+    _publisher: PublishAhead
+    _batches: BatchSource
+
+    def _acting_module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _publish_due(self, every: int, metrics: dict[str, Any]) -> None:
+        """After a step: hand the weights over every ``every`` steps; sets ``published``
+        (the version handed over, or ``None``) and ``publish_wait_s`` in ``metrics``."""
+        metrics["published"] = None
+        if self.updates % every == 0:
+            self.version = self._publisher.submit(self._acting_module(), self.version, self.updates)
+            metrics["published"] = self.version
+        metrics["publish_wait_s"] = self._publisher.waited_s()
+
+    def publish(self) -> int:
+        """Publish the actors' module's weights as version :attr:`version` ``+ 1`` and wait
+        until the rendezvous stores it (after the publication in flight); returns it.
+
+        A step publishes every ``publish_every`` steps without waiting. Call this once
+        before the actors start, so that they act with the learner's initial weights.
+        Data-parallel ranks other than 0 take the next version without sending anything;
+        with a ``max_policy_lag`` it waits for the actors as long as they take.
+        """
+        self.version = self._publisher.now(self._acting_module(), self.version, self.updates)
+        return self.version
+
+    def flush(self) -> None:
+        """Wait until the last publication handed over is stored (raising its error)."""
+        self._publisher.wait()
+
+    def close(self) -> None:
+        """Wait for the publication in flight and cancel prefetched sample requests."""
+        try:
+            self._publisher.close()
+        finally:
+            self._batches.close()
 
 
 class BatchSource:

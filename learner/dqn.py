@@ -54,6 +54,19 @@ weights rendezvous until every env actor acting holds ``version - max_policy_lag
 defeat replay; waiting on the actors bounds what they act on. An actor that is writing
 (the rate limiter may hold it for the learner) holds nothing back: it fetches the newest
 weights before it acts again.
+
+**Publishing ahead.** A step hands its publication to a thread of its own
+(:class:`~millpond.learner._common.PublishAhead`, as SAC's and TD3's) and goes on training:
+sending the weights, and with ``max_policy_lag`` waiting for the actors, happens there. One
+publication is in flight at a time: the next one waits for it, and so do :meth:`flush` (a
+checkpoint names only stored versions), :meth:`publish` and :meth:`close`; a publication's
+error is raised by the first of them. It keeps the bound: the rendezvous stores a
+version only once the actors hold ``version - max_policy_lag`` or newer, so the acting lag
+stays within it. While the actors hold a publication back the learner goes on for one more
+``publish_every`` steps and then waits at the next hand-over: it runs at most one
+publication (``publish_every`` gradient steps) further ahead of the actors than if it had
+waited in the step, and its :attr:`~DQNLearner.version` (the one handed over) leads the
+stored one by at most that publication.
 """
 
 from __future__ import annotations
@@ -70,7 +83,13 @@ from torch import nn
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
-from millpond.learner._common import BatchSource, PublishClock, publish_module, published_version
+from millpond.learner._common import (
+    BatchSource,
+    PublishAhead,
+    PublishClock,
+    PublishesAhead,
+    published_version,
+)
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import n_step_return
 
@@ -107,9 +126,9 @@ class DQNConfig:
             when it is needed. Prefetched batches were drawn with the priorities of their
             time, as with any asynchronous prefetch (Reverb, Acme).
         max_policy_lag: the acting policy trails the learner by at most this many versions,
-            as PPO's: every publication waits until each env actor acting holds ``version -
-            max_policy_lag`` or newer (bounded staleness; see "Acting lag" in the module
-            docstring). Old replay is still sampled: off-policy learning reuses it by
+            as PPO's: every publication waits (on the publishing thread) until each env
+            actor acting holds ``version - max_policy_lag`` or newer (bounded staleness; see
+            "Acting lag" and "Publishing ahead" in the module docstring). Old replay is still sampled: off-policy learning reuses it by
             design. ``None``: no bound.
     """
 
@@ -159,7 +178,7 @@ class DQNConfig:
             )
 
 
-class DQNLearner:
+class DQNLearner(PublishesAhead):
     """DQN with a target network, n-step targets, Double DQN and prioritized replay.
 
     Implements :class:`millpond.roles.Learner`.
@@ -184,7 +203,8 @@ class DQNLearner:
         target_network: its copy, refreshed every ``target_update_every`` steps.
         optimizer: Adam over the online network's parameters.
         updates: gradient steps taken.
-        version: the last published version (the actors' policy lag is counted from it).
+        version: the last version published, or handed to publication by :meth:`step`
+            (the sample age is counted from it).
     """
 
     def __init__(
@@ -222,16 +242,21 @@ class DQNLearner:
         self.device = params[0].device if params else torch.device("cpu")
         self.data_parallel = data_parallel
         self._turn = distributed.BatchTurn(data_parallel, self.device)
+        self._publisher = PublishAhead(client, self._clock, data_parallel, config.max_policy_lag)
 
     # -- the update ----------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
-        """Sample a batch, take one gradient step, update priorities, maybe sync and publish.
+        """Sample a batch, take one gradient step, update priorities, maybe sync and publish
+        (on a thread of its own).
 
         Returns metrics: ``loss``, ``td_error`` (mean ``|y - Q(s, a)|``), ``q_value`` (mean
         ``Q(s, a)``), ``updates``, ``target_updated`` (the target network was refreshed
-        after this step), ``published`` (the version published after this step, or
-        ``None``), ``publish_wait_s`` (seconds the publication waited for the actors,
-        ``max_policy_lag``), ``version``, ``priorities_applied`` (prioritized tables) and,
+        after this step), ``published`` (the version handed to publication after this
+        step, or ``None``: it is stored on a thread of its own while the next steps run,
+        see :meth:`flush`), ``publish_wait_s`` (seconds the publications waited at the
+        rendezvous for the actors, ``max_policy_lag``, since the previous step: on the
+        publishing thread, the learner's time only when the next hand-over waits for
+        it), ``version``, ``priorities_applied`` (prioritized tables) and,
         when the batch records it, its sample age: ``sample_age_mean`` / ``sample_age_max``
         (versions the steps' acting policy is behind the learner's) and
         ``sample_age_steps_mean`` / ``sample_age_steps_max`` (gradient steps taken since
@@ -275,11 +300,7 @@ class DQNLearner:
             metrics["target_updated"] = self.updates % c.target_update_every == 0
             if metrics["target_updated"]:
                 self.update_target()
-        metrics["published"] = None
-        waited = getattr(self.client, "publish_wait_s", 0.0)
-        if self.updates % c.publish_every == 0:
-            metrics["published"] = self.publish()
-        metrics["publish_wait_s"] = getattr(self.client, "publish_wait_s", 0.0) - waited
+        self._publish_due(c.publish_every, metrics)
         metrics.update(
             loss=float(loss.detach()),
             td_error=float(td_error.detach().abs().mean()),
@@ -354,10 +375,6 @@ class DQNLearner:
             return next_q_target.gather(-1, best).squeeze(-1)
         return next_q_target.max(-1).values
 
-    def close(self) -> None:
-        """Cancel prefetched sample requests (a no-op without prefetch)."""
-        self._batches.close()
-
     # -- networks ------------------------------------------------------------------------
     @torch.no_grad()
     def update_target(self, tau: float = 1.0) -> None:
@@ -371,24 +388,8 @@ class DQNLearner:
         ):
             target.lerp_(online, tau)
 
-    def publish(self) -> int:
-        """Publish the online network's weights as version :attr:`version` ``+ 1``; returns it.
-
-        :meth:`step` calls it every ``publish_every`` steps. Call it once before the actors
-        start, so that they act with the learner's initial weights. Data-parallel ranks other
-        than 0 take the next version without sending anything. With ``max_policy_lag`` it
-        waits for the actors (see the module docstring), as long as they take.
-        """
-        self.version = publish_module(
-            self.client,
-            self.q_network,
-            self.version,
-            self._clock,
-            self.updates,
-            self.data_parallel,
-            self.config.max_policy_lag,
-        )
-        return self.version
+    def _acting_module(self) -> nn.Module:
+        return self.q_network
 
 
 def _q_values(out: Any) -> torch.Tensor:

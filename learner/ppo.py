@@ -405,6 +405,13 @@ class PPOLearner:
         that they act with the learner's initial weights. Data-parallel ranks other than 0
         take the next version without sending anything.
         """
+        # In the step, not on a thread of its own as the off-policy learners publish: the
+        # next batch is what the actors act after this publication, so it is the iteration's
+        # critical path. With max_policy_lag 0 the next iteration can train on nothing
+        # before the actors hold it, so sending it ahead hides nothing; with a larger bound,
+        # a publication stored later leaves them acting longer with the previous version,
+        # and the next batch holds more steps a version old (more off-policy, or dropped).
+        # One publication per iteration of epochs x minibatches is a small share of it.
         self.version = publish_module(
             self.client, self.policy, self.version, self._clock, self.updates, self.data_parallel
         )

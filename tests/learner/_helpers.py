@@ -1,6 +1,6 @@
 """Helpers of the reference learners' tests: CartPole experience collected by the real
 :class:`millpond.actors.Collector`, written through ``client.writer``, and a check of the
-weights a learner published.
+weights a learner published; a client whose publications wait for a gate.
 
 Test modules import it as ``tests.learner._helpers`` (pytest's ``--import-mode=importlib``
 makes ``tests`` and ``tests.learner`` namespace packages under the root directory).
@@ -8,6 +8,7 @@ makes ``tests`` and ``tests.learner`` namespace packages under the root director
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import gymnasium as gym
@@ -66,3 +67,19 @@ def assert_published(
     assert weights is not None and weights.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(weights[name], tensor), name
+
+
+class Gated:
+    """A real client whose weight publications wait until :attr:`open` is set: the
+    learner's next steps run while one is held on its thread."""
+
+    def __init__(self, client: ReplayClient) -> None:
+        self._client = client
+        self.open = threading.Event()
+
+    def publish_weights(self, *args: Any, **kwargs: Any) -> int:
+        assert self.open.wait(30)
+        return self._client.publish_weights(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)

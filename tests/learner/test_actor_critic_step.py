@@ -7,7 +7,6 @@ of the step that handed it over, stored once flushed, its refusal raised at the 
 from __future__ import annotations
 
 import copy
-import threading
 from typing import Any
 
 import gymnasium as gym
@@ -22,6 +21,7 @@ from millpond.learner._actor_critic import detached_view
 from millpond.learner.box_networks import TwinQ, mlp_sac_actor, mlp_td3_actor
 from millpond.learner.sac import SACConfig, SACLearner
 from millpond.learner.td3 import TD3Config, TD3Learner
+from tests.learner._helpers import Gated
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,22 +52,6 @@ def fill(client: ReplayClient, n: int = 200) -> None:
             [n],
         ),
     )
-
-
-class Gated:
-    """A real client whose weight publications wait until :attr:`open` is set: the
-    learner's next steps run while one is held on its thread."""
-
-    def __init__(self, client: ReplayClient) -> None:
-        self._client = client
-        self.open = threading.Event()
-
-    def publish_weights(self, *args: Any, **kwargs: Any) -> int:
-        assert self.open.wait(30)
-        return self._client.publish_weights(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
 
 
 def sac(client: Any, **config) -> SACLearner:
