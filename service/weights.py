@@ -40,6 +40,8 @@ class WeightStore:
         self._version = -1
         self._blob = b""
         self._acting: dict[str, tuple[int, float]] = {}  # actor -> (version, last fetch)
+        for leftover in self.path.glob("weights-*.tmp"):  # publications a crash cut short
+            leftover.unlink(missing_ok=True)
         meta = self.path / "weights.json"
         if meta.exists():
             try:
@@ -72,35 +74,44 @@ class WeightStore:
             raise InvalidDataError(f"weights version ({version}) must be >= 0")
         if max_lag is not None and max_lag < 0:
             raise InvalidDataError(f"max_lag ({max_lag}) must be >= 0")
-        started = time.monotonic()
-        waited = 0.0
         with self._cond:
-            self._check_newer(version)
-            if max_lag is not None:
-                while (oldest := self._oldest_acting()) is not None and oldest < version - max_lag:
-                    left = wait() if wait is not None else None
-                    if left is not None and left <= 0:
-                        raise DeadlineExceededError(
-                            f"weights version {version} waited {time.monotonic() - started:.1f}"
-                            f" s for the actors acting with version {oldest} (max_lag {max_lag})"
-                        )
-                    # an actor expires, or fetches (and notifies), within this
-                    self._cond.wait(min(ACTING_EXPIRY_S, 1.0 if left is None else left))
-                self._check_newer(version)  # another publication may have come meanwhile
-                waited = time.monotonic() - started
-            data_file = self.path / f"weights-{version}.bin"
-            tmp = data_file.with_suffix(".tmp")
-            with open(tmp, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, data_file)
-            atomic_write_json(self.path / "weights.json", {"version": version, "size": len(blob)})
-            old = self.path / f"weights-{self._version}.bin"
-            self._version, self._blob = version, blob
-            if old != data_file and old.exists():
-                old.unlink()
-            self._cond.notify_all()
+            self._check_newer(version)  # refused before anything is written
+        data_file = self.path / f"weights-{version}.bin"
+        tmp = self.path / f"weights-{version}.{threading.get_ident()}.tmp"
+        waited = 0.0
+        try:
+            # On disk before the lock is taken: the actors' fetches (every chunk) never wait
+            # for a publication's fsync, only for the rename and the small index below.
+            _write_synced(tmp, blob)
+            started = time.monotonic()
+            with self._cond:
+                self._check_newer(version)
+                if max_lag is not None:
+                    while (oldest := self._oldest_acting()) is not None and (
+                        oldest < version - max_lag
+                    ):
+                        left = wait() if wait is not None else None
+                        if left is not None and left <= 0:
+                            raise DeadlineExceededError(
+                                f"weights version {version} waited "
+                                f"{time.monotonic() - started:.1f} s for the actors acting "
+                                f"with version {oldest} (max_lag {max_lag})"
+                            )
+                        # an actor expires, or fetches (and notifies), within this
+                        self._cond.wait(min(ACTING_EXPIRY_S, 1.0 if left is None else left))
+                    self._check_newer(version)  # another publication may have come meanwhile
+                    waited = time.monotonic() - started
+                os.replace(tmp, data_file)
+                atomic_write_json(
+                    self.path / "weights.json", {"version": version, "size": len(blob)}
+                )
+                old = self.path / f"weights-{self._version}.bin"
+                self._version, self._blob = version, blob
+                if old != data_file and old.exists():
+                    old.unlink()
+                self._cond.notify_all()
+        finally:
+            tmp.unlink(missing_ok=True)  # refused, timed out or a full disk: nothing left
         return waited
 
     def get(
@@ -148,3 +159,10 @@ class WeightStore:
             raise InvalidDataError(
                 f"weights version {version} is not newer than the published version {self._version}"
             )
+
+
+def _write_synced(path: Path, blob: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
