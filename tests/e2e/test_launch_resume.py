@@ -54,6 +54,7 @@ def stored(run_dir: Path) -> dict:
 def test_a_stopped_job_resumes_from_its_checkpoint_shards_and_counters(tmp_path):
     run_dir = tmp_path / "run"
     common = ("--set", "ray.num_cpus=2", "--set", "run.status_every_s=1")
+    common += ("--set", "actors.num_actors=2")  # numbered 0 and 1, then 2 and 3
     first = launch(
         DQN,
         *common,
