@@ -391,7 +391,10 @@ def test_collector_step_count_that_is_not_the_step_index_is_refused(at):
     bad = td[10:].clone()
     row = 2 if at == "inside" else 0
     bad["collector", "step_count"][row:] += 3
-    with pytest.raises(StepCountError, match=rf"count of row {row} of lane 0 is {53 + row}, but that step is step {50 + row}"):
+    with pytest.raises(
+        StepCountError,
+        match=rf"count of row {row} of lane 0 is {53 + row}, but that step is step {50 + row}",
+    ):
         compact_ted(bad, state)
     assert state == before
     bad["collector", "step_count"][:] = -1
