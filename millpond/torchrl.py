@@ -296,7 +296,7 @@ class ReplayBuffer:
         new_run = torch.ones(len(ids), dtype=torch.bool)
         new_run[1:] = (ids[1:] != ids[:-1]) | (steps[1:] != steps[:-1] + 1)
         fresh = torch.cumsum(new_run.long(), 0) - 1
-        exported = exported.exclude(("collector", "traj_ids"))
+        exported = decode(exported.exclude(("collector", "traj_ids")))  # a raw export too
         exported["collector", "traj_ids"] = fresh
         with copy.copy(self.client) as loader:
             extend_encoded(lambda td: loader.extend(self.table, td), exported, self._table_spec())
