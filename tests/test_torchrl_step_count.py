@@ -57,7 +57,10 @@ def check_loaded(rb, dumped, path):
 
 def test_step_count_is_rebuilt_from_the_step_bit_for_bit(address, tmp_path):
     rb = ReplayBuffer(address, TableConfig.uniform("count", capacity=2_000), batch_size=64)
-    local = fill(rb, batches(0))
+    data = batches(0)
+    local = fill(rb, data)
+    kept = data[0].keys(True, True)  # the caller's data keeps its counts
+    assert ("next", "step_count") in kept and ("collector", "step_count") not in kept
     fields = spec_of(rb)
     assert ("step_count",) not in fields and ("next", "step_count") not in fields
     assert fields[MARKER].shape == (0,)  # no bytes per step
