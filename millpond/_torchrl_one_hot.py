@@ -24,7 +24,7 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 from millpond.errors import InvalidDataError
 from millpond.spec import Key, TableSpec, dtype_name, format_key, parse_dtype
 
-__all__ = ["decode_one_hot", "encode_one_hot", "holds_one_hot"]
+__all__ = ["decode_one_hot", "encode_one_hot", "holds_one_hot", "real_rows", "tensor_leaves"]
 
 _ACTION = "action"
 _ENCODED = re.compile(r"^(?P<leaf>.+)-one-hot-(?P<dtype>[a-z0-9]+)-(?P<n>[0-9]+)$")
@@ -43,7 +43,7 @@ def _index_dtype(n: int) -> torch.dtype:
     return torch.int64
 
 
-def _leaves(data: TensorDictBase) -> list[Key]:
+def tensor_leaves(data: TensorDictBase) -> list[Key]:
     return [
         (k,) if isinstance(k, str) else tuple(k)
         for k in data.keys(include_nested=True, leaves_only=True)
@@ -56,7 +56,7 @@ def encode_one_hot(data: TensorDictBase, spec: TableSpec | None) -> TensorDictBa
     if isinstance(data, LazyStackedTensorDict):
         parts = [encode_one_hot(td, spec) for td in data.tensordicts]
         return LazyStackedTensorDict(*parts, stack_dim=data.stack_dim)
-    leaves = _leaves(data)
+    leaves = tensor_leaves(data)
     present = set(leaves)
     for key in leaves:
         if _ENCODED.match(key[-1]):
@@ -74,7 +74,7 @@ def encode_one_hot(data: TensorDictBase, spec: TableSpec | None) -> TensorDictBa
         stored = (*key[:-1], _encoded_leaf(key[-1], value.dtype, n))
         if spec is not None and stored not in spec.fields:
             continue  # the table stores this action as it is
-        index, bad_row = _index_of(value, _real_rows(data, value))
+        index, bad_row = _index_of(value, real_rows(data, value))
         if bad_row is not None:
             if spec is None:
                 continue  # not one-hot: stored as it is
@@ -90,9 +90,9 @@ def encode_one_hot(data: TensorDictBase, spec: TableSpec | None) -> TensorDictBa
     return data
 
 
-def _real_rows(data: TensorDictBase, value: torch.Tensor) -> torch.Tensor:
+def real_rows(data: TensorDictBase, value: torch.Tensor) -> torch.Tensor:
     """Which rows are steps, not ``split_trajs`` padding (never stored, never checked)."""
-    mask = data.get(_MASK, None) if _MASK in set(_leaves(data)) else None
+    mask = data.get(_MASK, None) if _MASK in set(tensor_leaves(data)) else None
     if mask is None:
         return torch.ones(value.shape[:-1], dtype=torch.bool)
     return mask.reshape(value.shape[:-1]).bool()
@@ -123,7 +123,7 @@ def holds_one_hot(spec: TableSpec | None) -> bool:
 
 def decode_one_hot(batch: TensorDictBase) -> TensorDictBase:
     """``batch`` with every stored index leaf rebuilt as its one-hot action, in place."""
-    for key in _leaves(batch):
+    for key in tensor_leaves(batch):
         match = _ENCODED.match(key[-1])
         if match is None:
             continue

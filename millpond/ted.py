@@ -29,6 +29,7 @@ __all__ = [
     "FRESH_EPISODE_ID_BASE",
     "TRAJ_ID_LIMIT",
     "OpenEpisodes",
+    "StepCountError",
     "compact_ted",
     "episode_base",
     "observation_digest",
@@ -41,6 +42,7 @@ __all__ = [
 FRESH_EPISODE_ID_BASE = 1 << 62
 
 _TRAJ_IDS: Key = ("collector", "traj_ids")
+_STEP_COUNT: Key = ("collector", "step_count")
 #: Leaves under ``"next"`` that are not observations.
 _NEXT_NON_OBSERVATIONS = frozenset(
     {("next", "reward"), ("next", "done"), ("next", "terminated"), ("next", "truncated")}
@@ -91,6 +93,16 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 #: ``2**32`` in ``[2**32, 2**62)``, and its trajectories' ids are added to it.
 TRAJ_ID_LIMIT = 1 << 32
 _MASK: Key = ("collector", "mask")
+
+
+class StepCountError(InvalidDataError):
+    """``("collector", "step_count")`` disagrees with the steps' indices in their episodes;
+    ``detail`` says where, without naming the key."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"('collector', 'step_count'): {detail}")
+        self.detail = detail
+
 
 #: Open episodes of an extend source: episode id -> (its next step, a digest of its last
 #: next observation, or ``None`` where it is not known).
@@ -201,6 +213,7 @@ def compact_ted(
     )
     ended = (terminated | truncated).reshape(lanes, time_len)
     traj_ids = _traj_ids(grid.get(_TRAJ_IDS), lanes, time_len, episode_base)
+    counts = _step_counts(grid.get(_STEP_COUNT), n)
 
     # Cut after step t of a lane where the episode ends, the trajectory changes, an
     # observation's next value is not (bitwise) the following row's value, or the lane's
@@ -229,10 +242,19 @@ def compact_ted(
         return flat if len(rows) == n else flat[rows]
 
     tails = {k: grid[("next", *k)].reshape(n, *grid[k].shape[2:])[ends] for k in obs_keys}
+    staged = dict(open_episodes)  # kept only if the step counts check out
     if traj_ids is not None:
         episode_ids = traj_ids.reshape(n)[starts].numpy()
         first_steps = _continue_episodes(
-            episode_ids, lengths, seg_ended.tolist(), open_episodes, grid, obs_keys, starts, tails
+            episode_ids,
+            lengths,
+            seg_ended.tolist(),
+            staged,
+            grid,
+            obs_keys,
+            starts,
+            tails,
+            None if counts is None else counts[starts].numpy(),
         )
     else:
         # A segment starts a new episode at a lane's start and after an episode end.
@@ -245,9 +267,14 @@ def compact_ted(
         first_steps = np.zeros(len(lengths), dtype=np.int64)
         running = 0
         for i, new in enumerate(new_episode.tolist()):
-            running = 0 if new else running
+            if new:
+                running = 0 if counts is None else int(counts[starts[i]])
             first_steps[i] = running
             running += int(lengths[i])
+    if counts is not None:
+        _check_step_counts(real(counts), first_steps, lengths, rows, time_len)
+    open_episodes.clear()
+    open_episodes.update(staged)
 
     steps: dict[Key, torch.Tensor] = {}
     for key, value in grid.items():
@@ -273,8 +300,10 @@ def _continue_episodes(
     obs_keys: list[Key],
     starts: torch.Tensor,
     tails: dict[Key, torch.Tensor],
+    counts: np.ndarray | None,
 ) -> np.ndarray:
     """Each segment's first step, continuing the episodes ``open_episodes`` holds; updates it.
+    An episode it does not hold starts at ``counts[i]`` (0 without counts).
 
     A trajectory that an earlier call left open continues only where its first observation
     is the one it stopped on; otherwise the call is refused (and nothing changes).
@@ -300,7 +329,10 @@ def _continue_episodes(
                     "source=...)), or steps are missing"
                 )
         seen.add(ep)
-        first_steps[i] = state[ep][0] if ep in state else 0
+        if ep in state:
+            first_steps[i] = state[ep][0]
+        else:
+            first_steps[i] = 0 if counts is None else counts[i]
         if done:
             state.pop(ep, None)
             last_of.pop(ep, None)
@@ -312,6 +344,52 @@ def _continue_episodes(
     open_episodes.clear()
     open_episodes.update(state)
     return first_steps
+
+
+def _step_counts(counts: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """``[P * T]`` int64: the steps' indices in their episodes, checked; ``None`` if absent."""
+    if counts is None:
+        return None
+    if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise InvalidDataError(
+            f"{format_key(_STEP_COUNT)} must be integers, received {dtype_name(counts.dtype)}"
+        )
+    if counts[0, 0].numel() != 1:
+        raise InvalidDataError(
+            f"{format_key(_STEP_COUNT)} must hold one count per step, received shape "
+            f"{list(counts.shape)}"
+        )
+    counts = counts.reshape(n).to(torch.int64)
+    if bool((counts < 0).any()):
+        raise StepCountError(
+            f"counts must be >= 0 (a step's index in its episode), received {int(counts.min())}"
+        )
+    return counts
+
+
+def _check_step_counts(
+    counts: torch.Tensor,
+    first_steps: np.ndarray,
+    lengths: np.ndarray,
+    rows: torch.Tensor,
+    time_len: int,
+) -> None:
+    """Refuse real rows whose count is not their step index (``first_step`` + offset)."""
+    lengths_t = torch.from_numpy(lengths)
+    offsets = torch.arange(len(counts)) - torch.repeat_interleave(
+        torch.cumsum(lengths_t, 0) - lengths_t, lengths_t
+    )
+    expected = torch.repeat_interleave(torch.from_numpy(first_steps), lengths_t) + offsets
+    bad = torch.nonzero(counts != expected).reshape(-1)
+    if len(bad):
+        i = int(bad[0])
+        lane, t = divmod(int(rows[i]), time_len)
+        raise StepCountError(
+            f"the count of row {t} of lane {lane} is {int(counts[i])}, but that step is step "
+            f"{int(expected[i])} of its episode (counted from its first step in this source's "
+            "data, one more each row): counts must rise by 1 along each trajectory and "
+            "continue its previous extend"
+        )
 
 
 def _no_observation_message(grid: dict[Key, torch.Tensor]) -> str:

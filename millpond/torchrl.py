@@ -34,7 +34,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs.transforms import Compose, Transform
 
-from millpond._torchrl_one_hot import decode_one_hot, encode_one_hot, holds_one_hot
+from millpond._torchrl_encodings import decode, extend_encoded, holds_encoding
 from millpond._torchrl_refusals import (
     TorchRLUnsupportedError,
     check_constructor_kwargs,
@@ -153,7 +153,9 @@ class ReplayBuffer:
             data = self.transform.inv(data)
             if data is None:
                 return 0
-        return self.client.extend(self.table, encode_one_hot(data, self._table_spec()))
+        return extend_encoded(
+            lambda td: self.client.extend(self.table, td), data, self._table_spec()
+        )
 
     def add(self, data: TensorDictBase) -> int:
         """Store one step: a TensorDict of batch ``[]`` (one env) or ``[P]`` (one step of
@@ -199,7 +201,7 @@ class ReplayBuffer:
             batch = next(self._batches)
         else:
             batch = self.client.sample(self.table, batch_size, self._timeout_s)
-        batch = decode_one_hot(batch)
+        batch = decode(batch)
         info = self._info(batch)
         if self.transform is not None:
             batch = self.transform(batch)
@@ -268,11 +270,11 @@ class ReplayBuffer:
                 tempfile.TemporaryDirectory(dir=path.parent) as spool,
                 spooled_table(self.table, reader, slots, spool) as snapshot,
             ):
-                if not holds_one_hot(reader.config.spec):
+                if not holds_encoding(reader.config.spec):
                     export_ted(snapshot, path, order="episode")
                     return
                 export_ted(snapshot, f"{spool}/ted", order="episode")
-                decode_one_hot(TensorDict.load_memmap(f"{spool}/ted").clone()).memmap_(path)
+                decode(TensorDict.load_memmap(f"{spool}/ted").clone()).memmap_(path)
 
     def loads(self, path: str | Path) -> None:
         """Store a :meth:`dumps` export (or ``millpond export --format ted``'s) into the
@@ -294,10 +296,10 @@ class ReplayBuffer:
         new_run = torch.ones(len(ids), dtype=torch.bool)
         new_run[1:] = (ids[1:] != ids[:-1]) | (steps[1:] != steps[:-1] + 1)
         fresh = torch.cumsum(new_run.long(), 0) - 1
-        exported = exported.exclude(("collector", "traj_ids"))
+        exported = decode(exported.exclude(("collector", "traj_ids")))  # a raw export too
         exported["collector", "traj_ids"] = fresh
         with copy.copy(self.client) as loader:
-            loader.extend(self.table, encode_one_hot(exported, self._table_spec()))
+            extend_encoded(lambda td: loader.extend(self.table, td), exported, self._table_spec())
 
     def empty(self, empty_write_count: bool = True) -> None:
         """Drop every step of the table, for every user of it (``ReplayClient.reset``)."""

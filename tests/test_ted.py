@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from millpond import Table, TableConfig
 from millpond.errors import InvalidDataError
 from millpond.service.export import export_hdf5, export_ted, load_hdf5
-from millpond.ted import FRESH_EPISODE_ID_BASE, compact_ted
+from millpond.ted import FRESH_EPISODE_ID_BASE, StepCountError, compact_ted
 from millpond.testing import TED_ROW_KEYS, rollout, sample_in_parts, stored_segments
 
 
@@ -352,6 +352,54 @@ def test_bad_ted_leaves_the_state_untouched(tamper, message):
     assert state == before
     with pytest.raises(InvalidDataError, match="no steps"):
         compact_ted(td[:0], state)
+
+
+def counted(td, start):
+    """``td`` ([T], from resets) with ``("collector", "step_count")``: each row's index in its
+    trajectory, the first trajectory's starting at ``start`` (a collector already running)."""
+    traj = td["collector", "traj_ids"].tolist()
+    counts = [start]
+    for i in range(1, len(traj)):
+        counts.append(counts[-1] + 1 if traj[i] == traj[i - 1] else 0)
+    return td.clone().set(("collector", "step_count"), torch.tensor(counts))
+
+
+def packed_steps(packed):
+    """Each stored step's index in its episode, in the packed order."""
+    return [f + i for f, n in zip(packed.first_steps, packed.lengths) for i in range(n)]
+
+
+@pytest.mark.parametrize("with_traj_ids", [True, False])
+def test_collector_step_count_gives_the_steps_indices(with_traj_ids):
+    td = counted(cartpole_ted(1, 60, seed=8)[0], start=40)
+    if not with_traj_ids:
+        td = td.exclude(("collector", "traj_ids"))
+    state = {}
+    first, rest = compact_ted(td[:10], state), compact_ted(td[10:], state)
+    assert packed_steps(first) + packed_steps(rest) == td["collector", "step_count"].tolist()
+    assert first.first_steps[0] == 40
+
+
+@pytest.mark.parametrize("at", ["inside", "continued"])
+def test_collector_step_count_that_is_not_the_step_index_is_refused(at):
+    td = counted(cartpole_ted(1, 60, seed=8)[0], start=40)
+    traj = td["collector", "traj_ids"]
+    assert int((traj == traj[0]).sum()) > 12  # the first trajectory runs past row 10
+    state = {}
+    compact_ted(td[:10], state)
+    before = dict(state)
+    bad = td[10:].clone()
+    row = 2 if at == "inside" else 0
+    bad["collector", "step_count"][row:] += 3
+    with pytest.raises(
+        StepCountError,
+        match=rf"count of row {row} of lane 0 is {53 + row}, but that step is step {50 + row}",
+    ):
+        compact_ted(bad, state)
+    assert state == before
+    bad["collector", "step_count"][:] = -1
+    with pytest.raises(StepCountError, match=">= 0"):
+        compact_ted(bad, state)
 
 
 # -- TorchRL ----------------------------------------------------------------------------------
