@@ -56,6 +56,8 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         factory, kwargs = f"mlp_{head}", {"hidden": tuple(c.learner.hidden_sizes)}
         if c.learner.dueling:
             kwargs["dueling"] = True
+        if c.learner.activation != "tanh":
+            kwargs["activation"] = c.learner.activation
         if c.learner.algorithm == "ppo" and c.learner.ppo.normalize_observations:
             kwargs["normalize_observations"] = True
     return ActorConfig(

@@ -294,6 +294,8 @@ class LearnerSection:
             fully connected layer is 512 wide.
         dueling: DQN's MLP Q-network with a dueling head
             (:class:`~millpond.learner.networks.DuelingQ`), for learner and actors alike.
+        activation: between the layers of DQN's MLP Q-network: ``"tanh"`` (the default) or
+            ``"relu"`` (CleanRL's DQN); the other algorithms' MLPs keep theirs.
         ppo: :class:`~millpond.learner.PPOConfig` fields.
         dqn: :class:`~millpond.learner.DQNConfig` fields.
         sac: :class:`~millpond.learner.SACConfig` fields.
@@ -317,6 +319,7 @@ class LearnerSection:
     network: str = "auto"
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
     dueling: bool = False
+    activation: str = "tanh"
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
     sac: SACConfig = field(default_factory=SACConfig)
@@ -355,6 +358,12 @@ class LearnerSection:
             raise InvalidConfigError(
                 f"learner.network: {self.algorithm}'s networks are MLPs; 'nature_cnn' is for "
                 "ppo and dqn"
+            )
+        _choice("learner.activation", self.activation, ("tanh", "relu"))
+        if self.activation != "tanh" and (self.algorithm != "dqn" or self.network == "nature_cnn"):
+            raise InvalidConfigError(
+                "learner.activation: it sets DQN's MLP Q-network, not "
+                f"{self.algorithm} with network {self.network!r}"
             )
         if self.dueling and (self.algorithm != "dqn" or self.network == "nature_cnn"):
             raise InvalidConfigError(
@@ -465,6 +474,7 @@ FIXED_ON_RESUME: tuple[str, ...] = (
     "learner.network",
     "learner.hidden_sizes",
     "learner.dueling",
+    "learner.activation",
     "learner.ppo.normalize_observations",  # the policy's statistics are in the checkpoint
 )
 

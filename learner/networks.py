@@ -77,8 +77,8 @@ class MLP(nn.Module):
         hidden: widths of the hidden layers.
         out_std: orthogonal-init gain of the output layer (CleanRL: 0.01 for policy logits,
             1.0 for values).
-        activation: ``"tanh"`` (CleanRL's PPO and DQN) or ``"relu"`` (the SAC paper's and
-            Stable-Baselines3's SAC networks) between the layers.
+        activation: ``"tanh"`` (CleanRL's PPO) or ``"relu"`` (CleanRL's DQN, the SAC
+            paper's and Stable-Baselines3's SAC networks) between the layers.
 
     ``forward`` accepts a batch of observations ``[*B, *obs_shape]`` in the env's dtype and
     returns ``[*B, out_features]``.
@@ -197,10 +197,14 @@ class DuelingQ(nn.Module):
     """
 
     def __init__(
-        self, observation_space: gym.Space, num_actions: int, hidden: Sequence[int] = (64, 64)
+        self,
+        observation_space: gym.Space,
+        num_actions: int,
+        hidden: Sequence[int] = (64, 64),
+        activation: str = "tanh",
     ) -> None:
         super().__init__()
-        self.mlp = MLP(observation_space, 1 + num_actions, hidden, out_std=1.0)
+        self.mlp = MLP(observation_space, 1 + num_actions, hidden, 1.0, activation)
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
         out = self.mlp(observation)
@@ -213,13 +217,14 @@ def mlp_q(
     action_space: gym.Space,
     hidden: Sequence[int] = (64, 64),
     dueling: bool = False,
+    activation: str = "tanh",
 ) -> MLP | DuelingQ:
     """Action values ``Q(s, ·)``, ``[..., n]`` for a ``Discrete(n)`` action space (an actor
     factory: act with ``deterministic=True`` and epsilon-greedy exploration); a
-    :class:`DuelingQ` with ``dueling``."""
+    :class:`DuelingQ` with ``dueling``; ``activation`` between the layers (see :class:`MLP`)."""
     if dueling:
-        return DuelingQ(observation_space, _num_actions(action_space), hidden)
-    return MLP(observation_space, _num_actions(action_space), hidden, out_std=1.0)
+        return DuelingQ(observation_space, _num_actions(action_space), hidden, activation)
+    return MLP(observation_space, _num_actions(action_space), hidden, 1.0, activation)
 
 
 class NatureCNN(nn.Module):

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from millpond.actors import ApexPriorities, GaussianNoise, OrnsteinUhlenbeckNoise
 from millpond.deploy.config_files import apply_override
@@ -290,6 +291,42 @@ def test_rainbow_actors_and_learner_build_the_same_dueling_network():
     assert isinstance(learner.q_network, DuelingQ)
     policy = make_policy(actor.policy, *spaces, 1, policy_kwargs=actor.policy_kwargs)
     policy.module.load_state_dict(learner.q_network.state_dict())  # the same parameters
+
+
+@pytest.mark.parametrize("dueling", [False, True])
+def test_a_relu_q_network_is_built_alike_for_actors_and_learner(dueling):
+    import gymnasium as gym
+    from torch import nn
+
+    from millpond.actors import make_policy
+    from millpond.deploy.env_fleet import actor_config
+    from millpond.deploy.learner_actor import make_learner
+
+    overrides = ["learner.activation=relu", f"learner.dueling={str(dueling).lower()}"]
+    config = load_config(CONFIGS / "cartpole-dqn.yaml", overrides)
+    actor = actor_config(config, "replay", "mlp")
+    env = gym.make("CartPole-v1")
+    spaces = env.observation_space, env.action_space
+    env.close()
+    learner = make_learner(config, None, "replay", *spaces, version=-1)
+    policy = make_policy(actor.policy, *spaces, 1, policy_kwargs=actor.policy_kwargs)
+    for net in (learner.q_network, policy.module):
+        kinds = {type(m) for m in net.modules()}
+        assert nn.ReLU in kinds and nn.Tanh not in kinds
+    policy.module.load_state_dict(learner.q_network.state_dict())  # the same parameters
+    obs = torch.randn(5, 4)
+    assert torch.equal(policy.module(obs), learner.q_network(obs))
+
+
+def test_activation_is_for_dqn_mlp_q_networks(tmp_path):
+    with pytest.raises(InvalidConfigError, match=r"learner.activation: 'gelu' is not one of"):
+        load_config(CONFIGS / "cartpole-dqn.yaml", ["learner.activation=gelu"])
+    with pytest.raises(InvalidConfigError, match=r"learner.activation: it sets DQN's"):
+        load_config(CONFIGS / "cartpole-ppo.yaml", ["learner.activation=relu"])
+    with pytest.raises(InvalidConfigError, match=r"learner.activation: it sets DQN's"):
+        load_config(
+            CONFIGS / "cartpole-dqn.yaml", ["learner.activation=relu", "learner.network=nature_cnn"]
+        )
 
 
 def test_apex_priorities_are_for_dqn_on_a_prioritized_table(tmp_path):
