@@ -64,7 +64,7 @@ def make_buffer(
     return ReplayBuffer(address, table, batch_size=batch_size, prefetch=PREFETCH)
 
 
-def dqn(rb, frames: int, seed: int):
+def dqn(rb, frames: int, seed: int, learn: bool = True):
     """TorchRL's DQN recipe on CartPole-v1."""
     env = TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
     env.append_transform(RewardSum())
@@ -82,10 +82,10 @@ def dqn(rb, frames: int, seed: int):
     collector = Collector(
         env, Seq(qnet, greedy), frames_per_batch=50, total_frames=frames, init_random_frames=500
     )
-    return _train(collector, rb, loss, optim, target, greedy, updates=5, warmup=500)
+    return _train(collector, rb, loss, optim, target, greedy, updates=5 * learn, warmup=500)
 
 
-def sac(rb, frames: int, seed: int):
+def sac(rb, frames: int, seed: int, learn: bool = True):
     """TorchRL's SAC recipe on Pendulum-v1."""
     env = TransformedEnv(GymEnv("Pendulum-v1"), StepCounter())
     env.append_transform(RewardSum())
@@ -117,7 +117,7 @@ def sac(rb, frames: int, seed: int):
     target = SoftUpdate(loss, eps=0.995)
     optim = torch.optim.Adam(loss.parameters(), lr=3e-3)
     collector = Collector(env, actor, frames_per_batch=50, total_frames=frames)
-    return _train(collector, rb, loss, optim, target, None, updates=50, warmup=500)
+    return _train(collector, rb, loss, optim, target, None, updates=50 * learn, warmup=500)
 
 
 def _train(collector, rb, loss_module, optim, target, greedy, updates: int, warmup: int):
@@ -171,6 +171,11 @@ def main() -> int:
     ap.add_argument("--seeds", default="0", help="comma-separated seeds, each run on both")
     ap.add_argument("--dir", type=Path, help="parent of the temporary data directory (/tmp)")
     ap.add_argument("--breakdown", action="store_true", help="list each millpond table file")
+    ap.add_argument(
+        "--collect-only",
+        action="store_true",
+        help="no updates: the recipe's collector fills each buffer (for bytes at larger sizes)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     kinds = ("local", "millpond") if args.buffer == "both" else (args.buffer,)
@@ -188,7 +193,7 @@ def main() -> int:
                     name = f"{algo}-{kind}-{seed}-{os.getpid()}"
                     rb = make_buffer(kind, name, frames, 128, root, address, seed)
                     t0 = time.perf_counter()
-                    curve = run(rb, frames, seed)
+                    curve = run(rb, frames, seed, learn=not args.collect_only)
                     wall = time.perf_counter() - t0
                     if kind == "local":
                         stored, nbytes = len(rb), _disk_bytes(root / name)
