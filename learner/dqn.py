@@ -128,8 +128,8 @@ class DQNConfig:
         max_policy_lag: the acting policy trails the learner by at most this many versions,
             as PPO's: every publication waits (on the publishing thread) until each env
             actor acting holds ``version - max_policy_lag`` or newer (bounded staleness; see
-            "Acting lag" and "Publishing ahead" in the module docstring). Old replay is still sampled: off-policy learning reuses it by
-            design. ``None``: no bound.
+            "Acting lag" and "Publishing ahead" in the module docstring). Old replay is
+            still sampled: off-policy learning reuses it by design. ``None``: no bound.
     """
 
     batch_size: int = 128

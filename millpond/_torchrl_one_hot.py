@@ -22,13 +22,13 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from millpond.errors import InvalidDataError
-from millpond.spec import Key, TableSpec, dtype_name, format_key, parse_dtype
+from millpond.spec import MASK, TableSpec, dtype_name, format_key, parse_dtype
+from millpond.ted import leaf_keys
 
-__all__ = ["decode_one_hot", "encode_one_hot", "holds_one_hot", "real_rows", "tensor_leaves"]
+__all__ = ["decode_one_hot", "encode_one_hot", "holds_one_hot", "real_rows"]
 
 _ACTION = "action"
 _ENCODED = re.compile(r"^(?P<leaf>.+)-one-hot-(?P<dtype>[a-z0-9]+)-(?P<n>[0-9]+)$")
-_MASK: Key = ("collector", "mask")
 
 
 def _encoded_leaf(leaf: str, dtype: torch.dtype, n: int) -> str:
@@ -43,20 +43,13 @@ def _index_dtype(n: int) -> torch.dtype:
     return torch.int64
 
 
-def tensor_leaves(data: TensorDictBase) -> list[Key]:
-    return [
-        (k,) if isinstance(k, str) else tuple(k)
-        for k in data.keys(include_nested=True, leaves_only=True)
-    ]
-
-
 def encode_one_hot(data: TensorDictBase, spec: TableSpec | None) -> TensorDictBase:
     """``data`` with its one-hot ``"action"`` leaves as indices (see the module's notes);
     ``spec`` is the table's (``None`` before its first insert). ``data`` is not changed."""
     if isinstance(data, LazyStackedTensorDict):
         parts = [encode_one_hot(td, spec) for td in data.tensordicts]
         return LazyStackedTensorDict(*parts, stack_dim=data.stack_dim)
-    leaves = tensor_leaves(data)
+    leaves = leaf_keys(data)
     present = set(leaves)
     for key in leaves:
         if _ENCODED.match(key[-1]):
@@ -92,7 +85,7 @@ def encode_one_hot(data: TensorDictBase, spec: TableSpec | None) -> TensorDictBa
 
 def real_rows(data: TensorDictBase, value: torch.Tensor) -> torch.Tensor:
     """Which rows are steps, not ``split_trajs`` padding (never stored, never checked)."""
-    mask = data.get(_MASK, None) if _MASK in set(tensor_leaves(data)) else None
+    mask = data.get(MASK, None)
     if mask is None:
         return torch.ones(value.shape[:-1], dtype=torch.bool)
     return mask.reshape(value.shape[:-1]).bool()
@@ -123,7 +116,7 @@ def holds_one_hot(spec: TableSpec | None) -> bool:
 
 def decode_one_hot(batch: TensorDictBase) -> TensorDictBase:
     """``batch`` with every stored index leaf rebuilt as its one-hot action, in place."""
-    for key in tensor_leaves(batch):
+    for key in leaf_keys(batch):
         match = _ENCODED.match(key[-1])
         if match is None:
             continue

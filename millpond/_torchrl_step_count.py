@@ -24,15 +24,15 @@ import re
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from millpond._torchrl_one_hot import real_rows, tensor_leaves
+from millpond._torchrl_one_hot import real_rows
 from millpond.errors import InvalidDataError
-from millpond.spec import Key, TableSpec, dtype_name, format_key, parse_dtype
+from millpond.spec import STEP_COUNT, Key, TableSpec, dtype_name, format_key, parse_dtype
+from millpond.ted import leaf_keys
 
 __all__ = ["decode_step_count", "encode_step_count", "holds_step_count"]
 
 _LEAF = "step_count"
 _NEXT: Key = ("next", _LEAF)
-_COUNTS: Key = ("collector", "step_count")
 _ENCODED = re.compile(r"^step_count-from-step-(?P<dtype>[a-z0-9]+)-(?P<shape>scalar|1)$")
 
 
@@ -52,7 +52,7 @@ def encode_step_count(data: TensorDictBase, spec: TableSpec | None) -> TensorDic
     if isinstance(data, LazyStackedTensorDict):
         parts = [encode_step_count(td, spec) for td in data.tensordicts]
         return LazyStackedTensorDict(*parts, stack_dim=data.stack_dim)
-    leaves = set(tensor_leaves(data))
+    leaves = set(leaf_keys(data))
     for key in leaves:
         if _ENCODED.match(key[-1]):
             raise InvalidDataError(
@@ -82,7 +82,7 @@ def encode_step_count(data: TensorDictBase, spec: TableSpec | None) -> TensorDic
     data = data.clone(recurse=False)  # the caller's TensorDict keeps its counts
     del data[_LEAF]
     del data[_NEXT]
-    data.set(_COUNTS, count.reshape(data.batch_size).to(torch.int64))
+    data.set(STEP_COUNT, count.reshape(data.batch_size).to(torch.int64))
     data.set(stored, torch.empty((*data.batch_size, 0), dtype=torch.uint8))
     return data
 
@@ -91,7 +91,7 @@ def _not_exact(data: TensorDictBase, leaves: set[Key]) -> str | None:
     """Why the counts cannot be rebuilt from the steps' indices (``None``: they can)."""
     if (_LEAF,) not in leaves or _NEXT not in leaves:
         return "the data has no 'step_count' and ('next', 'step_count')"
-    if _COUNTS in leaves:
+    if STEP_COUNT in leaves:
         return "the data has ('collector', 'step_count') too"
     count, after = data.get(_LEAF), data.get(_NEXT)
     per_step = tuple(count.shape[data.batch_dims :])
@@ -117,7 +117,7 @@ def _not_exact(data: TensorDictBase, leaves: set[Key]) -> str | None:
 def decode_step_count(batch: TensorDictBase) -> TensorDictBase:
     """``batch`` with ``"step_count"`` and ``("next", "step_count")`` rebuilt from
     ``"step"`` where its table stores them so, in place."""
-    for key in tensor_leaves(batch):
+    for key in leaf_keys(batch):
         match = _ENCODED.match(key[-1]) if len(key) == 1 else None
         if match is None:
             continue

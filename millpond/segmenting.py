@@ -21,7 +21,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from millpond.errors import InvalidDataError
 from millpond.segments import PackedSegments, Segment, flatten, pack_columns
-from millpond.spec import Key, format_key
+from millpond.spec import STEP_COUNT, Key, format_key
 from millpond.ted import observation_keys, rows_differ
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
 ]
 
 _TRAJ_IDS: Key = ("collector", "traj_ids")
-_STEP_COUNT: Key = ("collector", "step_count")
 
 
 def _done(steps: TensorDictBase) -> torch.Tensor:
@@ -111,7 +110,7 @@ class _Cut:
         self.steps = flat.exclude(*[("next", *k) for k in obs_keys], ("next", "done"), "collector")
         self.tails = flat.select(*[("next", *k) for k in obs_keys])[ends]["next"]
         self.episode_ids = traj.reshape(n)[starts].numpy()
-        self.first_steps = flat[_STEP_COUNT].reshape(n)[starts].numpy()
+        self.first_steps = flat[STEP_COUNT].reshape(n)[starts].numpy()
 
 
 def to_ted(segment: Segment) -> TensorDict:

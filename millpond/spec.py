@@ -40,6 +40,8 @@ RESERVED_KEYS: frozenset[Key] = frozenset(
 
 #: Nested keys sampling produces: the mask of slices shorter than asked.
 MASK: Key = ("collector", "mask")
+#: A collector's count of each step's index in its episode (millpond's collectors write it).
+STEP_COUNT: Key = ("collector", "step_count")
 
 
 def is_reserved(key: Key) -> bool:

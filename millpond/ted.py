@@ -23,7 +23,17 @@ from tensordict import TensorDictBase
 from millpond.errors import InvalidDataError
 from millpond.routing import writer_hash
 from millpond.segments import PackedSegments, episode_ends, flatten
-from millpond.spec import DONE, RESERVED_KEYS, TERMINATED, TRUNCATED, Key, dtype_name, format_key
+from millpond.spec import (
+    DONE,
+    MASK,
+    RESERVED_KEYS,
+    STEP_COUNT,
+    TERMINATED,
+    TRUNCATED,
+    Key,
+    dtype_name,
+    format_key,
+)
 
 __all__ = [
     "FRESH_EPISODE_ID_BASE",
@@ -32,6 +42,7 @@ __all__ = [
     "StepCountError",
     "compact_ted",
     "episode_base",
+    "leaf_keys",
     "observation_digest",
     "observation_keys",
     "rows_differ",
@@ -42,11 +53,19 @@ __all__ = [
 FRESH_EPISODE_ID_BASE = 1 << 62
 
 _TRAJ_IDS: Key = ("collector", "traj_ids")
-_STEP_COUNT: Key = ("collector", "step_count")
 #: Leaves under ``"next"`` that are not observations.
 _NEXT_NON_OBSERVATIONS = frozenset(
     {("next", "reward"), ("next", "done"), ("next", "terminated"), ("next", "truncated")}
 )
+
+
+def leaf_keys(data: TensorDictBase) -> list[Key]:
+    """``data``'s leaf keys, each a tuple (a root key too), in key order."""
+    return [_as_key(k) for k in data.keys(include_nested=True, leaves_only=True)]
+
+
+def _as_key(k: str | tuple[str, ...]) -> Key:
+    return (k,) if isinstance(k, str) else tuple(k)
 
 
 def observation_keys(keys: TensorDictBase | Iterable[Key]) -> list[Key]:
@@ -56,9 +75,7 @@ def observation_keys(keys: TensorDictBase | Iterable[Key]) -> list[Key]:
     under ``"collector"``, and it is none of the keys sampling produces itself
     (``done``/``terminated``/``truncated``, ``index``, ...) nor reward.
     """
-    if isinstance(keys, TensorDictBase):
-        keys = keys.keys(include_nested=True, leaves_only=True)
-    leaves = [(k,) if isinstance(k, str) else tuple(k) for k in keys]
+    leaves = leaf_keys(keys) if isinstance(keys, TensorDictBase) else [_as_key(k) for k in keys]
     present = set(leaves)
     return [
         k
@@ -92,7 +109,6 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 #: Episode ids of a named extend source start here: ``episode_base(source)`` is a multiple of
 #: ``2**32`` in ``[2**32, 2**62)``, and its trajectories' ids are added to it.
 TRAJ_ID_LIMIT = 1 << 32
-_MASK: Key = ("collector", "mask")
 
 
 class StepCountError(InvalidDataError):
@@ -201,7 +217,7 @@ def compact_ted(
                 f"observation {format_key(k)} is {dtype_name(now.dtype)}{list(now.shape[2:])} "
                 f"but {format_key(('next', *k))} is {dtype_name(nxt.dtype)}{list(nxt.shape[2:])}"
             )
-    keep = _padding_mask(grid.get(_MASK), lanes, time_len)  # [P, T], False on padding
+    keep = _padding_mask(grid.get(MASK), lanes, time_len)  # [P, T], False on padding
     terminated, truncated = episode_ends(
         {
             k: grid[k].reshape(n, *grid[k].shape[2:])
@@ -213,7 +229,7 @@ def compact_ted(
     )
     ended = (terminated | truncated).reshape(lanes, time_len)
     traj_ids = _traj_ids(grid.get(_TRAJ_IDS), lanes, time_len, episode_base)
-    counts = _step_counts(grid.get(_STEP_COUNT), n)
+    counts = _step_counts(grid.get(STEP_COUNT), n)
 
     # Cut after step t of a lane where the episode ends, the trajectory changes, an
     # observation's next value is not (bitwise) the following row's value, or the lane's
@@ -352,11 +368,11 @@ def _step_counts(counts: torch.Tensor | None, n: int) -> torch.Tensor | None:
         return None
     if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
         raise InvalidDataError(
-            f"{format_key(_STEP_COUNT)} must be integers, received {dtype_name(counts.dtype)}"
+            f"{format_key(STEP_COUNT)} must be integers, received {dtype_name(counts.dtype)}"
         )
     if counts[0, 0].numel() != 1:
         raise InvalidDataError(
-            f"{format_key(_STEP_COUNT)} must hold one count per step, received shape "
+            f"{format_key(STEP_COUNT)} must hold one count per step, received shape "
             f"{list(counts.shape)}"
         )
     counts = counts.reshape(n).to(torch.int64)

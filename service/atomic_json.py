@@ -16,10 +16,7 @@ def atomic_write_json(path: Path, obj: object) -> None:
     """
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, json.dumps(obj, indent=1).encode())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -29,3 +26,11 @@ def atomic_write_json(path: Path, obj: object) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and wait until it is on disk (not the directory entry)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

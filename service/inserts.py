@@ -154,10 +154,11 @@ class TableInserts:
                 writes = place.ranges(start, packed.lengths)
                 if n_slots:
                     writes.append((start, n_slots))
-                if not self.rate_limiter.can_insert(self.sampler.size):
+                held_back = self.rate_limiter.why_insert_waits(self.sampler.size)
+                if held_back is not None:
                     reason = (
-                        f"the rate limiter holds inserts back: "
-                        f"{self.rate_limiter.why_insert_waits(self.sampler.size)} ({self.rate_limiter.describe()})"
+                        f"the rate limiter holds inserts back: {held_back} "
+                        f"({self.rate_limiter.describe()})"
                     )
                 elif any(self._overlaps_inflight(s, n) for s, n in writes):
                     reason = "the slots are being written by another writer"

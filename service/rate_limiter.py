@@ -12,9 +12,9 @@ holding fewer than ``min_size`` steps always proceeds, as in Reverb (whose limit
 deletions too): no sample can, so only an insert can move either side. That covers the first
 fill, and also a table that once held ``min_size`` steps and holds fewer now (evictions that
 free more than an insert adds, e.g. writer regions set aside, or a queue), where blocking
-the insert would stop both sides for good. Each check is made *before* the operation, so one operation
-may overshoot the bound by its own size; that is what keeps a segment or batch larger than
-the error buffer from deadlocking the two sides.
+the insert would stop both sides for good. Each check is made *before* the operation, so
+one operation may overshoot the bound by its own size; that is what keeps a segment or
+batch larger than the error buffer from deadlocking the two sides.
 """
 
 from __future__ import annotations

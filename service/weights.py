@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from millpond.errors import DeadlineExceededError, InvalidDataError
-from millpond.service.atomic_json import atomic_write_json
+from millpond.service.atomic_json import atomic_write_json, write_synced
 
 #: Seconds after its last fetch that an acting env actor stops holding publications back.
 ACTING_EXPIRY_S = 30.0
@@ -82,7 +82,7 @@ class WeightStore:
         try:
             # On disk before the lock is taken: the actors' fetches (every chunk) never wait
             # for a publication's fsync, only for the rename and the small index below.
-            _write_synced(tmp, blob)
+            write_synced(tmp, blob)
             started = time.monotonic()
             with self._cond:
                 self._check_newer(version)
@@ -159,10 +159,3 @@ class WeightStore:
             raise InvalidDataError(
                 f"weights version {version} is not newer than the published version {self._version}"
             )
-
-
-def _write_synced(path: Path, blob: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
