@@ -387,6 +387,12 @@ def quiet_torchrl() -> None:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
 
 
+def disk_bytes(path: Path) -> int:
+    """Bytes on disk of every file under ``path``: blocks really written (``st_blocks``),
+    so a sparse memory map counts what it holds, not its size."""
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
 @contextlib.contextmanager
 def scratch_root(parent: Path | None, prefix: str) -> Iterator[Path]:
     """A temporary directory under ``parent`` (created if needed; default /tmp), removed after."""

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import log, millpond_serve, quiet_torchrl, scratch_root
+from _common import disk_bytes, log, millpond_serve, quiet_torchrl, scratch_root
 
 quiet_torchrl()
 import ale_py  # noqa: E402
@@ -56,10 +56,6 @@ def atari_env(game: str, seed: int) -> TransformedEnv:
     return env
 
 
-def _disk_bytes(path: Path) -> int:
-    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
-
-
 def measure(game: str, frames: int, per_batch: int, root: Path, address: str) -> tuple:
     """(bytes per transition: TorchRL's, millpond's; seconds) for one collector run."""
     name = f"frames-{per_batch}-{os.getpid()}"
@@ -79,7 +75,7 @@ def measure(game: str, frames: int, per_batch: int, root: Path, address: str) ->
     info = rb.client.info(rb.table)
     rb.close()
     assert info["size"] == len(local), (info["size"], len(local))
-    return _disk_bytes(root / name) / len(local), info["bytes_on_disk"] / info["size"], wall
+    return disk_bytes(root / name) / len(local), info["bytes_on_disk"] / info["size"], wall
 
 
 def main() -> int:

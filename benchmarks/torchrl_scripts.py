@@ -28,7 +28,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
-from _common import log, millpond_serve, quiet_torchrl, scratch_root
+from _common import disk_bytes, log, millpond_serve, quiet_torchrl, scratch_root
 
 quiet_torchrl()
 from tensordict.nn import NormalParamExtractor, TensorDictModule  # noqa: E402
@@ -147,10 +147,6 @@ def _train(collector, rb, loss_module, optim, target, greedy, updates: int, warm
     return curve
 
 
-def _disk_bytes(path: Path) -> int:
-    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
-
-
 def _breakdown(root: Path, table: str, info: dict) -> None:
     """Each file of ``table``'s directory under the service's, in bytes per stored step."""
     stored = max(info["size"], 1)
@@ -196,7 +192,7 @@ def main() -> int:
                     curve = run(rb, frames, seed, learn=not args.collect_only)
                     wall = time.perf_counter() - t0
                     if kind == "local":
-                        stored, nbytes = len(rb), _disk_bytes(root / name)
+                        stored, nbytes = len(rb), disk_bytes(root / name)
                     else:
                         info = rb.client.info(rb.table)
                         stored, nbytes = info["size"], info["bytes_on_disk"]
