@@ -302,7 +302,8 @@ def rebuild(
     records = torch.as_tensor(records, dtype=torch.int64).reshape(-1)
     n, frame = len(slots), frames.shape[1:]
     pos = slots[:, None] - torch.arange(k - 1, -1, -1)[None]  # [N, k], oldest first
-    inside = pos >= starts[:, None]
+    # (Slots >= 0 too: a start read while its record was rewritten may be anything.)
+    inside = (pos >= starts[:, None]) & (pos >= 0)
     # Outside the segment, read the slot itself (a row that surely has its blocks) and
     # overwrite it from the prefix below.
     src = torch.where(inside, pos, slots[:, None]).reshape(-1)

@@ -157,7 +157,10 @@ class Regions:
                     None,
                 )
                 if w is None:  # a new region, in the block
-                    size = max(length + 1, self.size)
+                    # Room for whole segments of this one's length (an actor's chunks are
+                    # mostly of one length): slots a region could not use stay the next
+                    # block's, not holes it holds (with their disk blocks) till it goes.
+                    size = max(length + 1, 1 + length * ((self.size - 1) // length))
                     work.append(_Region(block, block + size, block))
                     block += size
                     w = len(work) - 1
