@@ -22,9 +22,9 @@ from millpond.spec import Key
 
 __all__ = [
     "CHAINS_FILE",
+    "CHAIN_WIDTH",
     "COLUMNS_DIR",
     "COLUMN_INDEX",
-    "CHAIN_WIDTH",
     "RECORD_WIDTH",
     "SEGMENTS_FILE",
     "SLOTS_FILE",

@@ -136,7 +136,9 @@ class Chains(SlotRecords):
                 out[i] = out[j]
                 continue
             pred = int(self.slot_records[s - 1]) if s > 0 else 0
-            if not (pred and self._generation[pred] > 0 and self.records[pred, RecordField.TAIL] == s):
+            if not (
+                pred and self._generation[pred] > 0 and self.records[pred, RecordField.TAIL] == s
+            ):
                 self.return_chains(out, starts)
                 raise RuntimeError(f"a continuation at slot {s} has no published predecessor")
             out[i] = self.chains[pred]

@@ -15,8 +15,8 @@ import os
 import numpy as np
 
 from millpond.service import checksums as cks
-from millpond.service.segment_batch import SegmentBatch, ranges
 from millpond.service.chains import Chains
+from millpond.service.segment_batch import SegmentBatch, ranges
 from millpond.storage_format import ChainField, RecordField
 
 # The storage's log, whichever of its parts writes to it.

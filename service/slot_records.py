@@ -264,9 +264,7 @@ class SlotRecords:
         if self.chains is not None:
             extra = np.ascontiguousarray(self.chains[records] if chains is None else chains)
             extra = extra.view(np.uint8).reshape(len(starts), -1)
-        return cks.data_sums(
-            self._column_bytes, starts, lengths, self._prefix_bytes, rows, extra
-        )
+        return cks.data_sums(self._column_bytes, starts, lengths, self._prefix_bytes, rows, extra)
 
     def publish(
         self,

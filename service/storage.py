@@ -3,7 +3,8 @@
 This module opens the files and is the storage's public face (:class:`SegmentStorage`, the
 slot vocabulary of :mod:`millpond.storage_format`). The class's other parts live one
 concept to a module: slot records, their allocation and the publish commit
-(:mod:`.slot_records`), copying segments in (:mod:`.segment_writes`), the gathers
+(:mod:`.slot_records`), frame-stack chains (:mod:`.chains`), copying segments in
+(:mod:`.segment_writes`), the gathers
 (:mod:`.gathers`), recovery and verification (:mod:`.recovery`).
 
 A segment of L steps occupies L+1 consecutive slots: L step slots, then a tail slot that
@@ -22,14 +23,18 @@ more for their bookkeeping than for themselves:
   before new ones), so the records ever written number at most the segments stored at
   once. The file has room for the most that can be stored at once (a record per slot: a
   segment that continues another on its tail slot, see :mod:`.regions`, takes one slot of
-  its own at least; ``capacity // 2`` in tables with frame stacks, which get no regions)
-  and is sparse: pages never written take no disk space.
+  its own at least; ``capacity // 2`` in tables made before regions, and in tables with
+  frame stacks made before ``chains.bin``, which get no regions) and is sparse: pages
+  never written take no disk space.
 
 * ``prefixes/<key>.bin``: for each frame-stacked observation key
   (:mod:`millpond.frame_stacks`; its column then holds one frame per slot, the newest of
-  the stack there), the ``k - 1`` older frames of each segment's first stack, indexed by
-  record like ``segments.bin`` and sparse alike. :meth:`SegmentStorage.gather` and
-  :meth:`SegmentStorage.gather_slots` rebuild the stacks, so nothing above sees frames.
+  the stack there), the ``k - 1`` older frames of the first stack of each *chain* (a
+  segment and those that continue it in a writer's region, :mod:`.chains`), sparse, with
+  its own disk reservation. ``chains.bin`` holds per record its chain's first slot and
+  prefix row (tables with frame stacks made before it index prefixes by record).
+  :meth:`SegmentStorage.gather` and :meth:`SegmentStorage.gather_slots` rebuild the
+  stacks, so nothing above sees frames.
 * ``checksums.bin``: one uint64 per record, the checksum of its segment's rows, prefixes
   and record (:mod:`.checksums`), sparse too. Recovery drops (and counts in
   :attr:`SegmentStorage.corrupted`) a segment whose checksum does not match, so damaged

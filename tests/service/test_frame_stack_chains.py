@@ -14,15 +14,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 
 from millpond.colocated import ColocatedReader
 from millpond.config import TableConfig
 from millpond.segments import Segment
 from millpond.service.table import Table
-from millpond.storage_format import CHAINS_FILE, ChainField, RecordField, ensure_token
-from millpond.storage_format import storage_identity
+from millpond.storage_format import (
+    CHAINS_FILE,
+    ChainField,
+    RecordField,
+    ensure_token,
+    storage_identity,
+)
 from millpond.testing import stored_segments
-from tensordict import TensorDict
 
 K = 4
 FRAME = (2, 3)
