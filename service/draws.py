@@ -212,6 +212,7 @@ class TableDraws:
         """Unpublish segments found damaged, count and log them (under the lock), with the
         segments that read their frames (frame stacks, see :mod:`.chains`)."""
         damaged = self.storage.and_dependents(damaged)
+        self._forget_regions(damaged)
         self._evictions += 1
         self._allow_redraws(int(damaged.lengths.sum()))
         self.storage.unpublish(damaged)

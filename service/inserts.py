@@ -247,10 +247,16 @@ class TableInserts:
         """Unpublish the segments of ``records`` at once (under the lock, before anyone
         could see them)."""
         gone = self.storage.segments_of_records(records)
+        self._forget_regions(gone)
         self._evictions += 1
         self._allow_redraws(int(gone.lengths.sum()))
         self.storage.unpublish(gone)
         self.sampler.on_evict(gone)
+
+    def _forget_regions(self, segments: SegmentBatch) -> None:
+        """Forget the regions of segments about to be dropped: nothing may continue them."""
+        for s, n in zip(segments.starts.tolist(), segments.lengths.tolist()):
+            self._regions.forget(s, n + 1)
 
     def _tails_differ(self, place: Placement, packed: PackedSegments) -> set[int]:
         """The planned continuations whose first observation is not, byte for byte, the

@@ -133,6 +133,37 @@ def test_catframes_stacks_are_stored_as_frames_and_sampled_back_bit_for_bit(addr
     rb.close()
 
 
+@pytest.mark.parametrize("padding", ["same", "constant"])
+def test_catframes_in_small_batches_continue_each_other_exactly(address, padding):
+    """Collector batches of 4 steps: each continues the last on its tail slot and stores
+    no older frames of its own (a prefix per chain), and every stack still comes back as
+    the collector made it, across episode ends."""
+    pytest.importorskip("ale_py")
+    pytest.importorskip("cv2")
+    torch.manual_seed(1)
+    env = pong(padding)
+    collector = Collector(env, None, frames_per_batch=4, total_frames=-1)
+    data = [b.clone() for _, b in zip(range(30), collector)]
+    collector.shutdown()
+    config = TableConfig.uniform(
+        f"pong-small-{padding}", capacity=4096, seed=0, frame_stacks={"pixels": 4}
+    )
+    rb = ReplayBuffer(address, config, batch_size=64)
+    local = fill(rb, data)
+    frame = 84 * 84 * 4
+    # 120 steps in 30 segments: 8 frames a step stored on their own, under 2 in chains
+    # (with the slots and prefix rows reserved ahead of use).
+    assert rb.client.info(rb.table)["bytes_on_disk"] < 2 * frame * len(rb)
+    reference = local_rows(local)
+    firsts = 0
+    for _ in range(4):
+        batch = rb.sample()
+        check_rows(batch, rb, reference)
+        firsts += int((batch["step"] == 0).sum())
+    assert firsts >= 2
+    rb.close()
+
+
 def pong(padding):
     import ale_py
     import gymnasium as gym

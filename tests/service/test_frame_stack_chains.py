@@ -283,3 +283,32 @@ def test_the_colocated_reader_rebuilds_continuations_alike(tmp_path):
         batch.set(("next", "observation"), nxt[("observation",)])
         _check_rows(batch)
     table.close()
+
+
+def test_a_chain_dropped_while_its_writer_goes_on(tmp_path):
+    """A segment found damaged while its lane is still sending (``verify_reads``): it goes
+    with the rest of its chain, and the lane's next segments start a new one."""
+    config = TableConfig.uniform(
+        "t", 4096, frame_stacks={"observation": K}, seed=5, verify_reads=True
+    )
+    table = Table.create(tmp_path / "t", config)
+    inserts = _lanes(lanes=1, steps=400, chunk=2, seed=11)
+    for _ in range(10):
+        table.insert_many(next(inserts), writer_id="actor-0")
+    storage = table.storage
+    live = np.flatnonzero(storage.records[:, RecordField.GENERATION] > 0)
+    last = int(live[np.argmax(storage.records[live, RecordField.START])])
+    assert storage.chains[last, ChainField.START] < storage.records[last, RecordField.START]
+    slot = int(storage.chains[last, ChainField.START])  # its chain's first step
+    storage.columns[("observation",)][slot] += 1  # the file changed under the table
+    for _ in range(20):
+        table.sample(64)  # drops the damaged segment, and its chain's later ones
+        if storage.records[last, RecordField.GENERATION] == 0:
+            break
+    assert storage.records[last, RecordField.GENERATION] == 0
+    assert len(storage.corrupted) >= 1
+    for batch in inserts:
+        table.insert_many(batch, writer_id="actor-0")
+    _check_chains(table)
+    _sample_all(table)
+    table.close()
