@@ -211,12 +211,7 @@ class TableDraws:
     def _drop(self, damaged: SegmentBatch) -> None:
         """Unpublish segments found damaged, count and log them (under the lock), with the
         segments that read their frames (frame stacks, see :mod:`.chains`)."""
-        damaged = self.storage.and_dependents(damaged)
-        self._forget_regions(damaged)
-        self._evictions += 1
-        self._allow_redraws(int(damaged.lengths.sum()))
-        self.storage.unpublish(damaged)
-        self.sampler.on_evict(damaged)
+        damaged = self._unpublish(self.storage.and_dependents(damaged))
         self.storage.count_dropped(damaged)
         self._cond.notify_all()
 

@@ -231,8 +231,8 @@ class TableInserts:
             # A continuation whose predecessor went while it was copied (evicted by another
             # writer's block, or dropped damaged) would read frames no longer there.
             orphans = self.storage.orphans(starts, records)
-            if len(orphans):
-                self._drop_orphans(orphans)
+            if len(orphans):  # before anyone could see them
+                self._unpublish(self.storage.segments_of_records(orphans))
             self.rate_limiter.on_insert(packed.num_steps)
             if writer and packed.sequences is not None:
                 self._writer_hwm[writer] = max(
@@ -243,20 +243,16 @@ class TableInserts:
             self._cond.notify_all()
         return layout.generations
 
-    def _drop_orphans(self, records: np.ndarray) -> None:
-        """Unpublish the segments of ``records`` at once (under the lock, before anyone
-        could see them)."""
-        gone = self.storage.segments_of_records(records)
-        self._forget_regions(gone)
-        self._evictions += 1
-        self._allow_redraws(int(gone.lengths.sum()))
-        self.storage.unpublish(gone)
-        self.sampler.on_evict(gone)
-
-    def _forget_regions(self, segments: SegmentBatch) -> None:
-        """Forget the regions of segments about to be dropped: nothing may continue them."""
+    def _unpublish(self, segments: SegmentBatch) -> SegmentBatch:
+        """Drop published ``segments`` from the table (under the lock), their regions too:
+        nothing may continue them. Returns them."""
         for s, n in zip(segments.starts.tolist(), segments.lengths.tolist()):
             self._regions.forget(s, n + 1)
+        self._evictions += 1
+        self._allow_redraws(int(segments.lengths.sum()))
+        self.storage.unpublish(segments)
+        self.sampler.on_evict(segments)
+        return segments
 
     def _tails_differ(self, place: Placement, packed: PackedSegments) -> set[int]:
         """The planned continuations whose first observation is not, byte for byte, the
