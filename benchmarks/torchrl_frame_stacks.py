@@ -8,10 +8,11 @@ The env is TorchRL's Atari form: an ALE game's frames resized to 84x84 (gymnasiu
 policy's ``Collector`` batches of ``--frames-per-batch`` steps go, as they come, into a
 ``TensorDictReplayBuffer(storage=LazyMemmapStorage(...))`` and into a millpond buffer over
 ``TableConfig.uniform(..., frame_stacks={"pixels": 4})`` on a ``millpond serve`` started
-here: the table keeps each frame once (one per slot, and each segment's three older frames
-of its first stack). Both capacities are twice the frames, so nothing is overwritten; bytes
-are blocks really written (the memmap directory; the table's directory as the shard reports
-it) over the transitions stored.
+here: the table keeps each frame once (one per slot, and the three older frames of the first
+stack of each chain: a batch short enough for a writer's region continues the previous one
+on its last slot and stores no older frames of its own). Both capacities are twice the
+frames, so nothing is overwritten; bytes are blocks really written (the memmap directory;
+the table's directory as the shard reports it) over the transitions stored.
 
     python benchmarks/torchrl_frame_stacks.py --frames 3000 --frames-per-batch 16,50,200
 """

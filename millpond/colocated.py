@@ -28,12 +28,16 @@ from millpond.errors import ColocationError
 from millpond.frame_stacks import rebuild
 from millpond.spec import OBSERVATION, Key, TableSpec, format_key
 from millpond.storage_format import (
+    CHAIN_WIDTH,
+    CHAINS_FILE,
     COLUMN_INDEX,
     COLUMNS_DIR,
     RECORD_WIDTH,
     SEGMENTS_FILE,
     SLOTS_FILE,
+    ChainField,
     RecordField,
+    num_prefix_rows,
     records_in,
     storage_identity,
 )
@@ -131,6 +135,12 @@ class ColocatedReader:
             records_file = self.directory / SEGMENTS_FILE
             n_records = records_in(records_file.stat().st_size, capacity)
             self._records = _open_readonly(records_file, (n_records, RECORD_WIDTH), torch.int64)
+            # Where each segment's older frames are (tables with frame stacks made before
+            # chains.bin have none: their prefixes are indexed by record).
+            chains_file = self.directory / CHAINS_FILE
+            self._chains: torch.Tensor | None = None
+            if stacks and chains_file.exists():
+                self._chains = _open_readonly(chains_file, (n_records, CHAIN_WIDTH), torch.int64)
             self.columns: dict[Key, torch.Tensor] = {}
             self.prefixes: dict[Key, torch.Tensor] = {}
             self._rows: dict[Key, np.ndarray] = {}  # the columns' bytes, a row per slot
@@ -147,7 +157,7 @@ class ColocatedReader:
                         raise ColocationError(f"no prefix file for {format_key(key)}")
                     self.prefixes[key] = _open_readonly(
                         self.directory / prefix_files[key],  # relative to the storage
-                        (n_records, k - 1, *frame),
+                        (num_prefix_rows(capacity), k - 1, *frame),
                         f.dtype,
                     )
                 else:
@@ -198,7 +208,12 @@ class ColocatedReader:
         starts = records = None
         if self.prefixes:  # a step and its next slot are in one segment: one lookup serves both
             records = torch.index_select(self._slots, 0, slots).long()
-            starts = torch.index_select(self._records[:, RecordField.START], 0, records)
+            if self._chains is None:
+                starts = torch.index_select(self._records[:, RecordField.START], 0, records)
+            else:  # a segment that continues its chain reads back to the chain's start
+                chain = torch.index_select(self._chains, 0, records)
+                starts = chain[:, ChainField.START].contiguous()
+                records = chain[:, ChainField.PREFIX].contiguous()
         for key, col in self.columns.items():
             feature = tuple(col.shape[1:])
             if key in self.prefixes:

@@ -330,7 +330,7 @@ def check_table_bytes(
     """Refuse (:class:`InvalidConfigError`) a table whose files would map more than
     :data:`MAX_TABLE_BYTES`: ``capacity`` slots of ``spec``'s keys plus their bookkeeping
     (a frame-stacked key maps a frame per slot, and about half a stack per slot more for
-    its prefixes: records number ``capacity // 2``)."""
+    its prefixes: their rows number ``capacity // 2``)."""
     slot = SLOT_OVERHEAD_BYTES + (spec.slot_bytes if spec is not None else 0)
     for key, k in (stacks or {}).items() if spec is not None else ():
         stack = spec.fields[key].nbytes

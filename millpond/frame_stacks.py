@@ -12,10 +12,14 @@ its first observation, then the newest frame of each of the ``L`` observations t
 (an episode's continuations too) carries its first stack whole, so each one stands alone
 and episode starts, whatever the env padded them with, come back exactly.
 
-A table stores the frames as one frame per slot (the newest of the stack there) and, per
-segment record, the ``k - 1`` older frames of its first stack (the *prefix*). :func:`rebuild`
-turns those back into stacks; it is a pure function over arrays so that anything reading the
-files (the shard, a reader on the same host) rebuilds them alike.
+A table stores the frames as one frame per slot (the newest of the stack there) and the
+``k - 1`` older frames of a first stack (the *prefix*) once per *chain*: a segment that
+continues its predecessor on that one's tail slot (a writer's region) stores none, its
+older frames being the slots before it, back to its chain's first segment, whose prefix row
+holds the rest (``millpond.service.chains``). A chain of C steps costs ``C + k`` frames.
+:func:`rebuild` turns those back into stacks, given each slot's chain start and prefix row;
+it is a pure function over arrays so that anything reading the files (the shard, a reader
+on the same host) rebuilds them alike.
 """
 
 from __future__ import annotations
@@ -286,15 +290,16 @@ def rebuild(
 
     Args:
         frames: the key's column, ``[capacity, *frame]``: the newest frame of each slot.
-        prefix: the key's prefix column, ``[records, k - 1, *frame]``: the older frames of
-            each segment's first stack.
+        prefix: the key's prefix column, ``[rows, k - 1, *frame]``: the older frames of
+            each chain's first stack.
         slots: ``[N]`` slots of published segments.
-        starts: ``[N]`` the first slot of each slot's segment.
-        records: ``[N]`` the record index of each slot's segment.
+        starts: ``[N]`` the first slot of each slot's chain (its segment's, for a segment
+            that continues none).
+        records: ``[N]`` the prefix row of each slot's chain.
 
     Frame ``j`` (oldest first) of slot ``s`` is the newest frame of slot ``s - (k - 1 - j)``
-    when that slot is in the segment, else frame ``j + (k - 1) - (s - start)`` of its
-    prefix. A segment's slots never wrap around the ring, so no other segment is read.
+    when that slot is in the chain, else frame ``j + (k - 1) - (s - start)`` of its
+    prefix. A chain's slots never wrap around the ring.
     """
     k = prefix.shape[1] + 1
     slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
@@ -302,7 +307,8 @@ def rebuild(
     records = torch.as_tensor(records, dtype=torch.int64).reshape(-1)
     n, frame = len(slots), frames.shape[1:]
     pos = slots[:, None] - torch.arange(k - 1, -1, -1)[None]  # [N, k], oldest first
-    inside = pos >= starts[:, None]
+    # (Slots >= 0 too: a start read while its record was rewritten may be anything.)
+    inside = (pos >= starts[:, None]) & (pos >= 0)
     # Outside the segment, read the slot itself (a row that surely has its blocks) and
     # overwrite it from the prefix below.
     src = torch.where(inside, pos, slots[:, None]).reshape(-1)

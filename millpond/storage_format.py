@@ -21,6 +21,8 @@ from pathlib import Path
 from millpond.spec import Key
 
 __all__ = [
+    "CHAINS_FILE",
+    "CHAIN_WIDTH",
     "COLUMNS_DIR",
     "COLUMN_INDEX",
     "RECORD_WIDTH",
@@ -30,10 +32,12 @@ __all__ = [
     "SLOT_STEP",
     "SLOT_TAIL",
     "TOKEN_FILE",
+    "ChainField",
     "RecordField",
     "SlotColumn",
     "column_filename",
     "ensure_token",
+    "num_prefix_rows",
     "num_records",
     "read_token",
     "records_in",
@@ -42,6 +46,9 @@ __all__ = [
 
 SLOTS_FILE = "slots.bin"
 SEGMENTS_FILE = "segments.bin"
+#: Per segment record of a table with frame stacks, where its stacks' older frames are
+#: (:class:`ChainField`); tables with frame stacks made before it have none.
+CHAINS_FILE = "chains.bin"
 #: The directory of the column files, and the index naming each key's file in it.
 COLUMNS_DIR = "columns"
 COLUMN_INDEX = "index.json"
@@ -70,6 +77,22 @@ class RecordField(IntEnum):
 
 RECORD_WIDTH = len(RecordField)
 
+
+class ChainField(IntEnum):
+    """The int64 fields of a segment's row in ``chains.bin`` (tables with frame stacks).
+
+    A segment that continues its predecessor on that one's tail slot (a writer's region)
+    stores no older frames of its own: its first stacks reach back into the slots before it,
+    to the first segment of its *chain*, whose prefix row holds the older frames of the
+    chain's first stack. A chain's first segment has ``START`` equal to its own first slot.
+    """
+
+    START = 0  # the first slot of the chain's first segment
+    PREFIX = 1  # the row of the prefix files holding the older frames of that segment's first stack
+
+
+CHAIN_WIDTH = len(ChainField)
+
 #: Values of the :attr:`SlotColumn.KIND` column.
 SLOT_EMPTY, SLOT_STEP, SLOT_TAIL = 0, 1, 2
 
@@ -87,18 +110,23 @@ class SlotColumn(IntEnum):
     SEQUENCE = 7  # the segment's number in its writer's stream
 
 
-def num_records(capacity: int, stacked: bool = False) -> int:
+def num_records(capacity: int) -> int:
     """Rows of ``segments.bin`` for a new ring of ``capacity`` slots (record 0 stays zero:
     what pointer 0 reads).
 
     A segment that continues another on its tail slot (writers' regions) takes as few as
-    one slot of its own, so a table has a record per slot. A table with frame-stacked keys
-    keeps a record per two slots (a segment there takes two slots at least: it gets no
-    regions), because each record carries a stack's older frames. Tables written before
-    regions have that many too; readers take the count from the file's size
-    (:func:`records_in`).
+    one slot of its own, so a table has a record per slot. Tables written before regions,
+    and tables with frame stacks written before ``chains.bin``, keep a record per two
+    slots; readers take the count from the file's size (:func:`records_in`).
     """
-    return capacity // 2 + 1 if stacked else capacity + 1
+    return capacity + 1
+
+
+def num_prefix_rows(capacity: int) -> int:
+    """Rows of each prefix file of a ring of ``capacity`` slots: one per segment that stores
+    the older frames of its first stack, which takes two slots of its own at least (row 0
+    stays unused where rows are handed out by ``chains.bin``)."""
+    return capacity // 2 + 1
 
 
 def records_in(size: int, capacity: int) -> int:

@@ -16,7 +16,8 @@ none, and gets one computed from its data as it is when it is next opened). It c
   two words flipped in opposite directions (a CRC-32 has none for two flips). One CRC-32
   runs over the columns in order: over a short range's bytes, over a long range's sum;
 * the prefixes of its frame-stacked keys (the older frames of its first stack, one row of
-  each prefix file), after the columns, the same way;
+  each prefix file; none for a segment that continues its chain, see :mod:`.chains`),
+  after the columns, the same way, then its row of ``chains.bin`` (a table that has one);
 * its record: a sum of the eight fields times odd constants, modulo 2**64, so that a
   change of any one field changes it (vectorised over segments, cheap under the lock).
 
@@ -96,11 +97,14 @@ def data_sums(
     lengths: np.ndarray,
     prefixes: Sequence[np.ndarray] = (),
     records: np.ndarray | None = None,
+    chain_rows: np.ndarray | None = None,
 ) -> np.ndarray:
     """The data CRC of each segment (``starts``, ``lengths``), as uint64.
 
-    ``prefixes``: per frame-stacked key, its prefix column as ``[records, bytes]`` uint8;
-    each segment's row (``records``) is covered after its columns' rows.
+    ``prefixes``: per frame-stacked key, its prefix column as ``[rows, bytes]`` uint8;
+    each segment's row (``records``; 0: none, a segment that continues its chain) is
+    covered after its columns' rows. ``chain_rows``: ``[n, bytes]`` uint8, each segment's
+    row of ``chains.bin``, covered last.
     """
     out = np.empty(len(starts), dtype=np.uint64)
     rec = records.tolist() if records is not None else [0] * len(starts)
@@ -112,8 +116,11 @@ def data_sums(
                 crc = zlib.crc32(block, crc)
             else:
                 crc = zlib.crc32(_wide_value(block), crc)
-        for prefix in prefixes:
-            crc = range_value(prefix[rec[i]], crc)
+        if rec[i] > 0:
+            for prefix in prefixes:
+                crc = range_value(prefix[rec[i]], crc)
+        if chain_rows is not None:
+            crc = zlib.crc32(chain_rows[i], crc)
         out[i] = crc
     return out
 

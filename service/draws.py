@@ -209,11 +209,9 @@ class TableDraws:
         self._redraw_allowance = min(self.config.capacity, self._redraw_allowance + steps)
 
     def _drop(self, damaged: SegmentBatch) -> None:
-        """Unpublish segments found damaged, count and log them (under the lock)."""
-        self._evictions += 1
-        self._allow_redraws(int(damaged.lengths.sum()))
-        self.storage.unpublish(damaged)
-        self.sampler.on_evict(damaged)
+        """Unpublish segments found damaged, count and log them (under the lock), with the
+        segments that read their frames (frame stacks, see :mod:`.chains`)."""
+        damaged = self._unpublish(self.storage.and_dependents(damaged))
         self.storage.count_dropped(damaged)
         self._cond.notify_all()
 

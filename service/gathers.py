@@ -14,12 +14,11 @@ import torch
 
 from millpond.frame_stacks import rebuild
 from millpond.sample_format import distinct_rows
-from millpond.service.slot_records import SlotRecords
+from millpond.service.chains import Chains
 from millpond.spec import OBSERVATION, Key
-from millpond.storage_format import RecordField
 
 
-class Gathers(SlotRecords):
+class Gathers(Chains):
     """The reads of step slots' rows (a base of the storage)."""
 
     columns: dict[Key, torch.Tensor]
@@ -95,8 +94,11 @@ class Gathers(SlotRecords):
         return now
 
     def _segment_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first slot and the record of each slot's segment (slots of published
-        segments)."""
+        """Where the older frames of each slot's stacks are (slots of published segments):
+        the first slot of its chain and the prefix row (see :mod:`.chains`)."""
         records = self._pointers(slots.numpy()).astype(np.int64)
-        starts = self.records[records, RecordField.START]
-        return torch.from_numpy(starts), torch.from_numpy(records)
+        starts, rows = self.stack_origins(records)
+        return (
+            torch.from_numpy(np.ascontiguousarray(starts)),
+            torch.from_numpy(np.ascontiguousarray(rows)),
+        )

@@ -183,7 +183,8 @@ class TableInserts:
             # Evicting writes only into slots and records already written (the victims'),
             # which have their blocks, so nothing after this point can meet a full disk.
             end = max(s + n for s, n in writes)
-            self.storage.reserve_space(0, end, len(packed))
+            roots = int(np.count_nonzero(~place.continues))
+            self.storage.reserve_space(0, end, len(packed), roots)
             self.sampler.reserve_space(end)
             if len(victims):
                 self._evictions += 1
@@ -195,10 +196,12 @@ class TableInserts:
                 self.storage.reserve(start, n_slots)
             self._regions.commit(place, start)
             records = self.storage.take_records(len(packed))
+            starts = place.absolute(start)
+            chains = self.storage.take_chains(starts, packed.lengths, place.continues)
             for s, n in writes:
                 self._inflight[s] = n
         layout = SegmentBatch(
-            place.absolute(start),
+            starts,
             packed.lengths,
             np.zeros(len(packed), dtype=np.int64),
             packed.episode_ids,
@@ -207,10 +210,11 @@ class TableInserts:
             packed.sequences,
         )
         try:
-            self.storage.write(layout, packed.steps, packed.tails, packed.frames, records)
+            self.storage.write(layout, packed.steps, packed.tails, packed.frames, records, chains)
         except BaseException:
             with self._cond:
                 self.storage.return_records(records)
+                self.storage.return_chains(chains, starts)
                 self._regions.abandon(writer)
                 for s, _ in writes:
                     del self._inflight[s]
@@ -219,11 +223,16 @@ class TableInserts:
         with self._cond:
             first_gen = self._files.take_generations(len(packed))
             layout.generations = np.arange(first_gen, first_gen + len(packed), dtype=np.int64)
-            self.storage.publish(layout, records)
+            self.storage.publish(layout, records, chains)
             if packed.priorities is None:
                 self.sampler.on_publish(layout)
             else:  # a prioritized sampler (check_insert_priorities saw to it)
                 self.sampler.on_publish(layout, packed.priorities)
+            # A continuation whose predecessor went while it was copied (evicted by another
+            # writer's block, or dropped damaged) would read frames no longer there.
+            orphans = self.storage.orphans(starts, records)
+            if len(orphans):  # before anyone could see them
+                self._unpublish(self.storage.segments_of_records(orphans))
             self.rate_limiter.on_insert(packed.num_steps)
             if writer and packed.sequences is not None:
                 self._writer_hwm[writer] = max(
@@ -233,6 +242,17 @@ class TableInserts:
                 del self._inflight[s]
             self._cond.notify_all()
         return layout.generations
+
+    def _unpublish(self, segments: SegmentBatch) -> SegmentBatch:
+        """Drop published ``segments`` from the table (under the lock), their regions too:
+        nothing may continue them. Returns them."""
+        for s, n in zip(segments.starts.tolist(), segments.lengths.tolist()):
+            self._regions.forget(s, n + 1)
+        self._evictions += 1
+        self._allow_redraws(int(segments.lengths.sum()))
+        self.storage.unpublish(segments)
+        self.sampler.on_evict(segments)
+        return segments
 
     def _tails_differ(self, place: Placement, packed: PackedSegments) -> set[int]:
         """The planned continuations whose first observation is not, byte for byte, the

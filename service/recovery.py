@@ -15,9 +15,9 @@ import os
 import numpy as np
 
 from millpond.service import checksums as cks
+from millpond.service.chains import Chains
 from millpond.service.segment_batch import SegmentBatch, ranges
-from millpond.service.slot_records import SlotRecords
-from millpond.storage_format import RecordField
+from millpond.storage_format import ChainField, RecordField
 
 # The storage's log, whichever of its parts writes to it.
 log = logging.getLogger("millpond.service.storage")
@@ -25,7 +25,7 @@ log = logging.getLogger("millpond.service.storage")
 _MAX_STEP = np.iinfo(np.int64).max
 
 
-class Recovery(SlotRecords):
+class Recovery(Chains):
     """Recovery on open and verification of reads (a base of the storage)."""
 
     corrupted: list[tuple[int, int, int]]
@@ -40,6 +40,9 @@ class Recovery(SlotRecords):
         A segment is complete when its record has a generation, sane fields (a range inside
         the ring, its tail at its end, an episode id and steps >= 0), and each of its L+1
         slots points at it; intact when its checksum matches its data and record. A
+        segment that continues its chain (see :mod:`.chains`) is kept only if its
+        predecessor is (else it goes, logged, as an eviction interrupted half way leaves
+        it). A
         published segment that is not both (never the remains of a killed process, which
         publishes the generation last and clears it first) has had its files damaged: it is
         unpublished, counted in :attr:`corrupted` and logged, never served. Slot pointers to
@@ -97,6 +100,17 @@ class Recovery(SlotRecords):
                 good[kept] = self.checksums[live[kept]] == sums
         self._unchecked = False
         self._drop_corrupted(live[~good], r[~good])
+        chained = self.broken_chains(live, good)
+        if (good & ~chained).any():
+            orphans = live[good & ~chained]
+            self._generation[orphans] = 0
+            log.warning(
+                "table dir %s: dropped %d segments whose earlier frames (their chain's "
+                "earlier segments) are gone",
+                self.table_dir,
+                len(orphans),
+            )
+            good = chained
         # Slot pointers: exactly the slots of the kept segments.
         start, length, live = start[good], length[good], live[good]
         if deferred:
@@ -137,7 +151,15 @@ class Recovery(SlotRecords):
         """The distinct published segments holding ``slots`` (any shape) that are not
         verified yet (``everything``: all of them), as ``(records, record rows)``: what
         :meth:`check` takes. Call it under the table's lock (the rows are a snapshot)."""
-        pointers = self._pointers(np.asarray(slots, dtype=np.int64).reshape(-1))
+        flat = np.asarray(slots, dtype=np.int64).reshape(-1)
+        pointers = self._pointers(flat)
+        if self.chains is not None and len(flat):
+            # A stack reads the slots before its own, back to its chain's first segment,
+            # and that one's prefix: those segments must be checked too.
+            k = max(self.stacks.values())
+            starts = self.chains[pointers, ChainField.START]
+            older = np.maximum(flat[:, None] - np.arange(1, k)[None], starts[:, None])
+            pointers = self._pointers(np.concatenate([flat, older.reshape(-1), starts]))
         if not everything:
             pointers = pointers[self._unverified[pointers]]
         records = np.unique(pointers).astype(np.int64)

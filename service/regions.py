@@ -156,8 +156,16 @@ class Regions:
                     (k for k, r in enumerate(work) if r.ended and r.used + length + 1 <= r.end),
                     None,
                 )
+                if w is None and ends[i]:
+                    # Nothing will continue it: a plain segment of the block, not a region
+                    # whose other slots would wait, reserved, for segments of its writer.
+                    starts[i], block = block, block + length + 1
+                    continue
                 if w is None:  # a new region, in the block
-                    size = max(length + 1, self.size)
+                    # Room for whole segments of this one's length (an actor's chunks are
+                    # mostly of one length): slots a region could not use stay the next
+                    # block's, not holes it holds (with their disk blocks) till it goes.
+                    size = max(length + 1, 1 + length * ((self.size - 1) // length))
                     work.append(_Region(block, block + size, block))
                     block += size
                     w = len(work) - 1

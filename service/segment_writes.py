@@ -13,8 +13,8 @@ import os
 import numpy as np
 import torch
 
+from millpond.service.chains import Chains
 from millpond.service.segment_batch import SegmentBatch, check_step_range
-from millpond.service.slot_records import SlotRecords
 from millpond.spec import OBSERVATION, Key
 
 
@@ -29,7 +29,7 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-class SegmentWrites(SlotRecords):
+class SegmentWrites(Chains):
     """The copy of segments into their claimed slots (a base of the storage)."""
 
     columns: dict[Key, torch.Tensor]
@@ -44,6 +44,7 @@ class SegmentWrites(SlotRecords):
         tails: dict[Key, torch.Tensor],
         frames: dict[Key, torch.Tensor] | None = None,
         records: np.ndarray | None = None,
+        chains: np.ndarray | None = None,
     ) -> None:
         """Copy segments into their reserved slots (no metadata is touched).
 
@@ -54,13 +55,17 @@ class SegmentWrites(SlotRecords):
         ``steps`` holds every key for all steps, segment after segment; ``tails`` holds the
         observation keys, one row per segment. Frame-stacked keys come in ``frames``
         instead (``L + k`` rows per segment, see :mod:`millpond.frame_stacks`), and their
-        prefixes go to ``records`` (from :meth:`take_records`). Refuses
+        prefixes go to ``records`` (from :meth:`take_records`), or, in a table with chains,
+        to the prefix rows of ``chains`` (from :meth:`take_chains`; a segment that continues
+        its chain stores none). Refuses
         (:class:`InvalidDataError`, before copying anything) segments whose steps would
         count past the int64 range.
         """
         assert self.spec is not None
         if self.stacks and records is None:
             raise ValueError("a table with frame stacks writes into records taken first")
+        if self.chains is not None and chains is None:
+            raise ValueError("a table with chains writes into chain rows taken first")
         check_step_range(layout.episode_ids, layout.first_steps, layout.lengths)
         # Segments lie back to back in a block, or apart (in writers' regions).
         base = int(layout.starts.min())
@@ -69,10 +74,14 @@ class SegmentWrites(SlotRecords):
         lengths = layout.lengths.tolist()
         rows = (np.cumsum(layout.lengths) - layout.lengths).tolist()
         step_rel = tail_rel = None
+        own = None
+        if self.stacks:
+            assert records is not None
+            own = self.own_prefix_rows(layout.starts, records, chains)
         for key, f in self.spec.fields.items():
             block = self.columns[key][base : base + n_slots]
             if key in self.stacks:
-                self._write_frames(key, base, (frames or {})[key], rel, lengths, records)
+                self._write_frames(key, base, (frames or {})[key], rel, lengths, own)
                 continue
             src = steps[key]
             if self._row_copy[key]:
@@ -98,7 +107,7 @@ class SegmentWrites(SlotRecords):
             if f.role == OBSERVATION:
                 block.index_copy_(0, tail_rel, tails[key])
         # Of what the files hold now: a copy that went wrong is caught too.
-        layout.sums = self._data_sums(layout.starts, layout.lengths, records)
+        layout.sums = self._data_sums(layout.starts, layout.lengths, records, chains)
 
     def _write_frames(
         self,
@@ -107,18 +116,20 @@ class SegmentWrites(SlotRecords):
         src: torch.Tensor,
         rel: list[int],
         lengths: list[int],
-        records: np.ndarray | None,
+        prefix_rows: np.ndarray | None,
     ) -> None:
         """Copy one frame-stacked key: each segment's ``L + k`` frames, the first ``k - 1``
-        to its record's prefix, the rest one per slot (with pwrite, as :meth:`write`)."""
-        assert records is not None
+        to its prefix row (none for a row 0: a segment that continues its chain), the rest
+        one per slot (with pwrite, as :meth:`write`)."""
+        assert prefix_rows is not None
         k = self.stacks[key]
         prefix = self.prefixes[key]
         fd, row = self._column_fds[key], src[0].numel() * src.element_size()
         data = _bytes_of(src)
         at = 0
-        for s, n, r in zip(rel, lengths, records.tolist()):
-            prefix[r].copy_(src[at : at + k - 1])
+        for s, n, r in zip(rel, lengths, prefix_rows.tolist()):
+            if r > 0:
+                prefix[r].copy_(src[at : at + k - 1])
             first = at + k - 1
             _pwrite(fd, data[first * row : (first + n + 1) * row], (base + s) * row)
             at += n + k

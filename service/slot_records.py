@@ -21,7 +21,13 @@ from millpond.service import checksums as cks
 from millpond.service.disk_space import Reservation
 from millpond.service.segment_batch import SegmentBatch, ranges
 from millpond.spec import Key, TableSpec
-from millpond.storage_format import RECORD_WIDTH, SLOT_STEP, RecordField, SlotColumn
+from millpond.storage_format import (
+    RECORD_WIDTH,
+    SLOT_STEP,
+    ChainField,
+    RecordField,
+    SlotColumn,
+)
 
 _META_WIDTH = len(SlotColumn)
 
@@ -41,6 +47,9 @@ class SlotRecords:
     slot_records: np.ndarray
     records: np.ndarray
     checksums: np.ndarray
+    #: Per record, where its stacks' older frames are (see :mod:`.chains`); ``None`` in a
+    #: table without frame stacks or made before chains.
+    chains: np.ndarray | None
     cursor: int
     _generation: np.ndarray
     _free: list[int]
@@ -225,22 +234,51 @@ class SlotRecords:
         return np.array(taken, dtype=np.int64)
 
     # -- publication ---------------------------------------------------------------------
-    def _data_sums(
-        self, starts: np.ndarray, lengths: np.ndarray, records: np.ndarray | None
+    def own_prefix_rows(
+        self, starts: np.ndarray, records: np.ndarray, chains: np.ndarray | None = None
     ) -> np.ndarray:
-        """The data values of segments: their rows, then their prefixes (if any)."""
+        """The prefix row each segment (its first slot, its record) stored its older frames
+        in, 0 for one that continues its chain (it stores none). ``chains``: their chain
+        rows, where not yet in the file. Tables made before chains: the record."""
+        if self.chains is None:
+            return records
+        if chains is None:
+            chains = self.chains[records]
+        own = chains[:, ChainField.START] == starts
+        return np.where(own, chains[:, ChainField.PREFIX], 0)
+
+    def _data_sums(
+        self,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        records: np.ndarray | None,
+        chains: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The data values of segments: their rows, then their prefixes and chain rows (if
+        any; ``chains``: those not yet in the file)."""
         if not self._prefix_bytes:
             return cks.data_sums(self._column_bytes, starts, lengths)
         assert records is not None
-        return cks.data_sums(self._column_bytes, starts, lengths, self._prefix_bytes, records)
+        rows = self.own_prefix_rows(starts, records, chains)
+        extra = None
+        if self.chains is not None:
+            extra = np.ascontiguousarray(self.chains[records] if chains is None else chains)
+            extra = extra.view(np.uint8).reshape(len(starts), -1)
+        return cks.data_sums(self._column_bytes, starts, lengths, self._prefix_bytes, rows, extra)
 
-    def publish(self, layout: SegmentBatch, records: np.ndarray | None = None) -> None:
+    def publish(
+        self,
+        layout: SegmentBatch,
+        records: np.ndarray | None = None,
+        chains: np.ndarray | None = None,
+    ) -> None:
         """Write the records and slot pointers of ``layout``, commit markers last.
 
         ``layout``: segments written by :meth:`write`. ``records``: those the write was
-        given (:meth:`take_records`), else taken now. A segment that starts on another's
-        tail slot (:mod:`.regions`) takes that slot's pointer: a slot points at the segment
-        it is a step of.
+        given (:meth:`take_records`), else taken now. ``chains``: their chain rows (from
+        :meth:`~.chains.Chains.take_chains`, a table with chains). A segment that starts on
+        another's tail slot (:mod:`.regions`) takes that slot's pointer: a slot points at
+        the segment it is a step of.
         """
         n = len(layout)
         base = int(layout.starts[0])
@@ -262,10 +300,13 @@ class SlotRecords:
         if layout.sequences is not None:
             block[f.SEQUENCE] = layout.sequences
         self.records[records] = block.T
+        if chains is not None:
+            assert self.chains is not None
+            self.chains[records] = chains
         block[f.GENERATION] = layout.generations  # what the checksum vouches for
         sums = layout.sums
         if sums is None:
-            sums = self._data_sums(layout.starts, layout.lengths, records)
+            sums = self._data_sums(layout.starts, layout.lengths, records, chains)
         self.checksums[records] = cks.combine(sums, block.T)
         pointers = np.repeat(records, layout.lengths + 1)
         if back_to_back:

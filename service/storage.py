@@ -3,7 +3,8 @@
 This module opens the files and is the storage's public face (:class:`SegmentStorage`, the
 slot vocabulary of :mod:`millpond.storage_format`). The class's other parts live one
 concept to a module: slot records, their allocation and the publish commit
-(:mod:`.slot_records`), copying segments in (:mod:`.segment_writes`), the gathers
+(:mod:`.slot_records`), frame-stack chains (:mod:`.chains`), copying segments in
+(:mod:`.segment_writes`), the gathers
 (:mod:`.gathers`), recovery and verification (:mod:`.recovery`).
 
 A segment of L steps occupies L+1 consecutive slots: L step slots, then a tail slot that
@@ -22,14 +23,18 @@ more for their bookkeeping than for themselves:
   before new ones), so the records ever written number at most the segments stored at
   once. The file has room for the most that can be stored at once (a record per slot: a
   segment that continues another on its tail slot, see :mod:`.regions`, takes one slot of
-  its own at least; ``capacity // 2`` in tables with frame stacks, which get no regions)
-  and is sparse: pages never written take no disk space.
+  its own at least; ``capacity // 2`` in tables made before regions, and in tables with
+  frame stacks made before ``chains.bin``, which get no regions) and is sparse: pages
+  never written take no disk space.
 
 * ``prefixes/<key>.bin``: for each frame-stacked observation key
   (:mod:`millpond.frame_stacks`; its column then holds one frame per slot, the newest of
-  the stack there), the ``k - 1`` older frames of each segment's first stack, indexed by
-  record like ``segments.bin`` and sparse alike. :meth:`SegmentStorage.gather` and
-  :meth:`SegmentStorage.gather_slots` rebuild the stacks, so nothing above sees frames.
+  the stack there), the ``k - 1`` older frames of the first stack of each *chain* (a
+  segment and those that continue it in a writer's region, :mod:`.chains`), sparse, with
+  its own disk reservation. ``chains.bin`` holds per record its chain's first slot and
+  prefix row (tables with frame stacks made before it index prefixes by record).
+  :meth:`SegmentStorage.gather` and :meth:`SegmentStorage.gather_slots` rebuild the
+  stacks, so nothing above sees frames.
 * ``checksums.bin``: one uint64 per record, the checksum of its segment's rows, prefixes
   and record (:mod:`.checksums`), sparse too. Recovery drops (and counts in
   :attr:`SegmentStorage.corrupted`) a segment whose checksum does not match, so damaged
@@ -79,6 +84,8 @@ from millpond.service.recovery import Recovery
 from millpond.service.segment_writes import SegmentWrites
 from millpond.spec import OBSERVATION, FieldSpec, Key, TableSpec, format_key
 from millpond.storage_format import (  # the format a reader on the same host shares
+    CHAIN_WIDTH,
+    CHAINS_FILE,
     RECORD_WIDTH,
     SEGMENTS_FILE,
     SLOT_EMPTY,
@@ -88,11 +95,13 @@ from millpond.storage_format import (  # the format a reader on the same host sh
     RecordField,
     SlotColumn,
     column_filename,
+    num_prefix_rows,
     num_records,
     records_in,
 )
 
 __all__ = [
+    "CHAINS_FILE",
     "CHECKSUMS_FILE",
     "SLOT_EMPTY",
     "SLOT_STEP",
@@ -157,7 +166,7 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
         slots_file, records_file = self.path / SLOTS_FILE, self.path / SEGMENTS_FILE
         fresh = not slots_file.exists()
         if fresh:
-            n_records = num_records(capacity, stacked=bool(self.stacks))
+            n_records = num_records(capacity)
         else:  # as many as it was made with (tables made before regions: half as many)
             if not records_file.exists():
                 raise StorageCorruptedError(f"{records_file} is missing")
@@ -176,6 +185,26 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
             self.table_dir, n_records, "segment records", typical=capacity // 2 + 1
         )
         self._claimed_records = 0  # segments reserved for and not yet published
+        # Tables with frame stacks keep chains (see .chains), but for those made before.
+        chains_file = self.path / CHAINS_FILE
+        if self.stacks and not fresh and not chains_file.exists() and self.continuations:
+            raise StorageCorruptedError(
+                f"{chains_file} is missing (where each segment's older frames are): restore "
+                "the table directory from a copy"
+            )
+        self._chained = bool(self.stacks) and (fresh or chains_file.exists())
+        self.chains: np.ndarray | None = None
+        self._n_prefix_rows = num_prefix_rows(capacity)
+        # A prefix row per chain, not per record: reserved by its own watermark, sized for
+        # chains of a few segments (most use far fewer rows than the file holds).
+        self._prefix_space: Reservation | None = None
+        if self._chained:
+            self._prefix_space = Reservation(
+                self.table_dir, self._n_prefix_rows, "frame-stack prefixes", capacity // 16 + 1
+            )
+        self._free_prefixes: list[int] = []
+        self._next_prefix = 1
+        self._claimed_prefixes = 0
         try:
             self._open_files(slots_file, records_file, n_records, fresh, spec)
         except BaseException:
@@ -203,6 +232,15 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
         )
         self._record_space.add(self._fds[-1], RECORD_WIDTH * 8, SEGMENTS_FILE)
         self._records_on_disk = -(-data_end(self._fds[-1]) // (RECORD_WIDTH * 8))
+        if self._chained:
+            chain_map = self._open_map(
+                self.path / CHAINS_FILE, np.dtype(np.int64), (n_records, CHAIN_WIDTH), fresh
+            )
+            self._record_space.add(self._fds[-1], CHAIN_WIDTH * 8, CHAINS_FILE)
+            self._chain_map: np.memmap | None = chain_map
+            self.chains = chain_map.view(np.ndarray)
+        else:
+            self._chain_map = None
         # A format-2 table written before checksums has none: recover() computes them.
         self._unchecked = not fresh and not (self.path / CHECKSUMS_FILE).exists()
         self._checksum_map = self._open_map(
@@ -237,6 +275,8 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
             self.set_spec(spec)
         self._slot_space.resume()
         self._record_space.resume()
+        if self._prefix_space is not None:
+            self._prefix_space.resume()
         if not fresh:
             self._rebuild_free()
 
@@ -316,7 +356,7 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
         self._column_fds = {key: fd for key, (fd, _, _) in zip(columns, fds)}
         for fd, nbytes, name in prefix_fds:
             self._fds.append(fd)
-            self._record_space.add(fd, nbytes, name)
+            (self._prefix_space or self._record_space).add(fd, nbytes, name)
         self.columns = columns
         self.prefixes = prefixes
         self._prefix_bytes = [
@@ -325,6 +365,8 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
         ]
         self._slot_space.resume()
         self._record_space.resume()
+        if self._prefix_space is not None:
+            self._prefix_space.resume()
         self._column_bytes = [
             (t.reshape(-1).view(torch.uint8).numpy().reshape(self.capacity, -1), int(role))
             for t, role in zip(
@@ -342,7 +384,7 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
         directory = self.path / PREFIX_DIR
         directory.mkdir(exist_ok=True)
         filename = directory / column_filename(key)
-        n_records = len(self.records)
+        n_records = self._n_prefix_rows
         shape = torch.Size([n_records, k - 1, *f.shape[1:]])
         nbytes = f.nbytes // k * (k - 1)
         if not filename.exists():
@@ -356,7 +398,7 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
         elif filename.stat().st_size != n_records * nbytes:
             raise StorageCorruptedError(
                 f"prefix file {filename} has {filename.stat().st_size} bytes, expected "
-                f"{n_records * nbytes} ({n_records} records of {k - 1} frames)"
+                f"{n_records * nbytes} ({n_records} rows of {k - 1} frames)"
             )
         mm = MemoryMappedTensor.from_filename(filename, dtype=f.dtype, shape=shape)
         fds.append((os.open(filename, os.O_RDWR), nbytes, f"{PREFIX_DIR}/{filename.name}"))
@@ -374,6 +416,8 @@ class SegmentStorage(SegmentWrites, Gathers, Recovery):
         self._slot_map.flush()
         self._record_map.flush()
         self._checksum_map.flush()
+        if self._chain_map is not None:
+            self._chain_map.flush()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

@@ -50,6 +50,7 @@ from millpond.service.atomic_json import atomic_write_json
 from millpond.service.samplers import PRIORITIES_FILE, Sampler
 from millpond.service.segment_batch import SegmentBatch
 from millpond.service.storage import (
+    CHAINS_FILE,
     CHECKSUMS_FILE,
     RECORD_WIDTH,
     SEGMENTS_FILE,
@@ -333,7 +334,7 @@ DISK_PARTS = (
     "observations",  # observation column files (step and tail slots), frame-stack prefixes
     "step fields",  # the other column files (actions, rewards, flags, ...)
     "slot pointers",  # data/slots.bin
-    "segment records",  # data/segments.bin and data/checksums.bin (a checksum per record)
+    "segment records",  # data/segments.bin, data/checksums.bin, data/chains.bin (per record)
     "sampler",  # the sampler's own files (priorities.bin)
     "table files",  # meta.json, writers.json, counters.bin, columns/index.json, ...
 )
@@ -355,7 +356,7 @@ def disk_usage(path: str | os.PathLike, spec: TableSpec | None) -> dict[str, int
             continue
         if p == data / SLOTS_FILE:
             part = "slot pointers"
-        elif p in (data / SEGMENTS_FILE, data / CHECKSUMS_FILE):
+        elif p in (data / SEGMENTS_FILE, data / CHECKSUMS_FILE, data / CHAINS_FILE):
             part = "segment records"
         elif p.parent == data / "columns" and p.suffix == ".bin":
             part = "observations" if p.name in observation_files else "step fields"

@@ -164,6 +164,28 @@ def test_zero_padded_episode_starts(make_table, tmp_path):
     _check_table(table, ted, tmp_path)
 
 
+@pytest.fixture(scope="module", params=["reset", "zero"])
+def padded(request):
+    """The rollout with each of ``FrameStackObservation``'s paddings."""
+    return _record(request.param)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_a_writer_s_continuations_store_no_older_frames(make_table, tmp_path, padded, chunk):
+    """Segments of a writer with an id continue each other on their tail slots, a prefix
+    per chain: every stack still the env's, sampled and exported."""
+    record = padded
+    table = make_table(_config(f"fs-{chunk}", capacity=8192))
+    segments = _segments(record, chunk)
+    for i, seg in enumerate(segments):
+        seg.sequence = i + 1
+        table.insert_many([seg], writer_id="actor")
+    chains = table.storage._next_prefix - 1
+    episodes = len(set(record["collector", "traj_ids"].tolist()))
+    assert chains <= 2 * episodes < len(segments)
+    _check_table(table, record, tmp_path)
+
+
 def test_ring_wraps_and_records_are_reused(make_table, ted):
     # A ring smaller than the data: old segments are evicted and their records (prefixes
     # included) taken by new ones, many times over.
