@@ -1,10 +1,11 @@
 """Batches sampled forever with requests kept in flight: what :meth:`ReplayClient.iterate`
 yields.
 
-Wire batches come from a pool of ``prefetch`` threads, each asking for the next batch as
-one is handed out (one thread for a queue table, so that batches keep the queue's order).
-A table read from its files on this host streams instead (:meth:`SplitSampler.stream`),
-read one batch ahead on a thread of its own.
+A client with one shard streams (:meth:`SplitSampler.stream`): ``prefetch`` batches per
+call, one call after another, received (or read from the table's files on this host) one
+batch ahead on a thread of its own. With several shards, batches come from a pool of
+``prefetch`` threads, each asking for the next batch as one is handed out. A queue table
+is asked one batch at a time on one thread, so that batches keep the queue's order.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def iterate(
     calls = CallSet()
     streamed = None if in_order else sampler.stream(table, batch_size, prefetch, timeout, calls)
     if streamed is not None:
-        yield from read_ahead(streamed, calls.cancel, "millpond-colocated-read")
+        yield from read_ahead(streamed, calls.cancel, "millpond-read-ahead")
         return
     pool = ThreadPoolExecutor(
         max_workers=1 if in_order else prefetch, thread_name_prefix="millpond-prefetch"

@@ -1,8 +1,9 @@
 """An iterator whose items are made on a thread of its own, one ahead of its consumer.
 
-A colocated learner's batch is mostly a gather from the table's memory map, which lets go
-of the GIL: made on a thread of its own, the next batch is read while the learner updates on
-this one, as a PyTorch ``DataLoader`` prepares its next batch.
+A colocated learner's batch is mostly a gather from the table's memory map, and a wire
+batch mostly a wait for gRPC to receive it, both of which let go of the GIL: made on a
+thread of its own, the next batch is read while the learner updates on this one, as a
+PyTorch ``DataLoader`` prepares its next batch.
 """
 
 from __future__ import annotations

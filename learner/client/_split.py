@@ -164,19 +164,23 @@ class SplitSampler:
     def stream(
         self, table: str, batch_size: int, prefetch: int, timeout: float | None, calls: CallSet
     ) -> Iterator[TensorDict] | None:
-        """Batches of a table held by this client's only shard, read from the table's files
-        on this host and asked ``prefetch`` at a time in one call (what a prefetching
-        iterator keeps in flight, without a call per batch), the next call asked for as
-        the last batch of one is read; ``None`` where that shard's table is not read
-        colocated (then :meth:`sample` serves).
+        """Batches of a table held by this client's only shard, asked ``prefetch`` at a
+        time in one call (what a prefetching iterator keeps in flight, without a call per
+        batch), the next call asked for as the last batch of one arrives; ``None`` where
+        the client has several shards (then :meth:`sample` serves).
 
-        Where the ``prefetch`` batches fit the table together (:func:`joined_batches`),
-        they are drawn as one batch of ``prefetch * batch_size`` rows, read and decoded
-        once, and handed out in ``batch_size`` parts: a uniform or prioritized table draws
-        every row independently (importance weights over the table's largest, not the
-        batch's), so the parts are what ``prefetch`` separate draws would be, at about a
-        third of the client's CPU per batch. The rate limiter then counts the rows of a
-        call at once."""
+        On the wire, the batches of a call come one after another on its stream, and the
+        next call opens once the last of them has arrived: one answer transfers at a time,
+        so they arrive evenly spaced (calls in flight together interleave their answers on
+        the connection and land in bursts, each learner's wait short or a whole burst long).
+
+        Read from the table's files on this host (colocated), where the ``prefetch`` batches
+        fit the table together (:func:`joined_batches`), they are drawn as one batch of
+        ``prefetch * batch_size`` rows, read and decoded once, and handed out in
+        ``batch_size`` parts: a uniform or prioritized table draws every row independently
+        (importance weights over the table's largest, not the batch's), so the parts are
+        what ``prefetch`` separate draws would be, at about a third of the client's CPU per
+        batch. The rate limiter then counts the rows of a call at once."""
         shards = self._set.shards
         if len(shards) != 1 or shards[0].down:
             return None
@@ -184,7 +188,7 @@ class SplitSampler:
         if not self._masses.known(shard, table):
             self._masses.refresh(table, [shard])
         if not self._colocation.wanted(shard, table):
-            return None
+            return self._stream(shard, table, batch_size, prefetch, timeout, calls, on_wire=True)
         joined = joined_batches(self._masses.configs.get(table), batch_size, prefetch)
         return self._stream(shard, table, batch_size, prefetch, timeout, calls, joined)
 
@@ -197,6 +201,7 @@ class SplitSampler:
         timeout: float | None,
         calls: CallSet,
         joined: bool = False,
+        on_wire: bool = False,
     ) -> Iterator[TensorDict]:
         backoff = BUSY_BACKOFF_INITIAL_S
         # Each batch may wait ``timeout`` for the rate limiter; the call, for all of them.
@@ -206,14 +211,14 @@ class SplitSampler:
             batch_size=n * prefetch if joined else n,
             num_batches=1 if joined else prefetch,
             timeout_ms=0 if timeout is None else max(1, int(timeout * 1000)),
-            colocated=True,
+            colocated=not on_wire,
         )
         responses = 1 if joined else prefetch
+        # Answers on the wire come as bytes, parsed below (observations stay views of them).
+        stub = shard.raw_sample if on_wire else self._colocation.stub(shard).Sample
 
         def open_call() -> Any:
-            call = self._colocation.stub(shard).Sample(
-                request, timeout=deadline, metadata=self._set.metadata
-            )
+            call = stub(request, timeout=deadline, metadata=self._set.metadata)
             return call if calls.add(call) else None
 
         try:
@@ -228,6 +233,8 @@ class SplitSampler:
                             # The next call is asked for while this one's last batch is read:
                             # the shard samples meanwhile, not after.
                             upcoming = open_call()
+                        if isinstance(response, bytes):
+                            response = wire.parse_sample_response(response)
                         self._masses.set_mass(shard, table, response.mass)
                         if response.HasField("colocated_rows"):
                             try:
@@ -248,6 +255,9 @@ class SplitSampler:
                 except grpc.RpcError as err:
                     if calls.cancelled:
                         return
+                    if on_wire and deadline is not None and is_own_deadline(err):
+                        late = self._late(shard, table, n * prefetch, deadline)
+                        raise DeadlineExceededError(late) from err
                     error = from_rpc_error(err, shard.address)
                     if is_connect_failure(err):
                         self._set.note_down(shard, error)

@@ -434,16 +434,17 @@ class ReplayClient:
     def iterate(
         self, table: str, batch_size: int, prefetch: int = 4, timeout_s: float | None = None
     ) -> Iterator[TensorDict]:
-        """Sample batches forever, keeping ``prefetch`` requests in flight; yields in order.
+        """Sample batches forever, keeping ``prefetch`` batches asked ahead; yields in order.
 
         Closing the generator (``break`` out of the loop, ``close()``) cancels what is in
-        flight and joins its threads. A table of a client's only shard that is read from its
-        files on this host (``colocated``) is asked ``prefetch`` batches per call instead,
-        the next call asked for as the last batch of one is read, and the next batch's rows
-        are read on a thread of the iterator's own while the caller works on this one (one
-        batch ahead, as a ``DataLoader`` prepares its next). For queue tables
-        the requests run one after another, so batches come in the queue's order. Errors of
-        :meth:`sample` are raised here.
+        flight and joins its threads. A client with one shard asks it ``prefetch`` batches
+        per call, one call answered at a time (on the wire: evenly spaced batches, not
+        bursts), the next asked for as the last batch of one arrives, each call ending within
+        ``prefetch * timeout_s`` plus 10 s; a thread of the iterator's own receives, or
+        reads from the table's files on this host (``colocated``), the next batch while the
+        caller works on this one. With several shards ``prefetch`` :meth:`sample` calls are
+        kept in flight; for queue tables one at a time, so batches keep the queue's order.
+        Errors of :meth:`sample` are raised here.
         """
         _check_table(table)
         check_batch_size(batch_size)

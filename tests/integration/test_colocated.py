@@ -450,10 +450,10 @@ def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this
             time.sleep(0.01)
         time.sleep(0.2)  # time for a third read, if one were made
         assert len(reads) == 2, reads
-        assert set(reads) == {"millpond-colocated-read"}
+        assert set(reads) == {"millpond-read-ahead"}
         _check_pattern(next(stream))
         stream.close()
-        assert "millpond-colocated-read" not in {t.name for t in threading.enumerate()}
+        assert "millpond-read-ahead" not in {t.name for t in threading.enumerate()}
 
 
 def test_a_directory_that_is_not_here_falls_back_to_the_wire(server_process, table_name):
