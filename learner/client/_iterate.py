@@ -42,7 +42,7 @@ def iterate(
     """Batches of ``table`` in order, ``prefetch`` requests in flight; closing the generator
     cancels what is in flight and joins its threads."""
     config = masses.configs.get(table)
-    if config is None:
+    if config is None or config.spec is None:  # the keys too: they size its batches
         masses.refresh(table, [s for s in shards.shards if not s.down])
         config = masses.configs.get(table)
     in_order = config is not None and config.sampler == "queue"
