@@ -458,9 +458,7 @@ def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this
         assert "millpond-colocated-read" not in {t.name for t in threading.enumerate()}
 
 
-def test_a_colocated_iterator_reads_small_batches_when_asked_for(
-    server1, table_name, monkeypatch
-):
+def test_a_colocated_iterator_reads_small_batches_when_asked_for(server1, table_name, monkeypatch):
     """Batches under READ_AHEAD_BYTES are read on the consumer's thread, when asked for: no
     thread of their own, nothing read ahead."""
     reads: list[str] = []
