@@ -426,13 +426,8 @@ def test_iterate_asks_for_the_next_call_while_the_last_batch_of_one_is_read(serv
         stream.close()
 
 
-def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this_one(
-    server1, table_name, monkeypatch
-):
-    """The rows of the next batch are read on the iterator's own thread as soon as this
-    one is handed out, one batch ahead and no more; closing the iterator joins that thread.
-    (Batches of READ_AHEAD_BYTES or more; this one is small, so the bound is lowered.)"""
-    monkeypatch.setattr(_iterate, "READ_AHEAD_BYTES", 0)
+def _read_threads(monkeypatch) -> list[str]:
+    """The names of the threads that read colocated rows, one per read, as they come."""
     reads: list[str] = []
     real_read = ColocatedReader.read
 
@@ -441,6 +436,17 @@ def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this
         return real_read(self, *args)
 
     monkeypatch.setattr(ColocatedReader, "read", read)
+    return reads
+
+
+def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this_one(
+    server1, table_name, monkeypatch
+):
+    """The rows of the next batch are read on the iterator's own thread as soon as this
+    one is handed out, one batch ahead and no more; closing the iterator joins that thread.
+    (Batches of READ_AHEAD_BYTES or more; this one is small, so the bound is lowered.)"""
+    monkeypatch.setattr(_iterate, "READ_AHEAD_BYTES", 0)
+    reads = _read_threads(monkeypatch)
     with ReplayClient(server1.address, colocated=True) as client:
         client.create_table(CONFIGS["uniform"](table_name))
         _fill(client, table_name, _segments(30))
@@ -461,14 +467,7 @@ def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this
 def test_a_colocated_iterator_reads_small_batches_when_asked_for(server1, table_name, monkeypatch):
     """Batches under READ_AHEAD_BYTES are read on the consumer's thread, when asked for: no
     thread of their own, nothing read ahead."""
-    reads: list[str] = []
-    real_read = ColocatedReader.read
-
-    def read(self, *args):
-        reads.append(threading.current_thread().name)
-        return real_read(self, *args)
-
-    monkeypatch.setattr(ColocatedReader, "read", read)
+    reads = _read_threads(monkeypatch)
     with ReplayClient(server1.address, colocated=True) as client:
         client.create_table(CONFIGS["uniform"](table_name))
         _fill(client, table_name, _segments(30))
