@@ -241,10 +241,11 @@ class SplitSampler:
                         if not joined:
                             yield td
                             continue
-                        parts = td.split(n)
-                        yield from parts[:-1]
-                        upcoming = open_call()  # as the last part is read, as above
-                        yield parts[-1]
+                        # The next call is asked for now: the shard draws it while this
+                        # one's parts are trained on (asked for with the last part, its
+                        # answer came a step late: a small batch is read in microseconds).
+                        upcoming = open_call()
+                        yield from td.split(n)
                 except grpc.RpcError as err:
                     if calls.cancelled:
                         return
