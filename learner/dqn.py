@@ -88,6 +88,7 @@ from millpond.learner._common import (
     PublishAhead,
     PublishClock,
     PublishesAhead,
+    adam,
     published_version,
 )
 from millpond.learner.client import ReplayClient
@@ -229,17 +230,15 @@ class DQNLearner(PublishesAhead):
         self.q_network = q_network
         self.target_network = copy.deepcopy(q_network)
         self.target_network.requires_grad_(False)
-        # foreach: one kernel per step for all parameters (a per-tensor loop costs more
-        # than the small networks' arithmetic)
-        self.optimizer = torch.optim.Adam(q_network.parameters(), lr=config.lr, foreach=True)
+        params = list(q_network.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+        self.optimizer = adam(params, self.device, lr=config.lr)
         self.updates = 0
         self._batches = BatchSource(
             client, table, config.batch_size, config.prefetch, config.sample_timeout_s
         )
         self.version = published_version(client) if version is None else version
         self._clock = PublishClock(self.version)
-        params = list(q_network.parameters())
-        self.device = params[0].device if params else torch.device("cpu")
         self.data_parallel = data_parallel
         self._turn = distributed.BatchTurn(data_parallel, self.device)
         self._publisher = PublishAhead(client, self._clock, data_parallel, config.max_policy_lag)

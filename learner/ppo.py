@@ -72,7 +72,7 @@ from millpond.box_actions import gaussian_entropy, gaussian_log_prob
 from millpond.checks import check_int, check_number
 from millpond.errors import InvalidConfigError, InvalidDataError
 from millpond.learner import distributed
-from millpond.learner._common import PublishClock, publish_module, published_version
+from millpond.learner._common import PublishClock, adam, publish_module, published_version
 from millpond.learner.client import ReplayClient
 from millpond.learner.estimators import gae_from_batch
 from millpond.learner.obs_norm import RunningMeanStd
@@ -205,10 +205,8 @@ class PPOLearner:
         self._clock = PublishClock(self.version)
         # A torso shared by the policy and the critic (the Nature CNN's) is optimised once.
         params = list({id(p): p for p in [*policy.parameters(), *critic.parameters()]}.values())
-        # foreach: one kernel per step for all parameters (the per-tensor loop costs more
-        # than the arithmetic on small networks).
-        self.optimizer = torch.optim.Adam(params, lr=config.lr, eps=1e-5, foreach=True)
         self.device = params[0].device if params else torch.device("cpu")
+        self.optimizer = adam(params, self.device, lr=config.lr, eps=1e-5)
         self.data_parallel = data_parallel
         self._turn = distributed.BatchTurn(data_parallel, self.device)
         self.normalizer = (

@@ -91,6 +91,11 @@ class ReplayStub:
                 request_serializer=millpond__pb2.ReadTableRequest.SerializeToString,
                 response_deserializer=millpond__pb2.ReadTableResponse.FromString,
                 _registered_method=True)
+        self.PublishWeightsAtOnce = channel.unary_unary(
+                '/millpond.v1.Replay/PublishWeightsAtOnce',
+                request_serializer=millpond__pb2.PublishWeightsRequest.SerializeToString,
+                response_deserializer=millpond__pb2.PublishWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -164,6 +169,15 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishWeightsAtOnce(self, request, context):
+        """PublishWeights in one message (version, total_size, the whole blob as chunk, max_lag):
+        what clients send for weights of one chunk (WEIGHTS_CHUNK_BYTES) or less, without the
+        costs of a client stream (a thread per call in Python's gRPC).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +235,11 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.ReadTable,
                     request_deserializer=millpond__pb2.ReadTableRequest.FromString,
                     response_serializer=millpond__pb2.ReadTableResponse.SerializeToString,
+            ),
+            'PublishWeightsAtOnce': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishWeightsAtOnce,
+                    request_deserializer=millpond__pb2.PublishWeightsRequest.FromString,
+                    response_serializer=millpond__pb2.PublishWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -522,6 +541,33 @@ class Replay:
             '/millpond.v1.Replay/ReadTable',
             millpond__pb2.ReadTableRequest.SerializeToString,
             millpond__pb2.ReadTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishWeightsAtOnce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/millpond.v1.Replay/PublishWeightsAtOnce',
+            millpond__pb2.PublishWeightsRequest.SerializeToString,
+            millpond__pb2.PublishWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,9 +7,10 @@ and learners' Sample calls wait in the queue behind them; an orchestrator then r
 shard that is only busy. :class:`AdmissionInterceptor` keeps threads back:
 
 - Insert streams take at most ``max_workers - reserve`` threads;
-- all streams together (Insert, Sample, GetWeights, PublishWeights, health Watch) take at
-  most ``max_workers - 1``, so a unary call (health Check, Info, UpdatePriorities) always
-  finds a thread.
+- all streams together (Insert, Sample, GetWeights, PublishWeights, health Watch), and
+  PublishWeightsAtOnce (unary, but it may wait for the actors as long as PublishWeights),
+  take at most ``max_workers - 1``, so a unary call (health Check, Info, UpdatePriorities)
+  always finds a thread.
 
 A stream beyond its bound is refused at once with RESOURCE_EXHAUSTED and the class
 :class:`~millpond.errors.ShardBusyError`, which a writer retries with backoff (and a
@@ -31,6 +32,8 @@ from millpond.protos.status import ERROR_KEY, status_of
 log = logging.getLogger("millpond.server")
 
 _INSERT = "/millpond.v1.Replay/Insert"
+#: Unary calls that may hold their thread as long as a stream does.
+_WAITING_UNARY = frozenset({"/millpond.v1.Replay/PublishWeightsAtOnce"})
 _LOG_EVERY_S = 10.0
 
 
@@ -74,7 +77,10 @@ class AdmissionInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or not (handler.request_streaming or handler.response_streaming):
+        if handler is None:
+            return handler
+        streaming = handler.request_streaming or handler.response_streaming
+        if not streaming and handler_call_details.method not in _WAITING_UNARY:
             return handler
         gates = [self.streams]
         if handler_call_details.method == _INSERT:
@@ -92,8 +98,10 @@ def _admitted(handler: grpc.RpcMethodHandler, gates: list[_Gate]) -> grpc.RpcMet
         behavior, wrap = handler.stream_stream, grpc.stream_stream_rpc_method_handler
     elif handler.request_streaming:
         behavior, wrap = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-    else:
+    elif handler.response_streaming:
         behavior, wrap = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        behavior, wrap = handler.unary_unary, grpc.unary_unary_rpc_method_handler
 
     def admitted(request, context):
         taken: list[_Gate] = []

@@ -7,8 +7,12 @@ import os
 from pathlib import Path
 
 
-def atomic_write_json(path: Path, obj: object) -> None:
+def atomic_write_json(path: Path, obj: object, fsync: bool = True) -> None:
     """Write JSON so that readers see the old or the new file, never a mix (tmp, fsync, rename).
+
+    ``fsync=False`` leaves out the disk flushes: the rename still makes it all or nothing for
+    a killed process (the kernel's page cache keeps what was written), not for a machine
+    crash.
 
     A failed write (a full disk: ``OSError`` ``ENOSPC``, which the service answers as
     RESOURCE_EXHAUSTED) removes its temporary file, so that it holds no space, and leaves
@@ -16,11 +20,13 @@ def atomic_write_json(path: Path, obj: object) -> None:
     """
     tmp = path.with_name(path.name + ".tmp")
     try:
-        write_synced(tmp, json.dumps(obj, indent=1).encode())
+        write_file(tmp, json.dumps(obj, indent=1).encode(), fsync)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if not fsync:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -28,9 +34,11 @@ def atomic_write_json(path: Path, obj: object) -> None:
         os.close(dir_fd)
 
 
-def write_synced(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and wait until it is on disk (not the directory entry)."""
+def write_file(path: Path, data: bytes, fsync: bool = True) -> None:
+    """Write ``data`` to ``path``; ``fsync``: and wait until it is on disk (not the directory
+    entry)."""
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())

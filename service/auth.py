@@ -3,7 +3,7 @@
 A token file holds one token per line, ``ROLE TOKEN`` (``#`` starts a comment). Roles:
 
 - ``writer``: Insert, GetWeights, Info (what env actors need);
-- ``learner``: Sample, UpdatePriorities, PublishWeights, Info;
+- ``learner``: Sample, UpdatePriorities, PublishWeights (and PublishWeightsAtOnce), Info;
 - ``admin``: everything, table creation, checkpoints and resets included.
 
 A call without a valid token is UNAUTHENTICATED; a valid token whose role may not call the
@@ -27,7 +27,9 @@ ROLES = ("writer", "learner", "admin")
 _SERVICE = "/millpond.v1.Replay/"
 _ALLOWED: dict[str, frozenset[str]] = {
     "writer": frozenset({"Insert", "GetWeights", "Info"}),
-    "learner": frozenset({"Sample", "UpdatePriorities", "PublishWeights", "Info"}),
+    "learner": frozenset(
+        {"Sample", "UpdatePriorities", "PublishWeights", "PublishWeightsAtOnce", "Info"}
+    ),
 }
 
 

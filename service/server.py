@@ -65,7 +65,7 @@ class ServerConfig:
         host: interface to bind; loopback unless told otherwise.
         port: TCP port; 0 picks a free one (``create_server`` returns it).
         tables: tables to create at start (identical existing ones are kept).
-        fsync: flush every insert to disk before acknowledging it.
+        fsync: flush every insert and weights publication to disk before acknowledging it.
         tls_cert: PEM certificate chain file, with ``tls_key``, to serve TLS.
         tls_key: PEM private key file.
         token_file: file of ``ROLE TOKEN`` lines; every call then needs a bearer token.
@@ -176,7 +176,7 @@ def create_server(config: ServerConfig) -> tuple[ShardServer, int]:
     )
     for table_config in config.tables:
         shard.create_table(table_config)
-    weights = WeightStore(Path(config.dir) / "weights")
+    weights = WeightStore(Path(config.dir) / "weights", fsync=config.fsync)
     limit = config.max_message_mb * 1024 * 1024
     interceptors: list[grpc.ServerInterceptor] = []
     if config.token_file is not None:  # first: a call without a token takes no stream place
@@ -358,7 +358,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key (with --tls-cert)")
     p.add_argument("--token-file", help="file of 'ROLE TOKEN' lines; calls then need a token")
-    p.add_argument("--fsync", action="store_true", help="fsync each insert before acking it")
+    p.add_argument(
+        "--fsync",
+        action="store_true",
+        help="fsync each insert and weights publication before acking it",
+    )
     p.add_argument(
         "--verify",
         choices=VERIFY_MODES,

@@ -2,7 +2,9 @@
 
 Learners publish, actors fetch: the shard is the rendezvous point. The blob is opaque here
 (the client serialises a state dict with the tensor codec). Publishing writes the file
-atomically, so a restarted shard serves the last version it acknowledged.
+atomically, so a restarted shard serves the last version it acknowledged: after a killed process, always (the kernel's page cache keeps what
+was written); after a machine crash, when the store flushes each publication to disk
+(``fsync``, the shard's ``--fsync``, as its inserts).
 
 **Bounded staleness.** An env actor that names itself when it fetches tells the store which
 version it acts with until its next fetch, or that it stops acting (to write what it
@@ -24,17 +26,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 from millpond.errors import DeadlineExceededError, InvalidDataError
-from millpond.service.atomic_json import atomic_write_json, write_synced
+from millpond.service.atomic_json import atomic_write_json, write_file
 
 #: Seconds after its last fetch that an acting env actor stops holding publications back.
 ACTING_EXPIRY_S = 30.0
 
 
 class WeightStore:
-    """Holds the newest ``(version, blob)``; ``version`` is -1 until something is published."""
+    """Holds the newest ``(version, blob)``; ``version`` is -1 until something is published.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    ``fsync``: flush each publication to disk before it is acknowledged (three flushes: the
+    blob, the index and the directory), so that it survives a machine crash too. Without,
+    a publication costs a learner's rendezvous ~0.3 ms of CPU instead of ~0.6 ms and ~2.5 ms
+    of waiting on the disk (a DQN learner publishes ~50 times a second).
+    """
+
+    def __init__(self, path: str | os.PathLike, fsync: bool = False) -> None:
         self.path = Path(path)
+        self.fsync = fsync
         self.path.mkdir(parents=True, exist_ok=True)
         self._cond = threading.Condition()
         self._version = -1
@@ -80,9 +89,9 @@ class WeightStore:
         tmp = self.path / f"weights-{version}.{threading.get_ident()}.tmp"
         waited = 0.0
         try:
-            # On disk before the lock is taken: the actors' fetches (every chunk) never wait
+            # Written before the lock is taken: the actors' fetches (every chunk) never wait
             # for a publication's fsync, only for the rename and the small index below.
-            write_synced(tmp, blob)
+            write_file(tmp, blob, self.fsync)
             started = time.monotonic()
             with self._cond:
                 self._check_newer(version)
@@ -103,7 +112,9 @@ class WeightStore:
                     waited = time.monotonic() - started
                 os.replace(tmp, data_file)
                 atomic_write_json(
-                    self.path / "weights.json", {"version": version, "size": len(blob)}
+                    self.path / "weights.json",
+                    {"version": version, "size": len(blob)},
+                    fsync=self.fsync,
                 )
                 old = self.path / f"weights-{self._version}.bin"
                 self._version, self._blob = version, blob

@@ -1,10 +1,13 @@
 """The weights RPCs of a shard: PublishWeights buffers a learner's weights (refused by size
 before anything is buffered) into the :class:`WeightStore`, waiting first for the acting
-actors when it carries ``max_lag``; GetWeights answers with the newest, waiting for a version
-not published yet, and records what a named actor acts with.
+actors when it carries ``max_lag``; PublishWeightsAtOnce is the same for weights sent in one
+message; GetWeights answers with the newest, waiting for a version not published yet, and
+records what a named actor acts with.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from millpond.errors import InvalidDataError, ResourceExhaustedError
 from millpond.protos import millpond_pb2 as pb
@@ -24,10 +27,21 @@ class WeightRPCs:
 
     @edge
     def PublishWeights(self, request_iterator, context) -> pb.PublishWeightsResponse:
+        return self._publish(request_iterator, context)
+
+    @edge
+    def PublishWeightsAtOnce(
+        self, request: pb.PublishWeightsRequest, context
+    ) -> pb.PublishWeightsResponse:
+        return self._publish([request], context)
+
+    def _publish(
+        self, requests: Iterable[pb.PublishWeightsRequest], context
+    ) -> pb.PublishWeightsResponse:
         version = total = max_lag = None
         chunks: list[bytes] = []
         received = 0
-        for request in request_iterator:
+        for request in requests:
             if version is None:
                 version, total = request.version, request.total_size
                 max_lag = request.max_lag if request.HasField("max_lag") else None

@@ -166,8 +166,9 @@ class SplitSampler:
     ) -> Iterator[TensorDict] | None:
         """Batches of a table held by this client's only shard, asked ``prefetch`` at a
         time in one call (what a prefetching iterator keeps in flight, without a call per
-        batch), the next call asked for as the last batch of one arrives; ``None`` where
-        the client has several shards (then :meth:`sample` serves).
+        batch), the next call asked for as the last batch of one arrives (of a joined
+        draw, below, as its batches are handed out); ``None`` where the client has several
+        shards (then :meth:`sample` serves).
 
         On the wire, the batches of a call come one after another on its stream, and the
         next call opens once the last of them has arrived: one answer transfers at a time,
@@ -248,10 +249,11 @@ class SplitSampler:
                         if not joined:
                             yield td
                             continue
-                        parts = td.split(n)
-                        yield from parts[:-1]
-                        upcoming = open_call()  # as the last part is read, as above
-                        yield parts[-1]
+                        # The next call is asked for now: the shard draws it while this
+                        # one's parts are trained on (asked for with the last part, its
+                        # answer came a step late: a small batch is read in microseconds).
+                        upcoming = open_call()
+                        yield from td.split(n)
                 except grpc.RpcError as err:
                     if calls.cancelled:
                         return

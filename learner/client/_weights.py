@@ -3,8 +3,10 @@ by the actors.
 
 The rendezvous is shard 0, or the lowest-numbered shard not lost for good
 (:meth:`~millpond.learner.client._shards.ShardSet.rendezvous`). A state dict travels as one
-blob (:mod:`millpond.protos.weights`), in chunks both ways: ``PublishWeights`` streams it up,
-``GetWeights`` streams a header (version, size) and the chunks back.
+blob (:mod:`millpond.protos.weights`), in chunks both ways: ``PublishWeights`` streams it up
+(``PublishWeightsAtOnce``, one message, when it is one chunk or less: a small network's
+weights, published every few learner steps, skip a client stream's costs), ``GetWeights``
+streams a header (version, size) and the chunks back.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from millpond.errors import MillpondError
 from millpond.learner.client._errors import from_rpc_error
 from millpond.learner.client._shards import ShardSet
 from millpond.protos import millpond_pb2 as pb
-from millpond.protos.weights import publish_requests, state_dict_from_blob, state_dict_to_blob
+from millpond.protos.weights import (
+    WEIGHTS_CHUNK_BYTES,
+    publish_requests,
+    state_dict_from_blob,
+    state_dict_to_blob,
+)
 
 
 def publish(
@@ -33,7 +40,13 @@ def publish(
     for them."""
     blob = state_dict_to_blob(state_dict)
     shard = shards.rendezvous()
-    response = shards.call(shard, "PublishWeights", publish_requests(blob, version, max_lag))
+    requests = publish_requests(blob, version, max_lag)
+    if len(blob) <= WEIGHTS_CHUNK_BYTES:
+        response = shards.call(
+            shard, "PublishWeightsAtOnce", next(requests), doing="PublishWeights"
+        )
+    else:
+        response = shards.call(shard, "PublishWeights", requests)
     return int(response.version), float(response.waited_s)
 
 

@@ -160,6 +160,33 @@ class Net(nn.Module):
         self.head = nn.Linear(512, 8).to(torch.bfloat16)
 
 
+def test_small_weights_go_in_one_message_large_ones_in_chunks(server, monkeypatch):
+    """Weights of one chunk or less take PublishWeightsAtOnce, larger ones the stream; both
+    come back whole."""
+    from millpond.learner.client._shards import ShardSet
+    from millpond.protos.weights import WEIGHTS_CHUNK_BYTES
+
+    methods: list[str] = []
+    real_call = ShardSet.call
+
+    def recorded(self, shard, method, request, *args, **kwargs):
+        methods.append(method)
+        return real_call(self, shard, method, request, *args, **kwargs)
+
+    monkeypatch.setattr(ShardSet, "call", recorded)
+    client = ReplayClient(server.address)
+    _, latest = client.get_weights()
+    small = {"w": torch.arange(1000, dtype=torch.float32)}
+    large = {"w": torch.arange(WEIGHTS_CHUNK_BYTES // 4 + 1, dtype=torch.float32)}
+    for i, state in enumerate((small, large)):
+        methods.clear()
+        assert client.publish_weights(state, version=latest + 1 + i) == latest + 1 + i
+        assert methods == ["PublishWeightsAtOnce" if state is small else "PublishWeights"]
+        got, _ = client.get_weights()
+        assert torch.equal(got["w"], state["w"])
+    client.close()
+
+
 def test_weights_round_trip_versions_and_waiting(server):
     client = ReplayClient(server.address)
     torch.manual_seed(0)

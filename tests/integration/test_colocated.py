@@ -21,7 +21,7 @@ import torch
 from millpond import ReplayClient, TableConfig
 from millpond.colocated import ColocatedReader
 from millpond.errors import ColocationError, ResourceExhaustedError
-from millpond.learner.client import _colocated
+from millpond.learner.client import _colocated, _iterate
 from millpond.storage_format import TOKEN_FILE, ensure_token, read_token, storage_identity
 from millpond.testing import pattern, pattern_segment
 
@@ -426,11 +426,8 @@ def test_iterate_asks_for_the_next_call_while_the_last_batch_of_one_is_read(serv
         stream.close()
 
 
-def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this_one(
-    server1, table_name, monkeypatch
-):
-    """The rows of the next batch are read on the iterator's own thread as soon as this
-    one is handed out, one batch ahead and no more; closing the iterator joins that thread."""
+def _read_threads(monkeypatch) -> list[str]:
+    """The names of the threads that read colocated rows, one per read, as they come."""
     reads: list[str] = []
     real_read = ColocatedReader.read
 
@@ -439,6 +436,17 @@ def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this
         return real_read(self, *args)
 
     monkeypatch.setattr(ColocatedReader, "read", read)
+    return reads
+
+
+def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this_one(
+    server1, table_name, monkeypatch
+):
+    """The rows of the next batch are read on the iterator's own thread as soon as this
+    one is handed out, one batch ahead and no more; closing the iterator joins that thread.
+    (Batches of READ_AHEAD_BYTES or more; this one is small, so the bound is lowered.)"""
+    monkeypatch.setattr(_iterate, "READ_AHEAD_BYTES", 0)
+    reads = _read_threads(monkeypatch)
     with ReplayClient(server1.address, colocated=True) as client:
         client.create_table(CONFIGS["uniform"](table_name))
         _fill(client, table_name, _segments(30))
@@ -454,6 +462,22 @@ def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this
         _check_pattern(next(stream))
         stream.close()
         assert "millpond-read-ahead" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_colocated_iterator_reads_small_batches_when_asked_for(server1, table_name, monkeypatch):
+    """Batches under READ_AHEAD_BYTES are read on the consumer's thread, when asked for: no
+    thread of their own, nothing read ahead."""
+    reads = _read_threads(monkeypatch)
+    with ReplayClient(server1.address, colocated=True) as client:
+        client.create_table(CONFIGS["uniform"](table_name))
+        _fill(client, table_name, _segments(30))
+        stream = client.iterate(table_name, 16, prefetch=1)
+        for _ in range(3):
+            _check_pattern(next(stream))
+        time.sleep(0.2)  # time for a read ahead, if one were made
+        assert reads == [threading.current_thread().name] * 3
+        assert "millpond-colocated-read" not in {t.name for t in threading.enumerate()}
+        stream.close()
 
 
 def test_a_directory_that_is_not_here_falls_back_to_the_wire(server_process, table_name):

@@ -109,6 +109,35 @@ def test_a_stream_past_the_bound_is_refused_at_once_as_busy(busy_shard):
             channel.close()
 
 
+def test_publications_waiting_for_the_actors_take_stream_places(busy_shard):
+    """PublishWeightsAtOnce is unary, but waits for the acting actors as long as a stream:
+    such calls take stream places, so that a probe still finds a thread."""
+    channel = grpc.insecure_channel(busy_shard)
+    stub = pb_grpc.ReplayStub(channel)
+    # an actor acting with no weights holds back every version > max_lag - 1
+    list(stub.GetWeights(pb.GetWeightsRequest(actor="a", acting=True, min_version=0)))
+    waiting = [
+        stub.PublishWeightsAtOnce.future(
+            pb.PublishWeightsRequest(version=10 + i, total_size=1, chunk=b"w", max_lag=1),
+            timeout=30,
+        )
+        for i in range(MAX_WORKERS - 1)
+    ]
+    try:
+        time.sleep(0.5)  # the waiting calls take their places
+        assert not any(call.done() for call in waiting)
+        request = pb.PublishWeightsRequest(version=20, total_size=1, chunk=b"w", max_lag=1)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PublishWeightsAtOnce(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "shard busy" in refused.value.details()
+        assert health_check(busy_shard) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for call in waiting:
+            call.cancel()
+        channel.close()
+
+
 def test_idle_writers_make_room_for_refused_ones(busy_shard, monkeypatch):
     monkeypatch.setattr(_insert_stream, "IDLE_STREAM_S", 0.5)
     client = ReplayClient(busy_shard, timeout_s=10)

@@ -416,6 +416,20 @@ def test_publish_weights(served, requests):
 @FUZZ
 @given(
     request=st.builds(
+        pb.PublishWeightsRequest,
+        version=st.one_of(st.integers(-2, 50), i64),
+        total_size=st.one_of(st.integers(-2, 64), i64),
+        chunk=st.binary(max_size=64),
+    )
+)
+def test_publish_weights_at_once(served, request):
+    stub, _ = served
+    answered(lambda: stub.PublishWeightsAtOnce(request, timeout=10))
+
+
+@FUZZ
+@given(
+    request=st.builds(
         pb.GetWeightsRequest, min_version=st.one_of(st.integers(-2, 50), i64), timeout_ms=timeouts
     )
 )

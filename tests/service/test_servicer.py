@@ -228,6 +228,30 @@ def test_weights_round_trip_in_chunks(server):
     assert stub.Info(pb.InfoRequest()).weights_version == 3
 
 
+def test_weights_at_once_round_trip_and_refusals(server):
+    """PublishWeightsAtOnce stores one message's blob as PublishWeights stores the chunks,
+    and refuses what PublishWeights refuses."""
+    stub, _ = server
+    blob = bytes(range(256)) * 100
+    request = pb.PublishWeightsRequest(version=5, total_size=len(blob), chunk=blob)
+    assert stub.PublishWeightsAtOnce(request).version == 5
+    replies = list(stub.GetWeights(pb.GetWeightsRequest(min_version=5)))
+    assert replies[0].version == 5 and b"".join(r.chunk for r in replies) == blob
+    stale = pb.PublishWeightsRequest(version=5, total_size=1, chunk=b"x")
+    code, details = code_of(lambda: stub.PublishWeightsAtOnce(stale))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not newer" in details
+    truncated = pb.PublishWeightsRequest(version=9, total_size=10, chunk=b"x")
+    code, details = code_of(lambda: stub.PublishWeightsAtOnce(truncated))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "truncated" in details
+    longer = pb.PublishWeightsRequest(version=9, total_size=1, chunk=b"xy")
+    code, details = code_of(lambda: stub.PublishWeightsAtOnce(longer))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "larger than" in details
+    huge = pb.PublishWeightsRequest(version=9, total_size=2**62, chunk=b"x")
+    code, details = code_of(lambda: stub.PublishWeightsAtOnce(huge))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "total_size" in details
+    assert stub.Info(pb.InfoRequest()).weights_version == 5
+
+
 def test_health_is_serving(server):
     _, channel = server
     health = health_pb2_grpc.HealthStub(channel)
@@ -263,6 +287,11 @@ def test_token_roles(tmp_path):
     sample = pb.SampleRequest(table="t", batch_size=2, num_batches=1)
     assert len(list(stub.Sample(sample, metadata=auth("learner")))) == 1
     assert code_of(lambda: list(stub.Sample(sample, metadata=auth("writer"))))[0] == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    weights = pb.PublishWeightsRequest(version=0, total_size=1, chunk=b"w")
+    assert stub.PublishWeightsAtOnce(weights, metadata=auth("learner")).version == 0
+    assert code_of(lambda: stub.PublishWeightsAtOnce(weights, metadata=auth("writer")))[0] == (
         grpc.StatusCode.PERMISSION_DENIED
     )
     for role in TOKENS:

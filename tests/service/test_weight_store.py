@@ -1,4 +1,5 @@
-"""The weight store's disk writes: a fetch never waits for a publication's fsync, and a
+"""The weight store's disk writes: a fetch never waits for a publication's fsync, a
+publication is flushed to disk only with ``fsync`` (the shard's ``--fsync``), and a
 publication that fails or is refused leaves no file behind."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from millpond.service.weights import WeightStore
 
 
 def test_a_fetch_does_not_wait_for_a_publications_disk_write(tmp_path, monkeypatch):
-    store = WeightStore(tmp_path)
+    store = WeightStore(tmp_path, fsync=True)
     store.publish(0, b"old")
     in_sync, release = threading.Event(), threading.Event()
     real_fsync = os.fsync
@@ -45,7 +46,7 @@ def test_a_fetch_does_not_wait_for_a_publications_disk_write(tmp_path, monkeypat
 
 
 def test_a_full_disk_or_a_refusal_leaves_no_file_and_the_old_weights(tmp_path, monkeypatch):
-    store = WeightStore(tmp_path)
+    store = WeightStore(tmp_path, fsync=True)
     store.publish(3, b"three")
     before = sorted(p.name for p in tmp_path.iterdir())
 
@@ -70,3 +71,24 @@ def test_a_publication_a_crash_cut_short_is_cleared_on_open(tmp_path):
     store = WeightStore(tmp_path)
     assert store.get(0) == (0, b"w")
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_publication_is_flushed_to_disk_only_with_fsync(tmp_path, monkeypatch, fsync):
+    """Without ``fsync`` nothing waits for the disk; either way the publication is complete
+    on disk once acknowledged, as a restarted shard (after kill -9: the page cache) reads it."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counted(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    store = WeightStore(tmp_path, fsync=fsync)
+    store.publish(0, b"zero")
+    monkeypatch.setattr(os, "fsync", counted)
+    store.publish(1, b"one")
+    # the blob, the index (weights.json) and the directory
+    assert len(synced) == (3 if fsync else 0)
+    assert WeightStore(tmp_path).get(0) == (1, b"one")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights-1.bin", "weights.json"]
