@@ -21,7 +21,7 @@ import torch
 from millpond import ReplayClient, TableConfig
 from millpond.colocated import ColocatedReader
 from millpond.errors import ColocationError, ResourceExhaustedError
-from millpond.learner.client import _colocated, _iterate
+from millpond.learner.client import _colocated, _split
 from millpond.storage_format import TOKEN_FILE, ensure_token, read_token, storage_identity
 from millpond.testing import pattern, pattern_segment
 
@@ -380,7 +380,9 @@ def test_iterate_streams_the_batches_sample_would_draw(server1, table_name, kind
 
 def test_a_joined_call_is_read_once_for_its_batches(server1, table_name, monkeypatch):
     """The ``prefetch`` batches of one colocated call are read from the files in one go;
-    a table too small for them together is asked one batch at a time, as before."""
+    a table too small for them together is asked one batch at a time, as before, and so
+    are batches of READ_AHEAD_BYTES or more (read one ahead each, rather than all at once
+    and then none)."""
     reads: list[int] = []
     real_read = ColocatedReader.read
 
@@ -405,6 +407,13 @@ def test_a_joined_call_is_read_once_for_its_batches(server1, table_name, monkeyp
         reads.clear()
         stream = client.iterate(small, 16, prefetch=4)  # 64 rows > 40 slots: one at a time
         for _ in range(4):
+            _check_pattern(next(stream))
+        stream.close()
+        assert reads and set(reads) == {16}
+        reads.clear()
+        monkeypatch.setattr(_split, "READ_AHEAD_BYTES", 16)  # every batch is large
+        stream = client.iterate(table_name, 16, prefetch=4)
+        for _ in range(6):
             _check_pattern(next(stream))
         stream.close()
         assert reads and set(reads) == {16}
@@ -445,7 +454,7 @@ def test_a_colocated_iterator_reads_the_next_batch_while_the_consumer_holds_this
     """The rows of the next batch are read on the iterator's own thread as soon as this
     one is handed out, one batch ahead and no more; closing the iterator joins that thread.
     (Batches of READ_AHEAD_BYTES or more; this one is small, so the bound is lowered.)"""
-    monkeypatch.setattr(_iterate, "READ_AHEAD_BYTES", 0)
+    monkeypatch.setattr(_split, "READ_AHEAD_BYTES", 0)
     reads = _read_threads(monkeypatch)
     with ReplayClient(server1.address, colocated=True) as client:
         client.create_table(CONFIGS["uniform"](table_name))
