@@ -37,6 +37,19 @@ _JOB_MODULES = (
 )
 
 
+#: Ray waits 30 s (its default) for a new local instance's GCS to bind its port, and fails
+#: the start after it. A small machine starting the job's imports (and perhaps a running
+#: serve's shards) beside Ray has taken longer; a job waits up to this, unless the user's
+#: environment says otherwise (Ray's own setting, kept as it is).
+GCS_PORT_WAIT_VAR, GCS_PORT_WAIT_S = "RAY_gcs_server_port_wait_time_s", "120"
+
+
+def local_ray_waits_for_its_gcs() -> None:
+    """Give a local Ray's GCS :data:`GCS_PORT_WAIT_S` seconds to start, unless the
+    environment sets Ray's wait already."""
+    os.environ.setdefault(GCS_PORT_WAIT_VAR, GCS_PORT_WAIT_S)
+
+
 def command_start() -> float:
     """When this ``millpond`` command began (wall clock): the import of its command line, or
     of this module in a program that runs a job without it.
@@ -54,6 +67,8 @@ def init_ray(address: str | None, num_cpus: int | None, log_to_driver: bool = Tr
     their errors) printed here too, besides Ray's session logs."""
     import ray  # this module is the command line's: Ray imports while it starts
 
+    if address is None:
+        local_ray_waits_for_its_gcs()
     ray.init(
         # "local" and not None: None joins whatever RAY_ADDRESS or the last `ray start` on
         # this machine names, and a job must join a cluster only when told to.
