@@ -2,9 +2,10 @@
 
 Learners publish, actors fetch: the shard is the rendezvous point. The blob is opaque here
 (the client serialises a state dict with the tensor codec). Publishing writes the file
-atomically, so a restarted shard serves the last version it acknowledged: after a killed process, always (the kernel's page cache keeps what
-was written); after a machine crash, when the store flushes each publication to disk
-(``fsync``, the shard's ``--fsync``, as its inserts).
+atomically, so a restarted shard serves the last version it acknowledged: after a killed
+process always (the kernel's page cache keeps what was written); after a machine crash when
+the store flushes each publication to disk (``fsync``, the shard's ``--fsync``, as its
+inserts).
 
 **Bounded staleness.** An env actor that names itself when it fetches tells the store which
 version it acts with until its next fetch, or that it stops acting (to write what it

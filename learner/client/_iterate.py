@@ -2,9 +2,9 @@
 yields.
 
 A client with one shard streams (:meth:`SplitSampler.stream`): ``prefetch`` batches per
-call, one call after another, its large batches received (or read from the table's files on
-this host) one batch ahead on a thread of its own (:data:`~millpond.learner.client._split.READ_AHEAD_BYTES`), small ones
-when they are asked for. With several shards, batches come from a pool of ``prefetch``
+call, one call after another, its large batches (:func:`~._split.small_batches`) received,
+or read from the table's files on this host, one batch ahead on a thread of its own, small
+ones when they are asked for. With several shards, batches come from a pool of ``prefetch``
 threads, each asking for the next batch as one is handed out. A queue table is asked one
 batch at a time on one thread, so that batches keep the queue's order.
 """

@@ -74,8 +74,8 @@ def joined_batches(config: TableConfig | None, batch_size: int, prefetch: int) -
     """Whether a colocated stream draws its ``prefetch`` batches as one: for tables that
     draw each row on its own (uniform, prioritized, their slices), where the rows of all of
     them fit the table (a larger batch is refused), more than one is asked at a time, and
-    a batch is small (:func:`small_batches`). Large batches are read one at a time, one ahead: read together, the learner
-    would wait for all of them at once and then not at all, in bursts."""
+    a batch is small (:func:`small_batches`). Large batches are read one at a time, one
+    ahead: read together, the learner would wait for all of them at once, then for none."""
     if config is None or prefetch < 2 or config.sampler not in JOINED_SAMPLERS:
         return False
     if not small_batches(config, batch_size):

@@ -440,11 +440,12 @@ class ReplayClient:
         flight and joins its threads. A client with one shard asks it ``prefetch`` batches
         per call, one call answered at a time (on the wire: evenly spaced batches, not
         bursts), the next asked for as the last batch of one arrives, each call ending within
-        ``prefetch * timeout_s`` plus 10 s; a thread of the iterator's own receives, or
-        reads from the table's files on this host (``colocated``), the next batch while the
-        caller works on this one. With several shards ``prefetch`` :meth:`sample` calls are
-        kept in flight; for queue tables one at a time, so batches keep the queue's order.
-        Errors of :meth:`sample` are raised here.
+        ``prefetch * timeout_s`` plus 10 s. A batch of 1 MiB or more is received, or read from
+        the table's files on this host (``colocated``), on a thread of the iterator's own
+        while the caller works on the one before; a smaller one when it is asked for. With
+        several shards ``prefetch`` :meth:`sample` calls are kept in flight; for queue
+        tables one at a time, so batches keep the queue's order. Errors of :meth:`sample`
+        are raised here.
         """
         _check_table(table)
         check_batch_size(batch_size)
