@@ -41,7 +41,18 @@ def iterate(
         config = masses.configs.get(table)
     in_order = config is not None and config.sampler == "queue"
     calls = CallSet()
+    first = None
+    if config is not None and config.spec is None and not in_order:
+        # Nothing stored yet, so the batches' bytes, which choose how they are drawn (joined
+        # or not, read ahead or when asked for), are unknown: a learner started with its
+        # actors would otherwise draw the slow way for good. The first batch is sampled on
+        # its own (it waits for the table to fill); its keys are the table's.
+        first = sampler.sample(table, batch_size, timeout, calls)
+        masses.refresh(table, [s for s in shards.shards if not s.down])
+        config = masses.configs.get(table)
     streamed = None if in_order else sampler.stream(table, batch_size, prefetch, timeout, calls)
+    if first is not None:
+        yield first
     if streamed is not None:
         if small_batches(config, batch_size):
             try:

@@ -489,6 +489,42 @@ def test_a_colocated_iterator_reads_small_batches_when_asked_for(server1, table_
         stream.close()
 
 
+def test_an_iterator_made_before_anything_is_stored_joins_its_draws_once_it_is(
+    server1, table_name, monkeypatch
+):
+    """A learner starts with its actors: its iterator is made while the table holds nothing,
+    so the batches' bytes are unknown. Its first batch is drawn on its own; the rest come
+    as they would from a table filled beforehand: ``prefetch`` batches read in one go, on
+    the consumer's thread (not one call and one read-ahead thread per batch for good)."""
+    reads = _read_threads(monkeypatch)
+    sizes: list[int] = []
+    real_read = ColocatedReader.read
+
+    def read(self, slots, generations, rows, next_rows):
+        sizes.append(len(rows))
+        return real_read(self, slots, generations, rows, next_rows)
+
+    monkeypatch.setattr(ColocatedReader, "read", read)
+    with ReplayClient(server1.address, colocated=True) as client:
+        client.create_table(CONFIGS["uniform"](table_name))
+        stream = client.iterate(table_name, 16, prefetch=4)
+        first: list = []
+        waiting = threading.Thread(target=lambda: first.append(next(stream)))
+        waiting.start()
+        time.sleep(0.3)  # the iterator waits for the table to fill
+        assert not first
+        _fill(client, table_name, _segments(30))
+        waiting.join(timeout=30)
+        _check_pattern(first[0])
+        for _ in range(8):
+            batch = next(stream)
+            assert batch.shape == (16,)
+            _check_pattern(batch)
+        stream.close()
+    assert sizes[0] == 16 and set(sizes[1:]) == {64}, sizes
+    assert "millpond-read-ahead" not in reads[1:], reads
+
+
 def test_a_directory_that_is_not_here_falls_back_to_the_wire(server_process, table_name):
     """The shard's directory path names nothing on this side (another mount namespace, say):
     the automatic client samples on the wire, ``colocated=True`` says why not."""
