@@ -383,14 +383,7 @@ def test_a_joined_call_is_read_once_for_its_batches(server1, table_name, monkeyp
     a table too small for them together is asked one batch at a time, as before, and so
     are batches of READ_AHEAD_BYTES or more (read one ahead each, rather than all at once
     and then none)."""
-    reads: list[int] = []
-    real_read = ColocatedReader.read
-
-    def read(self, slots, generations, rows, next_rows):
-        reads.append(len(rows))
-        return real_read(self, slots, generations, rows, next_rows)
-
-    monkeypatch.setattr(ColocatedReader, "read", read)
+    reads = _read_sizes(monkeypatch)
     with ReplayClient(server1.address, colocated=True) as client:
         small = f"{table_name}-small"
         client.create_table(CONFIGS["uniform"](table_name))
@@ -433,6 +426,19 @@ def test_iterate_asks_for_the_next_call_while_the_last_batch_of_one_is_read(serv
             time.sleep(0.02)
         assert client.info(table_name)["samples"] == 6 * steps
         stream.close()
+
+
+def _read_sizes(monkeypatch) -> list[int]:
+    """The rows of each colocated read, as they come."""
+    sizes: list[int] = []
+    real_read = ColocatedReader.read
+
+    def read(self, slots, generations, rows, next_rows):
+        sizes.append(len(rows))
+        return real_read(self, slots, generations, rows, next_rows)
+
+    monkeypatch.setattr(ColocatedReader, "read", read)
+    return sizes
 
 
 def _read_threads(monkeypatch) -> list[str]:
@@ -497,14 +503,7 @@ def test_an_iterator_made_before_anything_is_stored_joins_its_draws_once_it_is(
     as they would from a table filled beforehand: ``prefetch`` batches read in one go, on
     the consumer's thread (not one call and one read-ahead thread per batch for good)."""
     reads = _read_threads(monkeypatch)
-    sizes: list[int] = []
-    real_read = ColocatedReader.read
-
-    def read(self, slots, generations, rows, next_rows):
-        sizes.append(len(rows))
-        return real_read(self, slots, generations, rows, next_rows)
-
-    monkeypatch.setattr(ColocatedReader, "read", read)
+    sizes = _read_sizes(monkeypatch)
     with ReplayClient(server1.address, colocated=True) as client:
         client.create_table(CONFIGS["uniform"](table_name))
         stream = client.iterate(table_name, 16, prefetch=4)
