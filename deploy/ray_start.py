@@ -15,11 +15,19 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 
-__all__ = ["command_start", "init_ray", "start_ray_while_importing", "token_auth_on_quietly"]
+__all__ = [
+    "command_start",
+    "descendants",
+    "init_ray",
+    "start_ray_while_importing",
+    "stop_processes",
+    "token_auth_on_quietly",
+]
 
 _IMPORTED_AT = time.time()
 
@@ -61,24 +69,105 @@ def command_start() -> float:
     return min(getattr(cli, "STARTED_AT", _IMPORTED_AT), _IMPORTED_AT)
 
 
+#: Ray's words when a new local instance's raylet has not registered with its GCS within the
+#: 30 s Ray waits for it (a wait Ray fixes in its code: no setting changes it).
+RAYLET_TIMEOUT_WORDS = "timed out during startup"
+#: Starts of a local instance a job makes before it gives up on Ray's raylet registration.
+LOCAL_START_ATTEMPTS = 2
+
+log = logging.getLogger("millpond.deploy")
+
+
 def init_ray(address: str | None, num_cpus: int | None, log_to_driver: bool = True) -> None:
     """``ray.init`` as a job starts it: its own local instance unless ``address`` names a
     cluster; ``log_to_driver``: the actors' output (their log lines, the tracebacks of
-    their errors) printed here too, besides Ray's session logs."""
+    their errors) printed here too, besides Ray's session logs.
+
+    A local instance whose raylet did not register in time is stopped (the processes Ray
+    started for it) and started once more: on a loaded small machine the registration has
+    missed Ray's fixed 30 s once in many starts, and the next start went through."""
     import ray  # this module is the command line's: Ray imports while it starts
 
     if address is None:
         local_ray_waits_for_its_gcs()
-    ray.init(
-        # "local" and not None: None joins whatever RAY_ADDRESS or the last `ray start` on
-        # this machine names, and a job must join a cluster only when told to.
-        address=address or "local",
-        num_cpus=num_cpus if address is None else None,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        configure_logging=True,
-        log_to_driver=log_to_driver,
-    )
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        before = descendants(os.getpid()) if address is None else set()
+        try:
+            ray.init(
+                # "local" and not None: None joins whatever RAY_ADDRESS or the last
+                # `ray start` on this machine names, and a job must join a cluster only
+                # when told to.
+                address=address or "local",
+                num_cpus=num_cpus if address is None else None,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                configure_logging=True,
+                log_to_driver=log_to_driver,
+            )
+            return
+        except Exception as err:
+            if address is not None or RAYLET_TIMEOUT_WORDS not in str(err):
+                raise
+            if attempt == LOCAL_START_ATTEMPTS:
+                raise
+            stopped = stop_processes(descendants(os.getpid()) - before)
+            log.warning(
+                "Ray's local instance did not start (%s); stopped its %d processes, "
+                "starting it again",
+                err,
+                stopped,
+            )
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` (children, theirs, ...), from ``/proc``; empty where the
+    system has none."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        parent = int(stat[stat.rfind(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def stop_processes(pids: set[int], wait_s: float = 5.0) -> int:
+    """SIGKILL ``pids`` and reap those that are this process's children; how many were
+    signalled."""
+    signalled = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            signalled += 1
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not ours to reap (a grandchild), or reaped
+                break
+            if done:
+                break
+            time.sleep(0.01)
+    return signalled
 
 
 def token_auth_on_quietly(address: str | None) -> None:
