@@ -88,27 +88,29 @@ def init_ray(address: str | None, num_cpus: int | None, log_to_driver: bool = Tr
     missed Ray's fixed 30 s once in many starts, and the next start went through."""
     import ray  # this module is the command line's: Ray imports while it starts
 
-    if address is None:
-        local_ray_waits_for_its_gcs()
+    def start() -> None:
+        ray.init(
+            # "local" and not None: None joins whatever RAY_ADDRESS or the last `ray start` on
+            # this machine names, and a job must join a cluster only when told to.
+            address=address or "local",
+            num_cpus=num_cpus if address is None else None,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            configure_logging=True,
+            log_to_driver=log_to_driver,
+        )
+
+    if address is not None:
+        start()
+        return
+    local_ray_waits_for_its_gcs()
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
-        before = descendants(os.getpid()) if address is None else set()
+        before = descendants(os.getpid())
         try:
-            ray.init(
-                # "local" and not None: None joins whatever RAY_ADDRESS or the last
-                # `ray start` on this machine names, and a job must join a cluster only
-                # when told to.
-                address=address or "local",
-                num_cpus=num_cpus if address is None else None,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                configure_logging=True,
-                log_to_driver=log_to_driver,
-            )
+            start()
             return
         except Exception as err:
-            if address is not None or RAYLET_TIMEOUT_WORDS not in str(err):
-                raise
-            if attempt == LOCAL_START_ATTEMPTS:
+            if RAYLET_TIMEOUT_WORDS not in str(err) or attempt == LOCAL_START_ATTEMPTS:
                 raise
             stopped = stop_processes(descendants(os.getpid()) - before)
             log.warning(

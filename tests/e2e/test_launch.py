@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from millpond.deploy import ray_start
+
 ROOT = Path(__file__).resolve().parents[2]
 PPO = ROOT / "deploy" / "configs" / "cartpole-ppo.yaml"
 DQN = ROOT / "deploy" / "configs" / "cartpole-dqn.yaml"
@@ -351,24 +353,12 @@ def test_two_data_parallel_learners_step_together_and_one_publishes(tmp_path):
 
 def _descendants_named(root: int, prefix: str) -> list[int]:
     """Processes below ``root`` whose command line starts with ``prefix`` (Linux /proc)."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            stat = (entry / "stat").read_text()
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            names[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace")
     found = []
-    for pid, name in names.items():
-        if not name.startswith(prefix):
-            continue
-        ancestor = parents.get(pid)
-        while ancestor and ancestor != root:
-            ancestor = parents.get(ancestor)
-        if ancestor == root:
-            found.append(pid)
+    for pid in ray_start.descendants(root):
+        with contextlib.suppress(OSError):
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            if name.startswith(prefix):
+                found.append(pid)
     return found
 
 
