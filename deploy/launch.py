@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from millpond.deploy.config_mapping import to_mapping
+from millpond.deploy.learner_cores import CorePlan, job_plan, pin_this_thread
 from millpond.deploy.ray_start import init_ray
 from millpond.deploy.resume import read_resume_state
 from millpond.deploy.run_dir import RunDir, claim_run_dir
@@ -146,6 +147,9 @@ class Launch:
         self._fleet: EnvFleet | None = None
         self._nodes: dict[str, Any] = {}  # where each part of the job ran
         self._node_refs: dict[str, list[Any]] = {}
+        # The driver thread's cores before learner.pin_cores moved it off the learners'.
+        self._cores_before: frozenset[int] | None = None
+        self._core_plan: CorePlan | None = None
         r = self._resumed
         self._learners: LearnerGroup | None = None  # made by run()
         self._learner_reports: list[dict[str, Any]] = []
@@ -215,6 +219,7 @@ class Launch:
     def abandon(self) -> None:
         """Give up a prepared job that will not run: its client closed, its run directory
         released (and removed, if :meth:`prepare` made it)."""
+        self._unpin()
         if hasattr(self, "client"):
             with contextlib.suppress(Exception):
                 self.client.close(timeout_s=5)
@@ -261,11 +266,38 @@ class Launch:
             try:
                 summary = self._shutdown(report, reason)
             finally:
+                self._unpin()
                 report.close()
                 if threading.current_thread() is threading.main_thread():
                     signal.signal(signal.SIGTERM, previous[0])
                     signal.signal(signal.SIGINT, previous[1])
         return summary
+
+    def pin_for_own_ray(self) -> None:
+        """Called by whoever starts the job's local Ray, just before: ``learner.pin_cores``'
+        plan, and this thread moved onto the cores not held for the learners (Ray's
+        processes, and the workers it forks for the actors and shards, inherit them)."""
+        c = self.config
+        plan = job_plan(
+            c.learner.pin_cores,
+            c.learner.num_learners,
+            c.learner.threads,
+            local=c.ray.address is None,
+        )
+        if plan is None:
+            return
+        self._cores_before = pin_this_thread(plan.rest)
+        self._core_plan = plan
+        self._say(
+            f"cores: learner(s) on {', '.join(map(str, plan.learners))}, the rest of the job "
+            f"on {plan.rest} (learner.pin_cores)"
+        )
+
+    def _unpin(self) -> None:
+        """The driver thread back on the cores it had before the job pinned it."""
+        if self._cores_before is not None:
+            pin_this_thread(self._cores_before)
+            self._cores_before = None
 
     def _mark(self, phase: str) -> None:
         """When ``phase`` of the startup ended: seconds since the job's start."""
@@ -293,10 +325,16 @@ class Launch:
         obs_space = self._checked.observation_space
         act_space = self._checked.action_space
         if not ray.is_initialized():
+            self.pin_for_own_ray()
             init_ray(c.ray.address, c.ray.num_cpus)
             self.owns_ray = True
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._on_signal)  # ray.init installs its own
+        elif not self.owns_ray:  # Ray's processes were started by others: none kept apart
+            self._unpin()
+            self._core_plan = None
+            job_plan(c.learner.pin_cores, c.learner.num_learners, c.learner.threads, False)
+        self._learners.cores = self._core_plan.learners if self._core_plan else None
         self._mark("ray")
         self._ray_info = {"gcs_address": ray.get_runtime_context().gcs_address}
         # The learners' processes start (torch, the project) while the shards do.
@@ -491,6 +529,7 @@ class Launch:
                 self.client.close(timeout_s=10)
         if self.owns_ray:
             ray.shutdown()
+        self._unpin()
         with _logged("evaluating the policy"):  # after Ray: its CPUs are free again
             self._eval.final(self.run_dir, reason, row["frames"] if row else None)
         if row is not None:

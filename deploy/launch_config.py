@@ -301,6 +301,13 @@ class LearnerSection:
         sac: :class:`~millpond.learner.SACConfig` fields.
         td3: :class:`~millpond.learner.TD3Config` fields.
         threads: torch intra-op threads of each learner (small machines: 1).
+        pin_cores: ``"auto"`` (the default), ``true`` or ``false``: on a local Ray instance
+            the job starts, each learner process runs on ``threads`` cores of its own (the
+            machine's last ones) and every other process of the job (the driver, Ray's, the
+            env actors', the shards') on the rest, so that none preempts a learner's update
+            (:mod:`millpond.deploy.learner_cores`). ``"auto"`` does so where the machine has
+            more cores than the learners take, and shares them on a cluster; ``true``
+            refuses a job it cannot pin.
         checkpoint_every_s: seconds between learner checkpoints in the run directory.
         num_learners: learner processes; each samples its own batches, their gradients
             are averaged, rank 0 publishes the weights and writes the checkpoint.
@@ -325,6 +332,7 @@ class LearnerSection:
     sac: SACConfig = field(default_factory=SACConfig)
     td3: TD3Config = field(default_factory=TD3Config)
     threads: int = 1
+    pin_cores: bool | str = "auto"
     checkpoint_every_s: float = 60.0
     num_learners: int = 1
     num_cpus: float = 0.5
@@ -351,6 +359,10 @@ class LearnerSection:
         _choice("learner.algorithm", self.algorithm, tuple(ALGORITHMS))
         _choice("learner.network", self.network, NETWORKS)
         _at_least("learner.threads", self.threads, 1)
+        if self.pin_cores not in (True, False, "auto"):
+            raise InvalidConfigError(
+                f"learner.pin_cores: {self.pin_cores!r} must be 'auto', true or false"
+            )
         _at_least("learner.checkpoint_every_s", self.checkpoint_every_s, 1)
         for i, width in enumerate(self.hidden_sizes):
             _at_least(f"learner.hidden_sizes[{i}]", width, 1)

@@ -17,6 +17,7 @@ import importlib
 import io
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 
 from millpond.deploy.config_mapping import to_mapping
 from millpond.deploy.launch_config import LaunchConfig
+from millpond.deploy.learner_cores import cores_of_this_process, pin_this_process
 from millpond.errors import (
     DeadlineExceededError,
     InvalidConfigError,
@@ -50,6 +52,7 @@ def where(_instance: Any = None) -> dict[str, Any]:
     return {
         "node_id": ray.get_runtime_context().get_node_id(),
         "ip": ray.util.get_node_ip_address(),
+        "cores": cores_of_this_process(),
     }
 
 
@@ -208,6 +211,7 @@ class LearnerActor:
         act_space: the env's action space.
         rank: this learner's rank, ``0`` to ``world_size - 1``.
         world_size: learners in the job.
+        cores: the cores this process runs on (``learner.pin_cores``); ``None``: any.
     """
 
     def __init__(
@@ -218,9 +222,12 @@ class LearnerActor:
         *,
         rank: int = 0,
         world_size: int = 1,
+        cores: Sequence[int] | None = None,
     ) -> None:
         from millpond.allocator import keep_freed_buffers
 
+        if cores is not None:  # before torch starts its threads: they inherit it
+            pin_this_process(cores)
         keep_freed_buffers()  # its batches are message-sized buffers
         self.config = config
         self.rank = rank

@@ -57,6 +57,8 @@ class LearnerGroup:
         self.nodes = nodes
         self._say = say
         self.actors: list[Any] = []  # LearnerActor handles, by rank
+        #: The cores each rank's process runs on (learner.pin_cores); None: shared.
+        self.cores: tuple[tuple[int, ...], ...] | None = None
         self._spaces: tuple[Any, Any] = (None, None)  # the env's, for new learners
         self._runs: dict[Any, int] = {}  # each learner's run call in flight -> its rank
         self._connect: tuple[str, str, str | None, Any] = ("", "", None, None)
@@ -110,7 +112,15 @@ class LearnerGroup:
         )
         self._spaces = (obs_space, act_space)
         self.actors = [
-            remote.remote(c, obs_space, act_space, rank=rank, world_size=n) for rank in range(n)
+            remote.remote(
+                c,
+                obs_space,
+                act_space,
+                rank=rank,
+                world_size=n,
+                cores=self.cores[rank] if self.cores else None,
+            )
+            for rank in range(n)
         ]
 
     def connect(self, addresses: str, table: str, token: str | None, resolver: Any) -> None:

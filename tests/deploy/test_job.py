@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from pathlib import Path
 
 import gymnasium as gym
@@ -16,6 +17,7 @@ import millpond
 from millpond import Job, JobResult, LaunchConfig, job_config, load_config
 from millpond.errors import InvalidConfigError
 from millpond.learner.networks import mlp_policy
+from tests.deploy._cores import assert_learners_hold_their_cores
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 PPO = CONFIGS / "cartpole-ppo.yaml"
@@ -89,7 +91,11 @@ def test_job_runs_evaluates_and_gives_back_its_run(tmp_path):
     out = io.StringIO()
     job = Job(PPO, overrides=overrides, run_dir=tmp_path / "run", on_progress=rows.append, out=out)
     assert job.run_dir == tmp_path / "run"
+    cores = os.sched_getaffinity(0)
     result = job.run()
+    # The job's Ray was its own: its learner held a core; this thread has all of its back.
+    assert_learners_hold_their_cores(result.summary)
+    assert os.sched_getaffinity(0) == cores
 
     assert isinstance(result, JobResult) and result.run_dir == tmp_path / "run"
     assert result.stopped_by == "frames" and result.summary["frames"] >= 20_000

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from millpond.deploy import ray_start
+from tests.deploy._cores import assert_learners_hold_their_cores
 
 ROOT = Path(__file__).resolve().parents[2]
 PPO = ROOT / "deploy" / "configs" / "cartpole-ppo.yaml"
@@ -103,6 +105,9 @@ def test_ppo_job_learns_and_leaves_a_complete_run_directory(tmp_path):
     assert started < summary["stopped_at_s"] < started + summary["wall_s"] + 1
     # A queue table's batches travel with their rows (colocated reads are for replay tables).
     assert [r["colocated_shards"] for r in summary["learners"]] == [[]], summary["learners"]
+    assert_learners_hold_their_cores(summary)  # learner.pin_cores: auto
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert "(learner.pin_cores)" in result.stdout
 
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")

@@ -1,0 +1,113 @@
+"""learner.pin_cores: the plan of cores, the refusals, and threads really moved.
+
+Each test that changes an affinity does so in a process of its own, so that the test
+process keeps every core.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from millpond.deploy.launch_config import LaunchConfig, load_config
+from millpond.deploy.learner_cores import CorePlan, job_plan, plan_cores
+from millpond.errors import InvalidConfigError
+
+linux_only = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's"
+)
+
+
+def test_each_learner_gets_its_own_block_of_the_last_cores():
+    assert plan_cores([0, 1], 1, 1) == CorePlan(learners=((1,),), rest=(0,))
+    assert plan_cores([3, 0, 2, 1, 5, 4, 7, 6], 2, 2) == CorePlan(
+        learners=((4, 5), (6, 7)), rest=(0, 1, 2, 3)
+    )
+    # cores this process may run on need not be contiguous (a cpuset, taskset)
+    assert plan_cores([2, 5, 9], 1, 1) == CorePlan(learners=((9,),), rest=(2, 5))
+
+
+def test_no_plan_leaves_the_rest_of_the_job_without_a_core():
+    assert plan_cores([0], 1, 1) is None
+    assert plan_cores([0, 1], 2, 1) is None
+    assert plan_cores([0, 1, 2, 3], 1, 4) is None
+
+
+def test_false_and_a_cluster_share_the_cores_and_true_on_a_cluster_is_refused():
+    assert job_plan(False, 1, 1, local=True) is None
+    assert job_plan("auto", 1, 1, local=False) is None
+    with pytest.raises(InvalidConfigError, match=r"learner\.pin_cores: true .*cluster"):
+        job_plan(True, 1, 1, local=False)
+
+
+def test_the_config_takes_auto_true_or_false_only(tmp_path):
+    assert LaunchConfig().learner.pin_cores == "auto"
+    path = tmp_path / "job.yaml"
+    path.write_text("learner:\n  pin_cores: false\n")
+    assert load_config(path).learner.pin_cores is False
+    path.write_text("learner:\n  pin_cores: sometimes\n")
+    with pytest.raises(InvalidConfigError, match=r"learner\.pin_cores: 'sometimes'"):
+        load_config(path)
+
+
+def _run(code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@linux_only
+def test_true_on_a_machine_of_too_few_cores_is_refused_and_auto_shares():
+    out = _run(
+        """
+        import os
+        from millpond.deploy.learner_cores import job_plan
+        from millpond.errors import InvalidConfigError
+        first = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {first})  # a process that may run on one core only
+        print(job_plan("auto", 1, 1, local=True))
+        try:
+            job_plan(True, 1, 1, local=True)
+        except InvalidConfigError as e:
+            print(e)
+        """
+    )
+    auto, refused = out.splitlines()
+    assert auto == "None"
+    assert "learner.pin_cores" in refused and "would hold all 1 cores" in refused
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move between")
+def test_pinning_a_process_moves_every_thread_and_threads_started_later_inherit_it():
+    out = _run(
+        """
+        import os, threading
+        from millpond.deploy.learner_cores import pin_this_process, pin_this_thread
+
+        def allowed(tid):
+            with open(f"/proc/self/task/{tid}/status") as f:
+                line = next(l for l in f if l.startswith("Cpus_allowed_list"))
+            return line.split(":")[1].strip()
+
+        stop = threading.Event()
+        early = threading.Thread(target=stop.wait)  # started before the pin
+        early.start()
+        last = max(os.sched_getaffinity(0))
+        pin_this_process([last])
+        late = threading.Thread(target=stop.wait)  # started after it
+        late.start()
+        print(sorted({allowed(t) for t in os.listdir("/proc/self/task")}))
+        before = pin_this_thread(None)  # None: left as it is
+        print(sorted(before))
+        stop.set()
+        """
+    )
+    threads, kept = out.splitlines()
+    last = max(os.sched_getaffinity(0))
+    assert threads == str([str(last)])
+    assert kept == str([last])
