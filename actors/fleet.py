@@ -80,6 +80,9 @@ class ActorFleet:
         label_selector: Ray node labels an actor's node must have.
         max_restarts: how often Ray restarts a dead actor.
         chunks_per_call: chunks each ``run`` call collects before reporting.
+        seconds_per_call: and more chunks, until a call has run this long: each call
+            costs the actor and the driver Ray's round trip, which at one chunk a call
+            (tens of milliseconds on CartPole) is a share of the actor's core.
         window: finished episodes averaged in ``mean_return``.
         first_index: the actor index of the first actor (the others follow): an actor's
             index is part of its episode ids, writer id and seed, so a fleet that continues
@@ -100,6 +103,7 @@ class ActorFleet:
         label_selector: dict[str, str] | None = None,
         max_restarts: int = 3,
         chunks_per_call: int = 1,
+        seconds_per_call: float = 0.0,
         window: int = 100,
         first_index: int = 0,
         frames: int = 0,
@@ -109,6 +113,8 @@ class ActorFleet:
             raise InvalidConfigError(f"num_actors ({num_actors!r}) must be a positive integer")
         if chunks_per_call < 1:
             raise InvalidConfigError(f"chunks_per_call ({chunks_per_call}) must be >= 1")
+        if not seconds_per_call >= 0:
+            raise InvalidConfigError(f"seconds_per_call ({seconds_per_call}) must be >= 0")
         for name, value in (
             ("first_index", first_index),
             ("frames", frames),
@@ -121,6 +127,7 @@ class ActorFleet:
         self.client = client
         self.config = config
         self.chunks_per_call = chunks_per_call
+        self.seconds_per_call = seconds_per_call
         remote = ray.remote(EnvActor).options(
             num_cpus=num_cpus,
             resources=resources or {},
@@ -143,7 +150,7 @@ class ActorFleet:
         self._stopped = False
 
     def _submit(self, index: int) -> None:
-        ref = self.actors[index].run.remote(self.chunks_per_call)
+        ref = self.actors[index].run.remote(self.chunks_per_call, self.seconds_per_call)
         self._inflight[ref] = index
 
     def poll(self, timeout_s: float = 1.0) -> FleetStatus:

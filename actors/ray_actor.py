@@ -216,13 +216,16 @@ class EnvActor:
         self.collector.sink = self.writer
         self.collector.start_new_episodes()
 
-    def run(self, num_chunks: int = 1) -> dict[str, Any]:
-        """Collect and write ``num_chunks`` chunks; returns what happened (see :meth:`status`),
-        with ``new_frames``, ``elapsed_s``, ``finished_episodes`` and ``acting_lag`` (the
+    def run(self, num_chunks: int = 1, seconds: float = 0.0) -> dict[str, Any]:
+        """Collect and write ``num_chunks`` chunks, and more until ``seconds`` have passed;
+        returns what happened (see :meth:`status`), with ``new_frames``, ``elapsed_s``,
+        ``finished_episodes`` and ``acting_lag`` (the
         :class:`~millpond.actors.acting_lag.ActingLag` counts of this call)."""
         frames_before = self._chunk_frames()
         start = time.perf_counter()
-        for _ in range(num_chunks):
+        done = 0
+        while done < num_chunks or time.perf_counter() - start < seconds:
+            done += 1
             t0 = time.perf_counter()
             batch = self.collector.collect()
             t1 = time.perf_counter()

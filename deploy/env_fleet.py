@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
 __all__ = ["EnvFleet", "actor_config", "fleet_options", "network_of"]
 
+#: Seconds an env actor's run call collects for (whole chunks, at least one) before it
+#: reports: a call a chunk made the driver's and the actor's Ray round trips ~5% of a
+#: CartPole DQN job's frames/s on 2 cores; the progress line comes every 2 s.
+ACTOR_CALL_S = 0.25
+
 
 def network_of(config: LaunchConfig) -> str:
     """The learner's network family (``mlp`` / ``nature_cnn``), from one env made."""
@@ -97,6 +102,7 @@ def fleet_options(config: LaunchConfig) -> dict[str, Any]:
         "label_selector": dict(c.actors.label_selector) or None,
         "max_restarts": c.actors.max_restarts,
         "window": c.run.return_window,
+        "seconds_per_call": ACTOR_CALL_S,
     }
 
 

@@ -74,6 +74,30 @@ def test_two_actors_fill_the_service(ray_cluster, module_server):
     client.close()
 
 
+def test_a_call_of_seconds_collects_whole_chunks_until_they_have_passed(ray_cluster, module_server):
+    server = module_server()
+    client = ReplayClient(server.address)
+    client.create_table(TableConfig.queue("timed", 100_000))
+    fleet = ActorFleet(
+        client, counting_config("timed", seed=3), num_actors=1, num_cpus=0.5, seconds_per_call=0.5
+    )
+    actor = fleet.actors[0]
+    chunk = LANES * 16
+    report = ray.get(actor.run.remote(1, 0.5))
+    assert report["elapsed_s"] >= 0.5
+    # a counting env's chunk takes milliseconds: many in half a second, each whole
+    assert report["new_frames"] > chunk and report["new_frames"] % chunk == 0
+    assert ray.get(actor.run.remote(2))["new_frames"] == 2 * chunk  # no seconds: two chunks
+    status = fleet.run(frames=3 * chunk, timeout_s=120)  # the fleet's calls take the seconds
+    final = fleet.stop()
+    assert status.frames >= 3 * chunk
+    steps = drain(client, "timed")
+    # every step the actor collected, in the calls above and the fleet's, stored once
+    assert len(steps) == final.actors[0]["frames"] == final.actors[0]["steps_written"]
+    check_consistent(steps)
+    client.close()
+
+
 def test_killed_actor_restarts_with_fresh_ids_and_no_duplicates(ray_cluster, module_server):
     server = module_server()
     client = ReplayClient(server.address)
