@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -56,8 +57,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from millpond.deploy.config_mapping import to_mapping
-from millpond.deploy.learner_cores import CorePlan, job_plan, pin_this_thread
-from millpond.deploy.ray_start import init_ray
+from millpond.deploy.learner_cores import CorePlan, job_plan, pin_processes, pin_this_thread
+from millpond.deploy.ray_start import descendants, init_ray
 from millpond.deploy.resume import read_resume_state
 from millpond.deploy.run_dir import RunDir, claim_run_dir
 from millpond.deploy.run_eval import RunEvaluation
@@ -273,24 +274,31 @@ class Launch:
                     signal.signal(signal.SIGINT, previous[1])
         return summary
 
-    def pin_for_own_ray(self) -> None:
-        """Called by whoever starts the job's local Ray, just before: ``learner.pin_cores``'
-        plan, and this thread moved onto the cores not held for the learners (Ray's
-        processes, and the workers it forks for the actors and shards, inherit them)."""
+    def plan_cores(self) -> None:
+        """Called by whoever starts the job's local Ray: ``learner.pin_cores``' plan, which
+        :meth:`_pin_the_rest` carries out once the job is up."""
         c = self.config
-        plan = job_plan(
+        self._core_plan = job_plan(
             c.learner.pin_cores,
             c.learner.num_learners,
             c.learner.threads,
             local=c.ray.address is None,
         )
+
+    def _pin_the_rest(self) -> None:
+        """This thread and every process below it but the learners (which run on their
+        own cores) onto the cores the plan leaves to the rest of the job."""
+        plan = self._core_plan
         if plan is None:
             return
+        learners = {n["pid"] for n in self._nodes["learners"]}
+        others = descendants(os.getpid()) - learners
         self._cores_before = pin_this_thread(plan.rest)
-        self._core_plan = plan
+        moved = pin_processes(others, plan.rest)
         self._say(
-            f"cores: learner(s) on {', '.join(map(str, plan.learners))}, the rest of the job "
-            f"on {plan.rest} (learner.pin_cores)"
+            f"cores: learner{'s' if len(learners) > 1 else ''} on "
+            f"{', '.join(map(str, plan.learners))}; the driver and {moved} other processes "
+            f"of the job on {plan.rest} (learner.pin_cores)"
         )
 
     def _unpin(self) -> None:
@@ -325,13 +333,12 @@ class Launch:
         obs_space = self._checked.observation_space
         act_space = self._checked.action_space
         if not ray.is_initialized():
-            self.pin_for_own_ray()
+            self.plan_cores()
             init_ray(c.ray.address, c.ray.num_cpus)
             self.owns_ray = True
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._on_signal)  # ray.init installs its own
         elif not self.owns_ray:  # Ray's processes were started by others: none kept apart
-            self._unpin()
             self._core_plan = None
             job_plan(c.learner.pin_cores, c.learner.num_learners, c.learner.threads, False)
         self._learners.cores = self._core_plan.learners if self._core_plan else None
@@ -370,8 +377,6 @@ class Launch:
             frames=r.frames if r else 0,
             episodes=r.episodes if r else 0,
         )
-        # Submitted before the fleet's first run call, so answered as soon as each actor is up.
-        self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
         if r is None:
             self._learners.start()
         else:
@@ -379,6 +384,16 @@ class Launch:
             self._learners.start(r.checkpoint, version)
         self._learners.save_checkpoint()  # a learner lost before the first periodic one
         self._mark("learners")
+        self._pin_the_rest()
+        # Asked once the rest is pinned (their cores), before the fleet's first run call (so
+        # answered as soon as each actor is up).
+        self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
+        if self._core_plan is not None:
+            self._nodes["driver"] = where()
+            if self._shards is not None:
+                self._node_refs["replay"] = [
+                    s.__ray_call__.remote(where) for s in self._shards.actors
+                ]
         self._fleet.start()
         self._mark("actors")  # running; up once their first steps come in (first_insert)
         if r is not None:

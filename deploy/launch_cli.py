@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             # The actors' own output (an error's traceback among it) only when asked for:
             # the job reports their errors itself, as millpond errors.
-            launch.pin_for_own_ray()
+            launch.plan_cores()
             launch.owns_ray = start_ray_while_importing(
                 ray_section.address, ray_section.num_cpus, log_to_driver=args.verbose
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import io
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -42,7 +43,8 @@ RUN_S = 0.5
 
 
 def where(_instance: Any = None) -> dict[str, Any]:
-    """The Ray node this process runs on: ``node_id`` and ``ip`` (for the run summary).
+    """The Ray node this process runs on: ``node_id`` and ``ip``, and the process's ``pid``
+    and the ``cores`` it may run on (for the run summary).
 
     Takes (and ignores) an actor instance, so that it can run inside any actor through
     ``handle.__ray_call__.remote(where)``.
@@ -52,6 +54,7 @@ def where(_instance: Any = None) -> dict[str, Any]:
     return {
         "node_id": ray.get_runtime_context().get_node_id(),
         "ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
         "cores": cores_of_this_process(),
     }
 

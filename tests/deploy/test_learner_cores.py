@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from millpond.deploy.launch_config import LaunchConfig, load_config
-from millpond.deploy.learner_cores import CorePlan, job_plan, plan_cores
+from millpond.deploy.learner_cores import CorePlan, job_plan, pin_processes, plan_cores
 from millpond.errors import InvalidConfigError
 
 linux_only = pytest.mark.skipif(
@@ -111,3 +111,33 @@ def test_pinning_a_process_moves_every_thread_and_threads_started_later_inherit_
     last = max(os.sched_getaffinity(0))
     assert threads == str([str(last)])
     assert kept == str([last])
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move between")
+def test_pinning_other_processes_moves_each_of_their_threads_and_passes_over_ended_ones():
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "print('up', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    try:
+        assert child.stdout.readline().strip() == "up"  # both its threads run
+        last = max(os.sched_getaffinity(0))
+        assert pin_processes([child.pid, ended.pid], [last]) == 1
+        tasks = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tasks) == 2
+        assert all(os.sched_getaffinity(int(t)) == {last} for t in tasks)
+        assert len(os.sched_getaffinity(0)) >= 2  # this process is left as it was
+    finally:
+        child.kill()
+        child.wait()
