@@ -151,6 +151,7 @@ class Launch:
         # The driver thread's cores before learner.pin_cores moved it off the learners'.
         self._cores_before: frozenset[int] | None = None
         self._core_plan: CorePlan | None = None
+        self._children_before: set[int] = set()
         r = self._resumed
         self._learners: LearnerGroup | None = None  # made by run()
         self._learner_reports: list[dict[str, Any]] = []
@@ -284,15 +285,18 @@ class Launch:
             c.learner.threads,
             local=c.ray.address is None,
         )
+        # a program's own child processes (a server of its own, ...) are not the job's
+        self._children_before = descendants(os.getpid()) if self._core_plan else set()
 
     def _pin_the_rest(self) -> None:
-        """This thread and every process below it but the learners (which run on their
-        own cores) onto the cores the plan leaves to the rest of the job."""
+        """This thread and every process started below it since :meth:`plan_cores` but
+        the learners (which run on their own cores: Ray's processes, the shards', the env
+        actors') onto the cores the plan leaves to the rest of the job."""
         plan = self._core_plan
         if plan is None:
             return
         learners = {n["pid"] for n in self._nodes["learners"]}
-        others = descendants(os.getpid()) - learners
+        others = descendants(os.getpid()) - self._children_before - learners
         self._cores_before = pin_this_thread(plan.rest)
         moved = pin_processes(others, plan.rest)
         self._say(
