@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import signal
 import sys
 import threading
@@ -57,8 +56,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from millpond.deploy.config_mapping import to_mapping
-from millpond.deploy.learner_cores import CorePlan, job_plan, pin_processes, pin_this_thread
-from millpond.deploy.ray_start import descendants, init_ray
+from millpond.deploy.learner_cores import JobCores
+from millpond.deploy.ray_start import init_ray
 from millpond.deploy.resume import read_resume_state
 from millpond.deploy.run_dir import RunDir, claim_run_dir
 from millpond.deploy.run_eval import RunEvaluation
@@ -148,10 +147,7 @@ class Launch:
         self._fleet: EnvFleet | None = None
         self._nodes: dict[str, Any] = {}  # where each part of the job ran
         self._node_refs: dict[str, list[Any]] = {}
-        # The driver thread's cores before learner.pin_cores moved it off the learners'.
-        self._cores_before: frozenset[int] | None = None
-        self._core_plan: CorePlan | None = None
-        self._children_before: set[int] = set()
+        self._cores = JobCores()  # learner.pin_cores
         r = self._resumed
         self._learners: LearnerGroup | None = None  # made by run()
         self._learner_reports: list[dict[str, Any]] = []
@@ -221,7 +217,7 @@ class Launch:
     def abandon(self) -> None:
         """Give up a prepared job that will not run: its client closed, its run directory
         released (and removed, if :meth:`prepare` made it)."""
-        self._unpin()
+        self._cores.unpin()
         if hasattr(self, "client"):
             with contextlib.suppress(Exception):
                 self.client.close(timeout_s=5)
@@ -268,7 +264,7 @@ class Launch:
             try:
                 summary = self._shutdown(report, reason)
             finally:
-                self._unpin()
+                self._cores.unpin()
                 report.close()
                 if threading.current_thread() is threading.main_thread():
                     signal.signal(signal.SIGTERM, previous[0])
@@ -276,40 +272,11 @@ class Launch:
         return summary
 
     def plan_cores(self) -> None:
-        """Called by whoever starts the job's local Ray: ``learner.pin_cores``' plan, which
-        :meth:`_pin_the_rest` carries out once the job is up."""
-        c = self.config
-        self._core_plan = job_plan(
-            c.learner.pin_cores,
-            c.learner.num_learners,
-            c.learner.threads,
-            local=c.ray.address is None,
-        )
-        # a program's own child processes (a server of its own, ...) are not the job's
-        self._children_before = descendants(os.getpid()) if self._core_plan else set()
-
-    def _pin_the_rest(self) -> None:
-        """This thread and every process started below it since :meth:`plan_cores` but
-        the learners (which run on their own cores: Ray's processes, the shards', the env
-        actors') onto the cores the plan leaves to the rest of the job."""
-        plan = self._core_plan
-        if plan is None:
-            return
-        learners = {n["pid"] for n in self._nodes["learners"]}
-        others = descendants(os.getpid()) - self._children_before - learners
-        self._cores_before = pin_this_thread(plan.rest)
-        moved = pin_processes(others, plan.rest)
-        self._say(
-            f"cores: learner{'s' if len(learners) > 1 else ''} on "
-            f"{', '.join(map(str, plan.learners))}; the driver and {moved} other processes "
-            f"of the job on {plan.rest} (learner.pin_cores)"
-        )
-
-    def _unpin(self) -> None:
-        """The driver thread back on the cores it had before the job pinned it."""
-        if self._cores_before is not None:
-            pin_this_thread(self._cores_before)
-            self._cores_before = None
+        """Called by whoever starts the job's local Ray, just before: ``learner.pin_cores``'
+        plan, carried out once the job is up."""
+        c = self.config.learner
+        local = self.config.ray.address is None
+        self._cores.plan_own_ray(c.pin_cores, c.num_learners, c.threads, local)
 
     def _mark(self, phase: str) -> None:
         """When ``phase`` of the startup ended: seconds since the job's start."""
@@ -343,9 +310,9 @@ class Launch:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._on_signal)  # ray.init installs its own
         elif not self.owns_ray:  # Ray's processes were started by others: none kept apart
-            self._core_plan = None
-            job_plan(c.learner.pin_cores, c.learner.num_learners, c.learner.threads, False)
-        self._learners.cores = self._core_plan.learners if self._core_plan else None
+            self._cores.share(c.learner.pin_cores, c.learner.num_learners, c.learner.threads)
+        plan = self._cores.plan
+        self._learners.cores = plan.learners if plan else None
         self._mark("ray")
         self._ray_info = {"gcs_address": ray.get_runtime_context().gcs_address}
         # The learners' processes start (torch, the project) while the shards do.
@@ -388,11 +355,16 @@ class Launch:
             self._learners.start(r.checkpoint, version)
         self._learners.save_checkpoint()  # a learner lost before the first periodic one
         self._mark("learners")
-        self._pin_the_rest()
+        moved = self._cores.pin_the_rest({n["pid"] for n in self._nodes["learners"]})
+        if plan is not None:
+            self._say(
+                f"cores: learners on {', '.join(map(str, plan.learners))}; the driver and "
+                f"{moved} other processes of the job on {plan.rest} (learner.pin_cores)"
+            )
         # Asked once the rest is pinned (their cores), before the fleet's first run call (so
         # answered as soon as each actor is up).
         self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
-        if self._core_plan is not None:
+        if plan is not None:
             self._nodes["driver"] = where()
             if self._shards is not None:
                 self._node_refs["replay"] = [
@@ -548,7 +520,7 @@ class Launch:
                 self.client.close(timeout_s=10)
         if self.owns_ray:
             ray.shutdown()
-        self._unpin()
+        self._cores.unpin()
         with _logged("evaluating the policy"):  # after Ray: its CPUs are free again
             self._eval.final(self.run_dir, reason, row["frames"] if row else None)
         if row is not None:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from millpond.deploy.ray_start import descendants
 from millpond.errors import InvalidConfigError
 
 
@@ -119,3 +120,43 @@ def pin_this_thread(cores: Sequence[int] | None) -> frozenset[int]:
 def cores_of_this_process() -> list[int]:
     """The cores this process's calling thread may run on (``[]`` off Linux)."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+class JobCores:
+    """``learner.pin_cores`` for the job this process drives: planned just before the
+    job's own Ray starts, carried out once the job is up, undone when it ends."""
+
+    def __init__(self) -> None:
+        #: Each learner rank's cores and the rest's; ``None``: every core shared.
+        self.plan: CorePlan | None = None
+        self._children_before: set[int] = set()
+        self._thread_before: frozenset[int] | None = None
+
+    def plan_own_ray(
+        self, pin_cores: bool | str, num_learners: int, threads: int, local: bool
+    ) -> None:
+        """The plan for a Ray instance this process is about to start (see :func:`job_plan`)."""
+        self.plan = job_plan(pin_cores, num_learners, threads, local)
+        # a program's own child processes (a server of its own, ...) are not the job's
+        self._children_before = descendants(os.getpid()) if self.plan else set()
+
+    def share(self, pin_cores: bool | str, num_learners: int, threads: int) -> None:
+        """No plan: the job runs on a Ray instance someone else started (``True`` refused)."""
+        self.plan = None
+        job_plan(pin_cores, num_learners, threads, local=False)
+
+    def pin_the_rest(self, learner_pids: set[int]) -> int | None:
+        """This thread and every process started below it since the plan but the learners
+        (Ray's, the shards', the env actors') onto the plan's rest; how many processes were
+        moved (``None``: no plan)."""
+        if self.plan is None:
+            return None
+        others = descendants(os.getpid()) - self._children_before - learner_pids
+        self._thread_before = pin_this_thread(self.plan.rest)
+        return pin_processes(others, self.plan.rest)
+
+    def unpin(self) -> None:
+        """This thread back on the cores it had before :meth:`pin_the_rest`."""
+        if self._thread_before is not None:
+            pin_this_thread(self._thread_before)
+            self._thread_before = None

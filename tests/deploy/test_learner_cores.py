@@ -141,3 +141,36 @@ def test_pinning_other_processes_moves_each_of_their_threads_and_passes_over_end
     finally:
         child.kill()
         child.wait()
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move between")
+def test_a_job_pins_the_processes_started_since_its_plan_and_gives_its_thread_back():
+    out = _run(
+        """
+        import os, subprocess, sys
+        from millpond.deploy.learner_cores import JobCores
+
+        def sleeper():
+            return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+        own = sleeper()  # the program's own child, there before the job's plan
+        cores = JobCores()
+        cores.plan_own_ray("auto", 1, 1, local=True)
+        jobs, learner = sleeper(), sleeper()  # started for the job: Ray's, a learner
+        moved = cores.pin_the_rest({learner.pid})
+        print(moved, cores.plan.rest)
+        for p in (own, jobs, learner):
+            print(sorted(os.sched_getaffinity(p.pid)))
+        print(sorted(os.sched_getaffinity(0)))
+        cores.unpin()
+        print(sorted(os.sched_getaffinity(0)))
+        for p in (own, jobs, learner):
+            p.kill()
+        """
+    )
+    every = sorted(os.sched_getaffinity(0))
+    rest = every[:-1]
+    lines = out.splitlines()
+    assert lines[0] == f"1 {tuple(rest)}"
+    assert lines[1:] == [str(every), str(rest), str(every), str(rest), str(every)]

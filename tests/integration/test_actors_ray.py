@@ -74,12 +74,16 @@ def test_two_actors_fill_the_service(ray_cluster, module_server):
     client.close()
 
 
+def fleet_on_a_queue(module_server, table: str, seed: int, **options):
+    """A client of a new server holding queue ``table``, and a fleet of counting envs."""
+    client = ReplayClient(module_server().address)
+    client.create_table(TableConfig.queue(table, 100_000))
+    return client, ActorFleet(client, counting_config(table, seed=seed), num_cpus=0.5, **options)
+
+
 def test_a_call_of_seconds_collects_whole_chunks_until_they_have_passed(ray_cluster, module_server):
-    server = module_server()
-    client = ReplayClient(server.address)
-    client.create_table(TableConfig.queue("timed", 100_000))
-    fleet = ActorFleet(
-        client, counting_config("timed", seed=3), num_actors=1, num_cpus=0.5, seconds_per_call=0.5
+    client, fleet = fleet_on_a_queue(
+        module_server, "timed", seed=3, num_actors=1, seconds_per_call=0.5
     )
     actor = fleet.actors[0]
     chunk = LANES * 16
@@ -99,12 +103,7 @@ def test_a_call_of_seconds_collects_whole_chunks_until_they_have_passed(ray_clus
 
 
 def test_killed_actor_restarts_with_fresh_ids_and_no_duplicates(ray_cluster, module_server):
-    server = module_server()
-    client = ReplayClient(server.address)
-    client.create_table(TableConfig.queue("restart", 100_000))
-    fleet = ActorFleet(
-        client, counting_config("restart", seed=1), num_actors=2, num_cpus=0.5, max_restarts=2
-    )
+    client, fleet = fleet_on_a_queue(module_server, "restart", seed=1, num_actors=2, max_restarts=2)
     fleet.run(frames=300, timeout_s=120)
     deadline = time.monotonic() + 120
     while fleet.status.actors.get(0, {}).get("segments_acked", 0) < 4:  # first life stored data
