@@ -361,15 +361,15 @@ class Launch:
                 f"cores: learners on {', '.join(map(str, plan.learners))}; the driver and "
                 f"{moved} other processes of the job on {plan.rest} (learner.pin_cores)"
             )
-        # Asked once the rest is pinned (their cores), before the fleet's first run call (so
-        # answered as soon as each actor is up).
-        self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
-        if plan is not None:
+            # where they run now: asked again, their cores changed
             self._nodes["driver"] = where()
             if self._shards is not None:
                 self._node_refs["replay"] = [
                     s.__ray_call__.remote(where) for s in self._shards.actors
                 ]
+        # Asked once the rest is pinned (their cores), before the fleet's first run call (so
+        # answered as soon as each actor is up).
+        self._node_refs["actors"] = [a.__ray_call__.remote(where) for a in self._fleet.actors]
         self._fleet.start()
         self._mark("actors")  # running; up once their first steps come in (first_insert)
         if r is not None:

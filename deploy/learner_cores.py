@@ -21,7 +21,6 @@ import contextlib
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from millpond.deploy.ray_start import descendants
 from millpond.errors import InvalidConfigError
@@ -87,9 +86,7 @@ def job_plan(
 
 def pin_this_process(cores: Sequence[int]) -> None:
     """Every thread of this process onto ``cores``; the threads they start inherit it."""
-    for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
-            os.sched_setaffinity(int(task.name), cores)
+    pin_processes([os.getpid()], cores)
 
 
 def pin_processes(pids: Iterable[int], cores: Sequence[int]) -> int:
@@ -102,7 +99,7 @@ def pin_processes(pids: Iterable[int], cores: Sequence[int]) -> int:
         except OSError:  # ended meanwhile
             continue
         for task in tasks:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
                 os.sched_setaffinity(int(task), cores)
         moved += 1
     return moved
