@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import numpy as np
@@ -22,7 +22,6 @@ from tensordict import TensorDict
 from millpond.config import TableConfig
 from millpond.errors import (
     DeadlineExceededError,
-    MillpondError,
     RateLimiterTimeoutError,
     ShardBusyError,
 )
@@ -36,26 +35,22 @@ from millpond.learner.client._errors import (
     is_own_deadline,
 )
 from millpond.learner.client._masses import ShardMasses
+from millpond.learner.client._shard_calls import (
+    BUSY_BACKOFF_INITIAL_S,
+    BUSY_BACKOFF_MAX_S,
+    ShardCalls,
+    ShardDown,
+    from_shard,
+    while_busy,
+)
 from millpond.learner.client._shards import ShardHandle, ShardSet
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos import wire
-from millpond.protos.samples import decode_colocated, decode_sample
-
-T = TypeVar("T")
+from millpond.protos.samples import decode_sample
 
 #: Extra seconds a colocated stream's gRPC deadline allows beyond the waits the server is
 #: asked to honour.
 DEADLINE_SLACK_S = 10.0
-#: Extra seconds a Sample call's deadline allows beyond the wait the server is asked to
-#: honour (so that the server's own rate-limiter timeout arrives as such): ``sample`` with
-#: ``timeout_s=T`` ends within ``T`` plus this, an answer still on the wire then included.
-SAMPLE_SLACK_S = 1.0
-#: A shard that refuses a Sample as busy is asked again after this, doubling up to the max.
-BUSY_BACKOFF_INITIAL_S = 0.05
-BUSY_BACKOFF_MAX_S = 1.0
-#: Rows a colocated reader found overwritten are drawn and read again this many times at
-#: most; what is still overwritten then comes on the wire.
-COLOCATED_REDRAWS = 3
 #: Samplers whose rows are drawn independently, with replacement: one batch of ``k * n``
 #: rows is ``k`` batches of ``n``. (A queue hands out each step once, in order.)
 JOINED_SAMPLERS = ("uniform", "prioritized", "slices", "prioritized_slices")
@@ -110,14 +105,7 @@ def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> li
     return [int(c) for c in np.diff(edges, prepend=0)]
 
 
-class _ShardDown(Exception):
-    def __init__(self, shard: ShardHandle, error: MillpondError) -> None:
-        super().__init__(str(error))
-        self.shard = shard
-        self.error = error
-
-
-class SplitSampler:
+class SplitSampler(ShardCalls):
     """Samples a table across the shards of ``shards``, split by the masses in ``masses``."""
 
     def __init__(
@@ -167,7 +155,7 @@ class SplitSampler:
                     try:
                         part = future.result()
                         parts.setdefault(shard.index, []).append(part)
-                    except _ShardDown:
+                    except ShardDown:
                         remaining += n  # asked again from the shards still up
                     except BaseException as e:
                         if error is None or isinstance(error, Cancelled):
@@ -260,15 +248,16 @@ class SplitSampler:
                         if isinstance(response, bytes):
                             response = wire.parse_sample_response(response)
                         self._masses.set_mass(shard, table, response.mass)
+                        late = None
                         if response.HasField("colocated_rows"):
                             try:
-                                td = self._read_colocated(shard, table, response, timeout, calls)
-                            except _ShardDown as down:  # its error, not the internal signal
+                                td, late = self._read_colocated(
+                                    shard, table, response, timeout, calls, defer=joined
+                                )
+                            except ShardDown as down:  # its error, not the internal signal
                                 raise down.error from down
                         else:
-                            td = decode_sample(response)
-                        slots = td.get(("index", "slot"))
-                        td.set(("index", "shard"), torch.full_like(slots, shard.index))
+                            td = from_shard(decode_sample(response), shard)
                         if not joined:
                             yield td
                             continue
@@ -276,7 +265,14 @@ class SplitSampler:
                         # one's parts are trained on (asked for with the last part, its
                         # answer came a step late: a small batch is read in microseconds).
                         upcoming = open_call()
-                        yield from td.split(n)
+                        for i, part in enumerate(td.split(n)):
+                            if late is not None and (i + 1) * n > late.first:
+                                try:
+                                    late.fill()  # the part holds late rows: written in now
+                                except ShardDown as down:
+                                    raise down.error from down
+                                late = None
+                            yield part
                 except grpc.RpcError as err:
                     if calls.cancelled:
                         return
@@ -328,138 +324,7 @@ class SplitSampler:
     ) -> TensorDict:
         """One shard's part; a shard busy with streams is asked again, with backoff, while
         the wait lasts (it refuses at once, to keep threads for probes)."""
-        return _while_busy(lambda w: self._sample_once(shard, table, n, w, calls), wait)
-
-    def _sample_once(
-        self, shard: ShardHandle, table: str, n: int, wait: float | None, calls: CallSet
-    ) -> TensorDict:
-        colocated = self._colocation.wanted(shard, table)
-        response = self._call(shard, table, n, wait, calls, colocated=colocated)
-        if response.HasField("colocated_rows"):
-            td = self._read_colocated(shard, table, response, wait, calls)
-        else:
-            td = decode_sample(response)
-        td.set(("index", "shard"), torch.full_like(td.get(("index", "slot")), shard.index))
-        return td
-
-    def _read_colocated(
-        self,
-        shard: ShardHandle,
-        table: str,
-        response: pb.SampleResponse,
-        wait: float | None,
-        calls: CallSet,
-    ) -> TensorDict:
-        """The batch of a colocated answer, its rows read from the table's files; rows
-        that read a slot overwritten meanwhile are replaced by fresh draws of the shard
-        (not counted again), read from the files up to :data:`COLOCATED_REDRAWS` times, then
-        sent on the wire. Without a reader (the files are gone), every row is drawn anew on
-        the wire."""
-        reader = self._colocation.reader(shard, table, response.colocated_rows.storage_token)
-        if reader is None:
-            n = int(response.batch.batch_size[0]) if response.batch.batch_size else 0
-            redrawn = _while_busy(
-                lambda w: self._call(shard, table, n, w, calls, redraw=True), wait
-            )
-            return decode_sample(redrawn)
-        td, stale = decode_colocated(response, reader)
-        for attempt in range(COLOCATED_REDRAWS + 1):
-            if not len(stale):
-                break
-            colocated = attempt < COLOCATED_REDRAWS
-            k = len(stale)
-            # Busy: asked again, not given up (the whole part would then be drawn and
-            # counted a second time).
-            again = _while_busy(
-                lambda w, k=k, c=colocated: self._call(
-                    shard, table, k, w, calls, colocated=c, redraw=True
-                ),
-                wait,
-            )
-            if again.HasField("colocated_rows"):
-                part, part_stale = decode_colocated(again, reader)
-            else:
-                part, part_stale = decode_sample(again), np.zeros(0, dtype=np.int64)
-            td[torch.from_numpy(stale)] = part
-            stale = stale[part_stale]
-        if len(stale):  # the wire's rows are never stale: only a shard ignoring redraws
-            raise MillpondError(
-                f"shard {shard.address}: table {table!r}: sampled rows were overwritten "
-                f"while they were read, {COLOCATED_REDRAWS + 1} times in a row"
-            )
-        return td
-
-    def _call(
-        self,
-        shard: ShardHandle,
-        table: str,
-        n: int,
-        wait: float | None,
-        calls: CallSet,
-        *,
-        colocated: bool = False,
-        redraw: bool = False,
-    ) -> pb.SampleResponse:
-        """One Sample call of one batch of ``n``; notes the shard's state and mass."""
-        request = pb.SampleRequest(
-            table=table,
-            batch_size=n,
-            num_batches=1,
-            timeout_ms=0 if wait is None else max(1, int(wait * 1000)),
-            colocated=colocated,
-            redraw=redraw,
-        )
-        deadline = None if wait is None else wait + SAMPLE_SLACK_S
-        if calls.cancelled:
-            raise Cancelled
-        if colocated:
-            call = self._colocation.stub(shard).Sample(
-                request, timeout=deadline, metadata=self._set.metadata
-            )
-        else:  # bytes, parsed below: the observations stay views of them (protos/wire.py)
-            call = shard.raw_sample(request, timeout=deadline, metadata=self._set.metadata)
-        if not calls.add(call):
-            raise Cancelled
-        try:
-            responses = list(call)
-        except grpc.RpcError as err:
-            if calls.cancelled:
-                raise Cancelled from None
-            if deadline is not None and is_own_deadline(err):
-                raise DeadlineExceededError(self._late(shard, table, n, deadline)) from err
-            error = from_rpc_error(err, shard.address)
-            if is_connect_failure(err):
-                self._set.note_down(shard, error)
-                raise _ShardDown(shard, error) from err
-            raise error from err
-        finally:
-            calls.discard(call)
-        self._set.note_up(shard)
-        if len(responses) != 1:
-            raise MillpondError(
-                f"shard {shard.address}: expected one sample batch, received {len(responses)}"
-            )
-        response = responses[0]
-        if isinstance(response, bytes):
-            response = wire.parse_sample_response(response)
-        self._masses.set_mass(shard, table, response.mass)
-        return response
-
-    def _late(self, shard: ShardHandle, table: str, n: int, seconds: float) -> str:
-        """What a Sample answer that did not arrive within its deadline says: the shard, and
-        how large the answer was (as far as the table's spec tells)."""
-        config = self._masses.configs.get(table)
-        spec = None if config is None else config.spec
-        if spec is None:
-            size = "of a size the client does not know yet"
-        else:  # each row carries its slot and its next observation
-            rows = n * (config.slice_len or 1)
-            size = f"about {rows * (spec.slot_bytes + spec.observation_bytes) / 2**20:.1f} MiB"
-        return (
-            f"shard {shard.address}: the sample of {n} rows of table {table!r} ({size}) did "
-            f"not arrive within {seconds:.3g} s: the link carries less than that in this time, "
-            "or the shard did not answer; ask for fewer rows or give a longer timeout_s"
-        )
+        return while_busy(lambda w: self._sample_once(shard, table, n, w, calls), wait)
 
     def _allocate(
         self,
@@ -504,20 +369,3 @@ class SplitSampler:
                 delay = min(0.2, delay * 2)
             self._masses.refresh(table, live)
             refreshed = True
-
-
-def _while_busy(attempt: Callable[[float | None], T], wait: float | None) -> T:
-    """``attempt(wait left)``, asked again with backoff while the shard refuses it as busy
-    and the wait lasts."""
-    deadline = None if wait is None else time.monotonic() + wait
-    backoff = BUSY_BACKOFF_INITIAL_S
-    while True:
-        try:
-            return attempt(wait)
-        except ShardBusyError:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= backoff:
-                raise
-            time.sleep(backoff)
-            backoff = min(BUSY_BACKOFF_MAX_S, backoff * 2)
-            wait = None if deadline is None else deadline - time.monotonic()

@@ -227,6 +227,50 @@ def test_rows_overwritten_while_read_are_redrawn(
         writer.close()
 
 
+def test_a_joined_call_hands_out_its_parts_before_it_waits_for_late_rows(
+    server1, table_name, monkeypatch
+):
+    """Rows of a joined call (``prefetch`` batches drawn as one) found overwritten go to the
+    draw's end: the parts before them are handed out before their replacements are
+    received, the replacements are read from the files, and the rate limiter counts no row
+    twice."""
+    name = table_name
+    n, prefetch = 8, 4
+    with ReplayClient(server1.address, colocated=True) as client:
+        client.create_table(TableConfig.uniform(name, capacity=200, seed=5))
+        writer = client.writer(name, f"{name}-w")
+        writer.write_segments(_segments(20))  # more slots than the ring holds
+        writer.flush()
+        real_read = ColocatedReader.read
+        handed_out = [0]
+        reads: list[tuple[int, int]] = []  # (parts handed out before the read, rows stale)
+
+        def read(self, slots, generations, rows, next_rows):
+            if not reads:  # about half the ring overwritten after the first draw
+                writer.write_segments(_segments(10, first_episode=100))
+                writer.flush()
+            out = real_read(self, slots, generations, rows, next_rows)
+            bad = out[2][rows.long()] | out[2][next_rows.long()]
+            reads.append((handed_out[0], int(bad.sum())))
+            return out
+
+        monkeypatch.setattr(ColocatedReader, "read", read)
+        before = client.info(name)["samples"]
+        batches = client.iterate(name, n, prefetch=prefetch)
+        for _ in range(prefetch):
+            _check_pattern(next(batches))
+            handed_out[0] += 1
+        batches.close()
+        joined = n * prefetch
+        (first_read, late), (redraw_read, _) = reads[:2]
+        assert first_read == 0 and 0 < late < joined - n
+        assert redraw_read == (joined - late) // n  # the parts without late rows went first
+        # Joined calls were counted (the one read and the one asked next); no redraw was.
+        counted = client.info(name)["samples"] - before
+        assert counted % joined == 0 and counted >= joined
+        writer.close()
+
+
 def test_concurrent_writer_never_yields_a_torn_row(server1, table_name):
     name = table_name
     big = (64, 64)

@@ -22,7 +22,7 @@ from millpond.learner.client._channels import (
     KEEPALIVE_TIMEOUT_MS,
     RECONNECT_BACKOFF_MS,
 )
-from millpond.learner.client._split import SAMPLE_SLACK_S
+from millpond.learner.client._shard_calls import SAMPLE_SLACK_S
 from millpond.service.table import Table
 from millpond.testing import pattern, stored_segments
 
