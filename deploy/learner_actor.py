@@ -12,13 +12,14 @@ so the ranks always leave a call after the same number of steps.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import io
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -503,17 +504,34 @@ class _Counting:
             raise DeadlineExceededError(f"no shard reachable now: {e}") from e
 
     def publish_weights(self, state_dict: Any, version: int, **kwargs: Any) -> int:
+        return self._riding_out(
+            lambda: self._client.publish_weights(state_dict, version, **kwargs), version
+        )
+
+    def publish_weights_later(self, state_dict: Any, version: int, **kwargs: Any) -> Any:
+        """The call is asked now; its ``result()`` rides out a restarting shard as
+        :meth:`publish_weights` does (``state_dict`` must stay as it is until then)."""
+        call = self._client.publish_weights_later(state_dict, version, **kwargs)
+        again = functools.partial(self._client.publish_weights, state_dict, version, **kwargs)
+        return _Answer(lambda: self._riding_out(call.result, version, again))
+
+    def _riding_out(
+        self, publish: Callable[[], int], version: int, again: Callable[[], int] | None = None
+    ) -> int:
+        """``publish()``, asked again (``again()``, else ``publish()``) while the weights
+        rendezvous is unavailable, up to :data:`PUBLISH_WAIT_S`."""
         deadline = time.monotonic() + PUBLISH_WAIT_S
         retried = False
         while True:
             t0 = time.monotonic()
             try:
-                version = self._client.publish_weights(state_dict, version, **kwargs)
+                version = publish()
                 break
             except ShardUnavailableError:
                 if time.monotonic() > deadline:
                     raise
                 retried = True
+                publish = again or publish
                 time.sleep(0.5)
                 self.unavailable_s += time.monotonic() - t0
             except InvalidDataError:
@@ -527,6 +545,16 @@ class _Counting:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+class _Answer:
+    """A publication's answer, waited for once by ``result()`` (what ``get`` returns)."""
+
+    def __init__(self, get: Callable[[], int]) -> None:
+        self._get = get
+
+    def result(self) -> int:
+        return self._get()
 
 
 def _device(setting: str) -> torch.device:

@@ -1,5 +1,5 @@
 """What the reference learners share beyond the ground floor's checks: the published version,
-publishing a network's weights (now, or on a thread of its own while the next steps run),
+publishing a network's weights (now, or in the background while the next steps run),
 how many gradient steps old the policy behind a batch's steps is, and where the batches
 come from."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -154,19 +153,22 @@ def _send(
 
 
 class PublishAhead:
-    """A learner's periodic weight publications, each sent on a thread of its own while the
-    learner takes its next steps.
+    """A learner's periodic weight publications, each sent while the learner takes its next
+    steps.
 
-    A publication waits for the weights rendezvous to store it (a gRPC stream to a shard
-    that shares the learner's cores, and with ``max_lag`` the acting actors), time in which
-    the learner's gradient steps stop; here it is a snapshot of the weights handed to one
-    thread. One publication is in flight at a time: the next one, :meth:`now`, :meth:`wait`
-    and :meth:`close` wait for it first, so versions land in order, and an error the
-    rendezvous answered is raised there. Data-parallel ranks other than 0 count the version
-    without sending anything, as :func:`publish_module`.
+    A publication waits for the weights rendezvous to store it (a gRPC call to a shard that
+    shares the learner's cores, and with ``max_lag`` the acting actors), time in which the
+    learner's gradient steps stop; here it is a snapshot of the weights whose call goes on
+    in gRPC's core (:meth:`ReplayClient.publish_weights_later`: no thread of the learner's
+    waits on it, or takes turns with its steps at the GIL). One publication is in flight at
+    a time: the next one, :meth:`now`, :meth:`wait` and :meth:`close` wait for it first, so
+    versions land in order, and an error the rendezvous answered is raised there (a
+    deadline with ``max_lag``, nothing stored, is asked again there, as :func:`publish_module`
+    does). Data-parallel ranks other than 0 count the version without sending anything, as
+    :func:`publish_module`.
 
     **Bounded staleness** (``max_lag``): the rendezvous stores version ``v`` only once every
-    acting env actor holds ``v - max_lag`` or newer, on the thread as it would in the step,
+    acting env actor holds ``v - max_lag`` or newer, in the background as it would in the step,
     so the acting lag (the newest stored version minus the one an actor acts with) stays
     within ``max_lag``. The learner runs ahead of the stored version by the one publication
     in flight at most, since the next hand-over waits for it: counted from the learner's
@@ -184,21 +186,19 @@ class PublishAhead:
     ) -> None:
         self._client, self._clock, self._data_parallel = client, clock, data_parallel
         self._max_lag = max_lag
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: tuple[Future[int], int] | None = None
+        # (the call, its version, the weights it sends: asked again after a deadline)
+        self._pending: tuple[Any, int, dict[str, torch.Tensor]] | None = None
         self._waited_mark = self._client_waited()
 
     def submit(self, module: nn.Module, version: int, steps: int) -> int:
         """Hand ``module``'s weights over as version ``version + 1`` after ``steps``
-        gradient steps; returns that version (stored once the thread is done)."""
+        gradient steps; returns that version (stored once its call is answered)."""
         self.wait()
         version += 1
         if not (self._data_parallel and distributed.rank() != 0):
             state = module_weights(module, copy=True)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="millpond-publish")
-            future = self._pool.submit(_send, self._client, state, version, self._max_lag)
-            self._pending = (future, version)
+            call = self._client.publish_weights_later(state, version, max_lag=self._max_lag)
+            self._pending = (call, version, state)
         self._clock.published(version, steps)
         return version
 
@@ -214,9 +214,15 @@ class PublishAhead:
         """Wait for the publication in flight, if any; raise its error."""
         if self._pending is None:
             return
-        future, version = self._pending
+        call, version, state = self._pending
         self._pending = None
-        stored = future.result()
+        try:
+            stored = call.result()
+        except DeadlineExceededError as e:
+            if self._max_lag is None:
+                raise
+            logger.warning("the learner waits for the actors to catch up: %s", e)
+            stored = _send(self._client, state, version, self._max_lag)
         if stored != version:
             raise MillpondError(
                 f"the weights rendezvous stored version {stored} for version {version}"
@@ -224,7 +230,7 @@ class PublishAhead:
 
     def waited_s(self) -> float:
         """Seconds the publications waited at the rendezvous for the acting actors
-        (``max_lag``) since the previous call, on the thread or in :meth:`now`."""
+        (``max_lag``) since the previous call, in the background or in :meth:`now`."""
         waited = self._client_waited()
         since, self._waited_mark = waited - self._waited_mark, waited
         return since
@@ -233,13 +239,8 @@ class PublishAhead:
         return float(getattr(self._client, "publish_wait_s", 0.0))
 
     def close(self) -> None:
-        """Wait for the publication in flight (raising its error) and end the thread."""
-        try:
-            self.wait()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+        """Wait for the publication in flight (raising its error)."""
+        self.wait()
 
 
 class PublishesAhead:

@@ -11,7 +11,7 @@ streams a header (version, size) and the chunks back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 import numpy as np
@@ -19,7 +19,7 @@ import torch
 
 from millpond.errors import MillpondError
 from millpond.learner.client._errors import from_rpc_error
-from millpond.learner.client._shards import ShardSet
+from millpond.learner.client._shards import ShardHandle, ShardSet
 from millpond.protos import millpond_pb2 as pb
 from millpond.protos.weights import (
     WEIGHTS_CHUNK_BYTES,
@@ -34,20 +34,70 @@ def publish(
     state_dict: Mapping[str, torch.Tensor],
     version: int,
     max_lag: int | None = None,
-) -> tuple[int, float]:
-    """Publish ``state_dict`` as ``version`` on the rendezvous, once the acting actors hold
-    ``version - max_lag`` or newer; returns the version stored and the seconds it waited
-    for them."""
+    on_waited: Callable[[float], None] | None = None,
+) -> PendingPublication:
+    """Ask the rendezvous to publish ``state_dict`` as ``version``, once the acting actors
+    hold ``version - max_lag`` or newer; the call goes on while the caller does, and
+    :meth:`PendingPublication.result` waits for its answer (and passes the seconds the
+    rendezvous waited for the actors to ``on_waited``).
+
+    The state dict is serialized before this returns: the caller may change the tensors
+    at once. The call's deadline is the client's (``shards.timeout_s``).
+    """
     blob = state_dict_to_blob(state_dict)
     shard = shards.rendezvous()
     requests = publish_requests(blob, version, max_lag)
+    stub = shard.stub
     if len(blob) <= WEIGHTS_CHUNK_BYTES:
-        response = shards.call(
-            shard, "PublishWeightsAtOnce", next(requests), doing="PublishWeights"
+        future = stub.PublishWeightsAtOnce.future(
+            next(requests), timeout=shards.timeout_s, metadata=shards.metadata
         )
-    else:
-        response = shards.call(shard, "PublishWeights", requests)
-    return int(response.version), float(response.waited_s)
+    else:  # gRPC sends the chunks from a thread of its own
+        future = stub.PublishWeights.future(
+            requests, timeout=shards.timeout_s, metadata=shards.metadata
+        )
+    return PendingPublication(shards, shard, future, on_waited)
+
+
+class PendingPublication:
+    """A publication asked for and not answered yet.
+
+    Its call runs in gRPC's core (no thread of the caller's waits on it): a learner that
+    publishes every few steps hands its weights over and steps on, where a blocking call on
+    a thread of its own cost the learner's steps ~0.9 ms of CPU per publication in turns
+    at the GIL (a CartPole DQN learner publishing every 10 steps: 0.92 -> 0.85 ms a step).
+    """
+
+    def __init__(
+        self,
+        shards: ShardSet,
+        shard: ShardHandle,
+        future: grpc.Future,
+        on_waited: Callable[[float], None] | None = None,
+    ) -> None:
+        self._shards, self._shard, self._future = shards, shard, future
+        self._on_waited = on_waited
+
+    def done(self) -> bool:
+        """Whether the rendezvous has answered (or the call failed)."""
+        return self._future.done()
+
+    def result(self) -> int:
+        """Wait for the answer: the version stored; raises the rendezvous's error as a
+        millpond one."""
+        try:
+            response = self._future.result()
+        except grpc.RpcError as err:
+            self._shards.note_failure(self._shard, err, "PublishWeights")
+            raise from_rpc_error(err, self._shard.address) from err
+        self._shards.note_up(self._shard)
+        if self._on_waited is not None:
+            self._on_waited(float(response.waited_s))
+        return int(response.version)
+
+    def cancel(self) -> None:
+        """Give the call up (nothing is stored if the rendezvous has not stored it yet)."""
+        self._future.cancel()
 
 
 def fetch(

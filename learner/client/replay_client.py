@@ -38,6 +38,7 @@ from millpond.learner.client._info import combine_info
 from millpond.learner.client._masses import ShardMasses
 from millpond.learner.client._shards import Resolver, ShardSet
 from millpond.learner.client._split import SplitSampler
+from millpond.learner.client._weights import PendingPublication
 from millpond.learner.client.table_reader import TableReader
 from millpond.learner.client.writer import (
     DEFAULT_MAX_IN_FLIGHT,
@@ -493,6 +494,19 @@ class ReplayClient:
         client's timeout (:class:`DeadlineExceededError` after it, nothing stored). The
         seconds waited add up in :attr:`publish_wait_s`.
         """
+        return self.publish_weights_later(state_dict, version, max_lag=max_lag).result()
+
+    def publish_weights_later(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        max_lag: int | None = None,
+    ) -> PendingPublication:
+        """:meth:`publish_weights` without waiting for the answer: the call goes on while
+        the caller does (the state dict is serialized before this returns), and the
+        returned handle's ``result()`` waits for it, returning the version or raising the
+        error :meth:`publish_weights` would."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidDataError(f"version ({version!r}) must be a non-negative integer")
         if max_lag is not None and (
@@ -500,9 +514,11 @@ class ReplayClient:
         ):
             raise InvalidDataError(f"max_lag ({max_lag!r}) must be a non-negative integer")
         self._check_open()
-        version, waited = _weights.publish(self._set, state_dict, version, max_lag)
-        self.publish_wait_s += waited
-        return version
+        return _weights.publish(self._set, state_dict, version, max_lag, self._waited)
+
+    def _waited(self, seconds: float) -> None:
+        with self._lock:
+            self.publish_wait_s += seconds
 
     def get_weights(
         self,

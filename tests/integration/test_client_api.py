@@ -180,17 +180,22 @@ class Net(nn.Module):
 def test_small_weights_go_in_one_message_large_ones_in_chunks(server, monkeypatch):
     """Weights of one chunk or less take PublishWeightsAtOnce, larger ones the stream; both
     come back whole."""
-    from millpond.learner.client._shards import ShardSet
+    from millpond.learner.client._shards import ShardHandle
     from millpond.protos.weights import WEIGHTS_CHUNK_BYTES
 
     methods: list[str] = []
-    real_call = ShardSet.call
+    real_stub = ShardHandle.stub
 
-    def recorded(self, shard, method, request, *args, **kwargs):
-        methods.append(method)
-        return real_call(self, shard, method, request, *args, **kwargs)
+    class Recorded:  # the stub, noting which publishing method is called
+        def __init__(self, stub) -> None:
+            self._stub = stub
 
-    monkeypatch.setattr(ShardSet, "call", recorded)
+        def __getattr__(self, name: str):
+            if name.startswith("PublishWeights"):
+                methods.append(name)
+            return getattr(self._stub, name)
+
+    monkeypatch.setattr(ShardHandle, "stub", property(lambda self: Recorded(real_stub.fget(self))))
     client = ReplayClient(server.address)
     _, latest = client.get_weights()
     small = {"w": torch.arange(1000, dtype=torch.float32)}

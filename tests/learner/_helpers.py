@@ -71,7 +71,8 @@ def assert_published(
 
 class Gated:
     """A real client whose weight publications wait until :attr:`open` is set: the
-    learner's next steps run while one is held on its thread."""
+    learner's next steps run while one handed over is held (its call is asked when its
+    answer is waited for, after the gate opens)."""
 
     def __init__(self, client: ReplayClient) -> None:
         self._client = client
@@ -80,6 +81,15 @@ class Gated:
     def publish_weights(self, *args: Any, **kwargs: Any) -> int:
         assert self.open.wait(30)
         return self._client.publish_weights(*args, **kwargs)
+
+    def publish_weights_later(self, *args: Any, **kwargs: Any) -> Any:
+        gated = self
+
+        class Held:
+            def result(self) -> int:
+                return gated.publish_weights(*args, **kwargs)
+
+        return Held()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)

@@ -54,6 +54,20 @@ class Publisher:
         self.published.append(version)
         return version
 
+    def publish_weights_later(self, state, version: int, max_lag=None):
+        self.publish_weights(state, version)
+        return Answered(version)
+
+
+class Answered:
+    """A publication answered at once."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def result(self) -> int:
+        return self.version
+
 
 def _rank_main(rank: int, init_file: str, results) -> None:
     torch.set_num_threads(1)
