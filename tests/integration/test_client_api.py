@@ -251,6 +251,32 @@ def test_weights_round_trip_versions_and_waiting(server):
     client.close()
 
 
+def test_a_publication_asked_later_goes_on_while_the_caller_does(server):
+    """``publish_weights_later`` returns before the rendezvous stores the weights (here held
+    back by an acting actor, ``max_lag``); ``result()`` waits for the answer, counts the
+    wait, and raises what the rendezvous refused; the weights are those handed over."""
+    client = ReplayClient(server.address)
+    _, latest = client.get_weights()
+    base = latest + 1
+    client.publish_weights({"w": torch.zeros(3)}, version=base)
+    client.get_weights(actor="slow", acting=True)  # acts with version `base`
+    handed = {"w": torch.arange(3, dtype=torch.float32)}
+    pending = client.publish_weights_later(handed, base + 2, max_lag=1)
+    handed["w"] += 100  # serialized already: the change is not published
+    time.sleep(0.5)
+    assert not pending.done() and client.info()["weights_version"] == base
+    waited_before = client.publish_wait_s
+    threading.Timer(0.3, client.get_weights, kwargs={"actor": "slow", "acting": False}).start()
+    assert pending.result() == base + 2
+    assert client.publish_wait_s - waited_before >= 0.5
+    got, version = client.get_weights()
+    assert version == base + 2 and torch.equal(got["w"], torch.arange(3, dtype=torch.float32))
+    refused = client.publish_weights_later({"w": torch.zeros(3)}, base + 1)
+    with pytest.raises(InvalidDataError, match="not newer"):
+        refused.result()
+    client.close()
+
+
 def test_sample_timeout_on_an_empty_table(server, table_name):
     with ReplayClient(server.address) as client:
         client.create_table(TableConfig.uniform(table_name, capacity=100))
