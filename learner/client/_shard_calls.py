@@ -168,13 +168,13 @@ class ShardCalls:
         n: int,
         wait: float | None,
         calls: CallSet,
-        *,
-        colocated: bool = False,
-        redraw: bool = False,
+        **how: bool,
     ) -> pb.SampleResponse:
-        """One Sample call of one batch of ``n``; notes the shard's state and mass."""
-        call = self._open(shard, table, n, wait, calls, colocated=colocated, redraw=redraw)
-        return self._answer(shard, table, n, wait, calls, call)
+        """One Sample call of one batch of ``n`` (``how``: :meth:`_open`'s ``colocated`` and
+        ``redraw``), asked and answered; notes the shard's state and mass."""
+        return self._answer(
+            shard, table, n, wait, calls, self._open(shard, table, n, wait, calls, **how)
+        )
 
     def _open(
         self,
