@@ -233,7 +233,6 @@ class ShardCalls:
                 raise ShardDown(shard, error) from err
             raise error from err
         finally:
-            call.cancel()  # a no-op once answered; stops a call left behind
             calls.discard(call)
         self._set.note_up(shard)
         if len(responses) != 1:

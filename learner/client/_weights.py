@@ -95,10 +95,6 @@ class PendingPublication:
             self._on_waited(float(response.waited_s))
         return int(response.version)
 
-    def cancel(self) -> None:
-        """Give the call up (nothing is stored if the rendezvous has not stored it yet)."""
-        self._future.cancel()
-
 
 def fetch(
     shards: ShardSet,
