@@ -13,7 +13,7 @@ its own: a torn row, a row of another episode, or a stale next observation shows
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -469,6 +469,55 @@ def pattern_segment(
     )
     tail = TensorDict({"observation": pattern(episode, first_step + length, obs_shape)}, [])
     return Segment(td, tail, episode, first_step)
+
+
+def actor_chunks(
+    lanes: int,
+    chunk_len: int,
+    episode_lengths: tuple[int, int],
+    seed: int = 0,
+    obs_shape: Sequence[int] = (4,),
+) -> Iterator[list[Segment]]:
+    """Inserts as an env actor of ``lanes`` lanes sends them, endlessly: each lane's next
+    ``chunk_len`` steps cut at its episode ends into :func:`pattern_segment` segments, with
+    the writer's sequence numbers; episode lengths uniform in ``episode_lengths``."""
+    rng = np.random.default_rng(seed)
+    lo, hi = episode_lengths
+    lane = [[k * 1_000_000, 0, int(rng.integers(lo, hi + 1))] for k in range(lanes)]
+    seq = 0
+    while True:
+        batch = []
+        for state in lane:
+            left = chunk_len
+            while left:
+                episode, step, length = state
+                n = min(left, length - step)
+                seq += 1
+                segment = pattern_segment(
+                    episode, step, n, obs_shape, terminated=step + n == length
+                )
+                segment.sequence = seq
+                batch.append(segment)
+                left -= n
+                state[:] = (
+                    [episode + 1, 0, int(rng.integers(lo, hi + 1))]
+                    if step + n == length
+                    else [episode, step + n, length]
+                )
+        yield batch
+
+
+def ring_ages(table, inserted: Mapping[tuple[int, int], int], total: int) -> np.ndarray:
+    """The age of every step a table holds, in steps inserted since it (0: the newest), from
+    ``inserted``: each stored segment's ``(episode, first step)`` to the count of steps
+    inserted before it; ``total`` steps were inserted in all. A FIFO ring holding ``S``
+    steps holds exactly those of age < ``S``."""
+    return np.concatenate(
+        [
+            total - 1 - (inserted[(episode, first)] + np.arange(n))
+            for (episode, first, n, _start) in stored_segments(table)
+        ]
+    )
 
 
 def sample_in_parts(table, n: int, **kwargs) -> TensorDictBase:

@@ -18,6 +18,14 @@ goes after the last one of a region whose episode ended, or into a new region. R
 carved from the ring where blocks are (so eviction still runs through the ring in order,
 region by region), and a region is forgotten as soon as a new block overlaps it.
 
+A region is filled over many inserts, so the steps in it are stored out of the ring's order,
+and eviction is FIFO only to within the regions set aside at once. So their slots together
+are bounded: the regions of every lane of every writer heard from within a pass of the ring
+take at most 1/64 of it, and a new region is that share over the lanes (at most
+:data:`MAX_REGION` slots; none under 8). An actor of many lanes on a small ring gets no
+regions: its chunks are laid out plainly, each with its tail, and the ring stays FIFO
+(``benchmarks/ring_order.py`` measures both).
+
 Only writers with an id get regions: their inserts run one at a time, so a predecessor is
 published before its successor is placed. This module only plans; the table checks the
 observations, commits the plan under its lock and writes the data.
@@ -29,8 +37,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-#: Regions are at most this many slots, and at most 1/64 of the ring.
+#: Regions are at most this many slots.
 MAX_REGION = 256
+#: The regions set aside at once take at most 1/this of the ring, every lane's together.
+_RESERVED_FRACTION = 64
+#: Smaller regions than this are not worth their bookkeeping: the segments go plainly.
+_MIN_REGION = 8
 #: Segments of more than a quarter of a region's slots go into plain blocks: their tails
 #: cost them little (at most 1/64), and they keep the ring's order exact.
 _SHORT_FRACTION = 4
@@ -38,10 +50,11 @@ _SHORT_FRACTION = 4
 _MAX_REGIONS_PER_WRITER = 256
 
 
-def region_size(capacity: int) -> int:
-    """The slots of a new region in a table of ``capacity`` slots (0: no regions)."""
-    size = min(MAX_REGION, capacity // 64)
-    return size if size >= 8 else 0
+def region_size(capacity: int, lanes: int = 1) -> int:
+    """The slots of a new region in a table of ``capacity`` slots whose writers have
+    ``lanes`` lanes in all (0: no regions)."""
+    size = min(MAX_REGION, capacity // _RESERVED_FRACTION // max(1, lanes))
+    return size if size >= _MIN_REGION else 0
 
 
 @dataclass
@@ -79,6 +92,8 @@ class Placement:
     _regions: list[_Region] = field(default_factory=list)  # every region it touched, as after
     _new: list[int] = field(default_factory=list)  # index in _regions of the new ones
     _writer: int = 0
+    _lanes: int = 0  # the writer's lanes, as this insert shows them
+    _steps: int = 0
 
     def absolute(self, block_start: int) -> np.ndarray:
         """Every segment's first slot, the new block starting at ``block_start``."""
@@ -95,12 +110,25 @@ class Regions:
     """The regions of every writer of one table (call it under the table's lock)."""
 
     def __init__(self, capacity: int) -> None:
-        self.size = region_size(capacity)
+        self.enabled = region_size(capacity) > 0
         self.capacity = capacity
         self._by_writer: dict[int, list[_Region]] = {}
+        # Every writer's lanes, and the steps stored before its last insert: writers not
+        # heard from within a pass of the ring no longer count.
+        self._lanes: dict[int, tuple[int, int]] = {}
+        self._stored = 0  # steps, since the table opened
 
     def clear(self) -> None:
         self._by_writer.clear()
+        self._lanes.clear()
+
+    def size(self, writer: int, lanes: int) -> int:
+        """The slots of a new region of ``writer``, which has ``lanes`` lanes now."""
+        if not self.enabled:
+            return 0
+        since = self._stored - self.capacity
+        others = sum(n for w, (n, at) in self._lanes.items() if w != writer and at >= since)
+        return region_size(self.capacity, lanes + others)
 
     def plan(
         self,
@@ -120,9 +148,14 @@ class Regions:
         starts = np.zeros(n, dtype=np.int64)
         in_block = np.ones(n, dtype=bool)
         continues = np.zeros(n, dtype=bool)
-        placement = Placement(starts, in_block, continues, 0, _writer=writer)
-        short = self.size and writer
-        if not short:
+        # An actor's insert holds a segment of each lane, more where episodes ended in it:
+        # one of each lane's goes on unless its episode ended just at the chunk's end.
+        lanes = max(1, n - int(np.count_nonzero(ends)))
+        placement = Placement(
+            starts, in_block, continues, 0, _writer=writer, _lanes=lanes, _steps=int(lengths.sum())
+        )
+        size = self.size(writer, lanes) if writer else 0
+        if not size:
             return _plain(placement, lengths)
         work = [_copy(r) for r in self._by_writer.get(writer, [])]
         open_at: dict[tuple[int, int], int] = {}  # (episode, next step) -> index in work
@@ -134,7 +167,7 @@ class Regions:
         for i in range(n):
             length, ep, first = int(lengths[i]), int(episode_ids[i]), int(first_steps[i])
             w = open_at.pop((ep, first), None)
-            if length + 1 > self.size // _SHORT_FRACTION:  # a plain segment of the block
+            if length + 1 > size // _SHORT_FRACTION:  # a plain segment of the block
                 starts[i], block = block, block + length + 1
                 if w is not None:
                     work[w].ended = True  # its episode goes on elsewhere: free its room
@@ -165,9 +198,9 @@ class Regions:
                     # Room for whole segments of this one's length (an actor's chunks are
                     # mostly of one length): slots a region could not use stay the next
                     # block's, not holes it holds (with their disk blocks) till it goes.
-                    size = max(length + 1, 1 + length * ((self.size - 1) // length))
-                    work.append(_Region(block, block + size, block))
-                    block += size
+                    slots = max(length + 1, 1 + length * ((size - 1) // length))
+                    work.append(_Region(block, block + slots, block))
+                    block += slots
                     w = len(work) - 1
                     placement._new.append(w)
                 r = work[w]
@@ -181,7 +214,16 @@ class Regions:
         if block > self.capacity:
             # New regions round the block up past what the insert was split to fit in the
             # ring: lay it out plainly instead (the writer starts its regions afresh).
-            return _plain(Placement(starts, in_block, continues, 0, _writer=writer), lengths)
+            placement = Placement(
+                starts,
+                in_block,
+                continues,
+                0,
+                _writer=writer,
+                _lanes=lanes,
+                _steps=placement._steps,
+            )
+            return _plain(placement, lengths)
         placement.block_slots = block
         placement._regions = work
         return placement
@@ -209,8 +251,12 @@ class Regions:
 
     def commit(self, placement: Placement, block_start: int) -> None:
         """Make ``placement`` the writer's regions, its new block at ``block_start``."""
-        if not placement._writer or not self.size:
+        self._stored += placement._steps
+        if not placement._writer or not self.enabled:
             return
+        since = self._stored - self.capacity
+        self._lanes = {w: v for w, v in self._lanes.items() if v[1] >= since}
+        self._lanes[placement._writer] = (placement._lanes, self._stored)
         regions = placement._regions
         for k in placement._new:
             r = regions[k]
@@ -221,11 +267,15 @@ class Regions:
             )
         # Keep what can still take a segment: a continuation needs one free slot.
         kept = [r for r in regions if r.used + 1 <= r.end]
-        self._by_writer[placement._writer] = kept[-_MAX_REGIONS_PER_WRITER:]
+        if kept:
+            self._by_writer[placement._writer] = kept[-_MAX_REGIONS_PER_WRITER:]
+        else:
+            self._by_writer.pop(placement._writer, None)
 
     def abandon(self, writer: int) -> None:
         """Forget a writer's regions (an insert of it failed half way)."""
         self._by_writer.pop(writer, None)
+        self._lanes.pop(writer, None)
 
 
 def _plain(placement: Placement, lengths: np.ndarray) -> Placement:

@@ -126,7 +126,8 @@ def _sample_all(table: Table) -> None:
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 16])
 def test_continuations_store_no_prefix_and_rebuild_exactly(tmp_path, chunk):
-    config = TableConfig.uniform("t", 1 << 14, frame_stacks={"observation": K}, seed=chunk)
+    # 1/64 of the ring over 5 lanes: regions of 204 slots, room for chunks of 16.
+    config = TableConfig.uniform("t", 1 << 16, frame_stacks={"observation": K}, seed=chunk)
     table = Table.create(tmp_path / "t", config)
     for batch in _lanes(lanes=5, steps=600, chunk=chunk, seed=chunk):
         table.insert_many(batch, writer_id="actor-0")
