@@ -148,9 +148,10 @@ class Regions:
         starts = np.zeros(n, dtype=np.int64)
         in_block = np.ones(n, dtype=bool)
         continues = np.zeros(n, dtype=bool)
-        # An actor's insert holds a segment of each lane, more where episodes ended in it:
-        # one of each lane's goes on unless its episode ended just at the chunk's end.
-        lanes = max(1, n - int(np.count_nonzero(ends)))
+        # An actor's insert holds a chunk of each lane or several, so a lane is an episode
+        # that goes on past it (one of a lane's unless its episode ended at the insert's end).
+        going_on = set(episode_ids[~ends].tolist()) - set(episode_ids[ends].tolist())
+        lanes = max(1, len(going_on))
         placement = Placement(
             starts, in_block, continues, 0, _writer=writer, _lanes=lanes, _steps=int(lengths.sum())
         )
