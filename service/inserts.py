@@ -23,7 +23,7 @@ from millpond.errors import InvalidDataError
 from millpond.insert_checks import check_insert_priorities
 from millpond.routing import writer_hash
 from millpond.segments import PackedSegments, Segment, pack
-from millpond.service.regions import Placement
+from millpond.service.regions import Placement, ring_end_left
 from millpond.service.segment_batch import SegmentBatch
 from millpond.spec import DONE, TERMINATED, TRUNCATED, Key
 
@@ -145,15 +145,16 @@ class TableInserts:
                 if differ:
                     refused |= differ
                     continue
-                n_slots = place.block_slots
-                start = self.storage.next_start(n_slots) if n_slots else self.storage.cursor
-                if n_slots and self._regions.overlaps(place, start, n_slots):
-                    self._regions.forget(start, n_slots)  # the block takes their room
+                cursor, capacity = self.storage.cursor, self.storage.capacity
+                block = place.pieces(cursor, capacity, packed.lengths)
+                cleared = ring_end_left(block, cursor, capacity) + block
+                taken = [(s, n) for s, n in cleared if self._regions.overlaps(place, s, n)]
+                if taken:
+                    for s, n in taken:
+                        self._regions.forget(s, n)  # the block takes their room
                     continue
                 reason = None
-                writes = place.ranges(start, packed.lengths)
-                if n_slots:
-                    writes.append((start, n_slots))
+                writes = place.ranges(block, packed.lengths) + cleared
                 held_back = self.rate_limiter.why_insert_waits(self.sampler.size)
                 if held_back is not None:
                     reason = (
@@ -163,7 +164,9 @@ class TableInserts:
                 elif any(self._overlaps_inflight(s, n) for s, n in writes):
                     reason = "the slots are being written by another writer"
                 else:
-                    victims = self.storage.published_in(start, n_slots)
+                    victims = SegmentBatch.concat(
+                        [self.storage.published_in(s, n) for s, n in cleared]
+                    )
                     if self.sampler.blocks_eviction(victims):
                         reason = "the queue is full of steps not yet delivered to a learner"
                     else:
@@ -191,12 +194,12 @@ class TableInserts:
                 self._allow_redraws(int(victims.lengths.sum()))
             self.storage.unpublish(victims)
             self.sampler.on_evict(victims)
-            if n_slots:
-                self._regions.forget(start, n_slots)
-                self.storage.reserve(start, n_slots)
-            self._regions.commit(place, start)
+            for s, n in cleared:
+                self._regions.forget(s, n)
+                self.storage.reserve(s, n)  # the cursor ends after the block's last piece
+            self._regions.commit(place, block)
             records = self.storage.take_records(len(packed))
-            starts = place.absolute(start)
+            starts = place.absolute(block)
             chains = self.storage.take_chains(starts, packed.lengths, place.continues)
             for s, n in writes:
                 self._inflight[s] = n

@@ -95,13 +95,40 @@ class Placement:
     _lanes: int = 0  # the writer's lanes, as this insert shows them
     _steps: int = 0
 
-    def absolute(self, block_start: int) -> np.ndarray:
-        """Every segment's first slot, the new block starting at ``block_start``."""
-        return np.where(self.in_block, self.starts + block_start, self.starts)
+    def pieces(self, cursor: int, capacity: int, lengths: np.ndarray) -> list[tuple[int, int]]:
+        """Where the new block goes: ``(first slot, slots)`` of each of its pieces, in the
+        block's order (none for no block).
 
-    def ranges(self, block_start: int, lengths: np.ndarray) -> list[tuple[int, int]]:
+        The block starts at the ring's cursor. One that does not fit before the ring's end
+        lays there what fits whole of it (plain segments and new regions lie back to back
+        in it), and the rest from slot 0: the ring's end is written every pass, so it
+        never keeps steps older than a pass of the ring and its slots are not left unused.
+        """
+        n = self.block_slots
+        if not n:
+            return []
+        if cursor + n <= capacity:
+            return [(cursor, n)]
+        new = [self._regions[k] for k in self._new]
+        plain = self.in_block.copy()
+        for r in new:  # a new region's segments lie in it, and it lies whole
+            plain &= (self.starts < r.start) | (self.starts >= r.end)
+        ends = np.concatenate([self.starts[plain] + lengths[plain] + 1, [r.end for r in new]])
+        fits = ends[ends <= capacity - cursor]
+        head = int(fits.max()) if len(fits) else 0
+        if not head or n - head > cursor:  # (nearly as large as the ring: it would overlap)
+            return [(0, n)]
+        return [(cursor, head), (0, n - head)]
+
+    def absolute(self, pieces: list[tuple[int, int]]) -> np.ndarray:
+        """Every segment's first slot, the new block laid as ``pieces``."""
+        out = self.starts.copy()
+        out[self.in_block] = _in_pieces(self.starts[self.in_block], pieces)
+        return out
+
+    def ranges(self, pieces: list[tuple[int, int]], lengths: np.ndarray) -> list[tuple[int, int]]:
         """``(start, slots)`` of everything the insert writes outside the new block."""
-        starts = self.absolute(block_start)
+        starts = self.absolute(pieces)
         out = [(int(s), int(n) + 1) for s, n, b in zip(starts, lengths, self.in_block) if not b]
         return out
 
@@ -241,8 +268,8 @@ class Regions:
                 del self._by_writer[writer]
 
     def overlaps(self, placement: Placement, start: int, n_slots: int) -> bool:
-        """Whether the block ``[start, start + n_slots)`` overlaps a stored region the
-        placement writes into."""
+        """Whether slots ``[start, start + n_slots)`` (a piece of the new block) overlap a
+        stored region the placement writes into."""
         end = start + n_slots
         return any(
             not (r.end <= start or r.start >= end)
@@ -250,8 +277,8 @@ class Regions:
             if k not in placement._new
         )
 
-    def commit(self, placement: Placement, block_start: int) -> None:
-        """Make ``placement`` the writer's regions, its new block at ``block_start``."""
+    def commit(self, placement: Placement, pieces: list[tuple[int, int]]) -> None:
+        """Make ``placement`` the writer's regions, its new block laid as ``pieces``."""
         self._stored += placement._steps
         if not placement._writer or not self.enabled:
             return
@@ -261,11 +288,8 @@ class Regions:
         regions = placement._regions
         for k in placement._new:
             r = regions[k]
-            r.start, r.end, r.used = (
-                r.start + block_start,
-                r.end + block_start,
-                r.used + block_start,
-            )
+            shift = int(_in_pieces(np.array([r.start]), pieces)[0]) - r.start
+            r.start, r.end, r.used = r.start + shift, r.end + shift, r.used + shift
         # Keep what can still take a segment: a continuation needs one free slot.
         kept = [r for r in regions if r.used + 1 <= r.end]
         if kept:
@@ -286,6 +310,29 @@ def _plain(placement: Placement, lengths: np.ndarray) -> Placement:
     placement.continues[:] = False
     placement.block_slots = int(lengths.sum()) + len(lengths)
     return placement
+
+
+def ring_end_left(
+    pieces: list[tuple[int, int]], cursor: int, capacity: int
+) -> list[tuple[int, int]]:
+    """The slots a block laid as ``pieces`` leaves before the ring's end when it goes on
+    from slot 0 (none, or ``[(start, slots)]``): their steps are the oldest the ring holds,
+    and go with the block, so that the ring keeps none past a pass."""
+    if not pieces or pieces[-1][0] >= cursor:
+        return []
+    start = cursor + (pieces[0][1] if pieces[0][0] == cursor else 0)
+    return [(start, capacity - start)] if start < capacity else []
+
+
+def _in_pieces(offsets: np.ndarray, pieces: list[tuple[int, int]]) -> np.ndarray:
+    """The slots of ``offsets`` into a block laid as ``pieces``."""
+    out = offsets.copy()
+    at = 0
+    for slot, n in pieces:
+        here = (offsets >= at) & (offsets < at + n)
+        out[here] = offsets[here] - at + slot
+        at += n
+    return out
 
 
 def _copy(r: _Region) -> _Region:

@@ -66,6 +66,25 @@ class SegmentBatch:
         )
 
     @classmethod
+    def concat(cls, batches: list[SegmentBatch]) -> SegmentBatch:
+        """The segments of ``batches`` (of disjoint slots), each once."""
+        if len(batches) == 1:
+            return batches[0]
+        batches = [b for b in batches if len(b)]
+        if not batches:
+            return cls.empty()
+        fields = {}
+        for name in ("starts", "lengths", "generations", "episode_ids", "first_steps"):
+            fields[name] = np.concatenate([getattr(b, name) for b in batches])
+        for name in ("writers", "sequences", "sums"):
+            parts = [getattr(b, name) for b in batches]
+            fields[name] = None if any(p is None for p in parts) else np.concatenate(parts)
+        out = cls(**fields)
+        # A segment that reads another's frames comes along with each (chains).
+        _, first = np.unique(out.starts, return_index=True)
+        return out if len(first) == len(out) else out.select(np.sort(first))
+
+    @classmethod
     def empty(cls) -> SegmentBatch:
         z = np.zeros(0, dtype=np.int64)
         return cls(z, z, z, z, z)

@@ -101,10 +101,6 @@ class SlotRecords:
         return out
 
     # -- allocation ----------------------------------------------------------------------
-    def next_start(self, n_slots: int) -> int:
-        """Where a block of ``n_slots`` slots would start (wrapping to 0 if it does not fit)."""
-        return 0 if self.cursor + n_slots > self.capacity else self.cursor
-
     def published_in(self, start: int, n_slots: int) -> SegmentBatch:
         """The published segments that overlap slots ``[start, start + n_slots)``."""
         pointers = self.slot_records[start : min(start + n_slots, self._slot_bound())]

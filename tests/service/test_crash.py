@@ -305,28 +305,56 @@ Seg = tuple[int, int, int, int]
 
 
 class Ring:
-    """Where blocks go and which segments they evict: oldest-first, wrapping to slot 0."""
+    """Where blocks go and which segments they evict: oldest-first from the cursor; a block
+    that does not fit before the ring's end lays the segments that fit whole there, the
+    rest from slot 0."""
 
     def __init__(self, capacity: int, segments: set[Seg], cursor: int) -> None:
         self.capacity = capacity
         self.segments = set(segments)
         self.cursor = cursor
 
+    def _laid(self, block: list[list[int]]) -> list[Seg]:
+        """``block``'s segments where they go, in its order."""
+        laid, pos, wrapped = [], self.cursor, False
+        for ep, first, length in block:
+            if pos + length + 1 > self.capacity:
+                assert not wrapped, "a block longer than the ring"
+                pos, wrapped = 0, True
+            laid.append((ep, first, length, pos))
+            pos += length + 1
+        if wrapped and (pos > self.cursor or laid[0][3] == 0):  # pieces would overlap
+            laid, pos = [], 0
+            for ep, first, length in block:
+                laid.append((ep, first, length, pos))
+                pos += length + 1
+        return laid
+
     def place(self, block: list[list[int]]) -> tuple[set[Seg], set[Seg]]:
         """The segments ``block`` ([episode, first, length] each) would write, and evict."""
-        n = sum(length + 1 for _, _, length in block)
-        start = 0 if self.cursor + n > self.capacity else self.cursor
-        victims = {s for s in self.segments if s[3] < start + n and start < s[3] + s[2] + 1}
-        new, pos = set(), start
-        for ep, first, length in block:
-            new.add((ep, first, length, pos))
-            pos += length + 1
+        laid = self._laid(block)
+        new = set(laid)
+        # Wrapped: the slots left before the ring's end are cleared with the block.
+        end = self.capacity
+        if laid[-1][3] < self.cursor:
+            ahead = [n for n in laid if n[3] >= self.cursor]
+            end = max((n[3] + n[2] + 1 for n in ahead), default=self.cursor)
+        victims = {
+            s
+            for s in self.segments
+            if s[3] + s[2] + 1 > end
+            or any(s[3] < n[3] + n[2] + 1 and n[3] < s[3] + s[2] + 1 for n in new)
+        }
         return new, victims
+
+    def cursor_after(self, block: list[list[int]]) -> int:
+        last = self._laid(block)[-1]
+        return last[3] + last[2] + 1
 
     def insert(self, block: list[list[int]]) -> None:
         new, victims = self.place(block)
         self.segments = (self.segments - victims) | new
-        self.cursor = max(s[3] + s[2] + 1 for s in new)
+        self.cursor = self.cursor_after(block)
 
 
 def check_intact(table: Table, segments) -> None:
@@ -454,7 +482,7 @@ def test_sigkill_during_inserts_loses_no_acknowledged_segment(
         newest = max(present, key=stored.get)
         ends = {newest[3] + newest[2] + 1}
         if in_flight:
-            ends.add(max(s[3] + s[2] + 1 for s in in_flight))
+            ends.add(ring.cursor_after(acks.pending))
         assert table.storage.cursor in ends, (table.storage.cursor, ends)
         assert table.info()["next_generation"] > max(stored.values())
         # Inserted steps were counted as they were published (the counter file is a memmap).

@@ -265,24 +265,25 @@ def test_an_insert_as_large_as_the_ring_with_short_segments_still_fits(tmp_path,
 
 
 def test_regions_set_aside_never_stop_inserts_and_samples_at_once(tmp_path):
-    """After the ring wraps the table holds fewer steps at times than it did (blocks of
-    other lengths leave the ring's end unused a while; regions set aside do the same). With ``min_size`` within that dip and actors
-    ahead of the ratio, that used to stop both sides for good: no sample below
-    ``min_size``, no insert past the ratio (a 16-lane DQN launch stalled at its first wrap).
-    Single-threaded here: a learner that samples whenever the ratio lets it, then an insert."""
-    # This ring holds 1,912 steps when it first wraps, then 1,904-1,907 while the blocks'
-    # ends move past the ring's, then 1,920 (laid out plainly: 16 lanes are too many for
-    # regions in 2,200 slots).
-    min_size = 1910
+    """A writer's regions are set aside, so after the ring wraps the table holds fewer
+    steps at times than it did. With ``min_size`` within that dip and actors ahead of the
+    ratio, that used to stop both sides for good: no sample below ``min_size``, no insert
+    past the ratio (a 16-lane DQN launch stalled at its first wrap, when its lanes had
+    regions). Single-threaded here: a learner that samples whenever the ratio lets it, then
+    an insert."""
+    # Two lanes of 4-step chunks: regions of 17 slots (1/64 of the ring over two lanes).
+    # This ring holds up to 1,769 steps before it first wraps, then as few as 1,748 while
+    # the lanes' regions move on.
+    min_size = 1760
     config = TableConfig.uniform(
         "t", 2200, min_size=min_size, samples_per_insert=12.8, error_buffer=800.0, seed=0
     )
     table = Table.create(tmp_path / "t", config)
     limiter = table.rate_limiter
-    lanes, chunk, episode_len = 16, 16, 40
+    lanes, chunk, episode_len = 2, 4, 40
     steps = [7 * lane for lane in range(lanes)]  # each lane's next step, out of phase
     seq, shrunk_past_the_ratio = 1, 0
-    for _ in range(100):  # 25,600 steps: the ring wraps ~12 times
+    for _ in range(1600):  # 12,800 steps: the ring wraps ~7 times
         batch = []
         for lane in range(lanes):
             ep, first = divmod(steps[lane], episode_len)
@@ -306,25 +307,29 @@ def test_regions_set_aside_never_stop_inserts_and_samples_at_once(tmp_path):
     table.close()
 
 
-def _out_of_order(tmp_path, writer_id: str | None, lanes: int, capacity: int) -> float:
-    """Of the steps a ring holds after it wrapped twice, the share a FIFO ring holding as
-    many would have evicted (its steps are exactly the newest), over 12 snapshots."""
+def _ring_order(tmp_path, writer_id: str | None, lanes: int, capacity: int):
+    """After the ring wrapped twice, over 16 snapshots 10 inserts apart (~4 passes of the
+    ring): of the steps it holds, the share a
+    FIFO ring holding as many would have evicted (its steps are exactly the newest); and
+    the oldest step's age in steps inserted since, over the steps it holds (below 1 in a
+    FIFO ring, but for the insert in which the oldest came)."""
     table = Table.create(tmp_path / str(writer_id), TableConfig.uniform("t", capacity, seed=0))
-    inserted, total, shares = {}, 0, []
+    inserted, total, shares, oldest = {}, 0, [], 0.0
     for k, batch in enumerate(actor_chunks(lanes, 16, (10, 40), obs_shape=OBS)):
         for seg in batch:
             inserted[(seg.episode_id, seg.first_step)] = total
             total += len(seg.steps)
             seg.sequence = seg.sequence if writer_id else None
         table.insert_many(batch, writer_id=writer_id)
-        if total >= 2 * capacity and k % 3 == 0:
+        if total >= 2 * capacity and k % 10 == 0:
             ages = ring_ages(table, inserted, total)
             shares.append(float(np.mean(ages >= len(ages))))
-            if len(shares) == 12:
+            oldest = max(oldest, float(ages.max()) / len(ages))
+            if len(shares) == 16:
                 break
     _check_samples(table)
     table.close()
-    return float(np.mean(shares))
+    return float(np.mean(shares)), oldest
 
 
 def test_a_writer_of_many_lanes_keeps_the_ring_fifo(tmp_path):
@@ -333,9 +338,19 @@ def test_a_writer_of_many_lanes_keeps_the_ring_fifo(tmp_path):
     order (5% of the steps stored were older than a FIFO ring keeps). The regions of every
     lane together take at most 1/64 of the ring, so here there are none: as FIFO as
     anonymous inserts, to within that share."""
-    plain = _out_of_order(tmp_path, None, lanes=16, capacity=11_000)
-    writer = _out_of_order(tmp_path, "actor-0", lanes=16, capacity=11_000)
+    plain, _ = _ring_order(tmp_path, None, lanes=16, capacity=11_000)
+    writer, _ = _ring_order(tmp_path, "actor-0", lanes=16, capacity=11_000)
     assert writer <= plain + 1 / 64, (writer, plain)
     # Few lanes on a large ring still get regions, and stay within that share too.
-    few = _out_of_order(tmp_path / "few", "actor-0", lanes=2, capacity=32_768)
+    few, _ = _ring_order(tmp_path / "few", "actor-0", lanes=2, capacity=32_768)
     assert few <= 1 / 64, few
+
+
+def test_the_rings_end_keeps_no_step_past_a_pass(tmp_path):
+    """A block that does not fit before the ring's end lays the segments that do there and
+    the rest from slot 0. It used to start at slot 0 whole, and the slots it left at the
+    end kept their steps until a later pass's block happened to reach them (steps ~1.9
+    passes old in this ring)."""
+    for writer_id in (None, "actor-0"):
+        _, oldest = _ring_order(tmp_path, writer_id, lanes=16, capacity=11_000)
+        assert oldest < 1.05, (writer_id, oldest)  # the steps held are the newest
