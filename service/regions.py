@@ -27,8 +27,10 @@ regions: its chunks are laid out plainly, each with its tail, and the ring stays
 (``benchmarks/ring_order.py`` measures both).
 
 Only writers with an id get regions: their inserts run one at a time, so a predecessor is
-published before its successor is placed. This module only plans; the table checks the
-observations, commits the plan under its lock and writes the data.
+published before its successor is placed. This module only plans (a :class:`Placement` is
+where one insert's segments go, its new block too: at the ring's cursor, or around the
+ring's end, :meth:`Placement.pieces`); the table checks the observations, commits the plan
+under its lock and writes the data.
 """
 
 from __future__ import annotations
