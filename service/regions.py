@@ -35,7 +35,7 @@ under its lock and writes the data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -179,12 +179,13 @@ class Regions:
         continues = np.zeros(n, dtype=bool)
         # An actor's insert holds a chunk of each lane or several, so a lane is an episode
         # that goes on past it (one of a lane's unless its episode ended at the insert's end).
+        placement = Placement(starts, in_block, continues, 0, _writer=writer)
+        placement._steps = int(lengths.sum())
+        if not (writer and self.enabled):  # anonymous inserts never get regions
+            return _plain(placement, lengths)
         going_on = set(episode_ids[~ends].tolist()) - set(episode_ids[ends].tolist())
-        lanes = max(1, len(going_on))
-        placement = Placement(
-            starts, in_block, continues, 0, _writer=writer, _lanes=lanes, _steps=int(lengths.sum())
-        )
-        size = self.size(writer, lanes) if writer else 0
+        placement._lanes = max(1, len(going_on))
+        size = self.size(writer, placement._lanes)
         if not size:
             return _plain(placement, lengths)
         work = [_copy(r) for r in self._by_writer.get(writer, [])]
@@ -244,16 +245,7 @@ class Regions:
         if block > self.capacity:
             # New regions round the block up past what the insert was split to fit in the
             # ring: lay it out plainly instead (the writer starts its regions afresh).
-            placement = Placement(
-                starts,
-                in_block,
-                continues,
-                0,
-                _writer=writer,
-                _lanes=lanes,
-                _steps=placement._steps,
-            )
-            return _plain(placement, lengths)
+            return _plain(replace(placement, checks=[], in_batch=[], _new=[]), lengths)
         placement.block_slots = block
         placement._regions = work
         return placement

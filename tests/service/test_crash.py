@@ -323,7 +323,7 @@ class Ring:
                 pos, wrapped = 0, True
             laid.append((ep, first, length, pos))
             pos += length + 1
-        if wrapped and (pos > self.cursor or laid[0][3] == 0):  # pieces would overlap
+        if wrapped and pos > self.cursor:  # pieces would overlap
             laid, pos = [], 0
             for ep, first, length in block:
                 laid.append((ep, first, length, pos))
