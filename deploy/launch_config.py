@@ -32,7 +32,7 @@ from millpond.deploy.config_files import read_config_doc
 from millpond.deploy.config_mapping import from_mapping, to_mapping, value_kind
 from millpond.errors import InvalidConfigError
 from millpond.learner.dqn import DQNConfig
-from millpond.learner.networks import NETWORKS
+from millpond.learner.networks import INITS, NETWORKS
 from millpond.learner.ppo import PPOConfig
 from millpond.learner.sac import SACConfig
 from millpond.learner.td3 import TD3Config
@@ -296,6 +296,9 @@ class LearnerSection:
             (:class:`~millpond.learner.networks.DuelingQ`), for learner and actors alike.
         activation: between the layers of DQN's MLP Q-network: ``"tanh"`` (the default) or
             ``"relu"`` (CleanRL's DQN); the other algorithms' MLPs keep theirs.
+        init: the initial weights of DQN's MLP Q-network: ``"orthogonal"`` (the default,
+            CleanRL's PPO) or ``"torch"`` (``nn.Linear``'s own, CleanRL's DQN); see
+            :class:`~millpond.learner.networks.MLP`.
         ppo: :class:`~millpond.learner.PPOConfig` fields.
         dqn: :class:`~millpond.learner.DQNConfig` fields.
         sac: :class:`~millpond.learner.SACConfig` fields.
@@ -327,6 +330,7 @@ class LearnerSection:
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
     dueling: bool = False
     activation: str = "tanh"
+    init: str = "orthogonal"
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dqn: DQNConfig = field(default_factory=DQNConfig)
     sac: SACConfig = field(default_factory=SACConfig)
@@ -376,6 +380,12 @@ class LearnerSection:
             raise InvalidConfigError(
                 "learner.activation: it sets DQN's MLP Q-network, not "
                 f"{self.algorithm} with network {self.network!r}"
+            )
+        _choice("learner.init", self.init, INITS)
+        if self.init != "orthogonal" and (self.algorithm != "dqn" or self.network == "nature_cnn"):
+            raise InvalidConfigError(
+                f"learner.init: it sets DQN's MLP Q-network, not {self.algorithm} with "
+                f"network {self.network!r}"
             )
         if self.dueling and (self.algorithm != "dqn" or self.network == "nature_cnn"):
             raise InvalidConfigError(

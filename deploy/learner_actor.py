@@ -122,15 +122,19 @@ def make_learner(
             "learner.dueling: the dueling head is for the MLP Q-network; these observations "
             "take the Nature CNN (learner.network: auto)"
         )
-    if cnn and c.activation != "tanh":
-        raise InvalidConfigError(
-            "learner.activation: it sets the MLP Q-network; these observations take the "
-            "Nature CNN (learner.network: auto)"
-        )
+    for key, value, default in (
+        ("activation", c.activation, "tanh"),
+        ("init", c.init, "orthogonal"),
+    ):
+        if cnn and value != default:
+            raise InvalidConfigError(
+                f"learner.{key}: it sets the MLP Q-network; these observations take the "
+                "Nature CNN (learner.network: auto)"
+            )
     q = (
         nature_cnn_q(obs_space, act_space)
         if cnn
-        else mlp_q(obs_space, act_space, hidden, c.dueling, c.activation)
+        else mlp_q(obs_space, act_space, hidden, c.dueling, c.activation, c.init)
     )
     return DQNLearner(
         client, table, cfg, q.to(device), data_parallel=data_parallel, version=version

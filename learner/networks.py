@@ -66,6 +66,9 @@ NETWORKS = ("auto", "mlp", "nature_cnn")
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
+#: What an :class:`MLP`'s ``init`` takes (``learner.init``).
+INITS = ("orthogonal", "torch")
+
 
 class MLP(nn.Module):
     """``observation -> features -> Linear/Tanh stack -> out_features``.
@@ -79,6 +82,10 @@ class MLP(nn.Module):
             1.0 for values).
         activation: ``"tanh"`` (CleanRL's PPO) or ``"relu"`` (CleanRL's DQN, the SAC
             paper's and Stable-Baselines3's SAC networks) between the layers.
+        init: ``"orthogonal"`` (CleanRL's PPO: orthogonal weights, gain ``sqrt(2)`` in
+            the hidden layers and ``out_std`` in the output one, zero biases) or
+            ``"torch"`` (``nn.Linear``'s own: weights and biases uniform in
+            ``±1/sqrt(fan_in)``, as CleanRL's DQN leaves them; ``out_std`` is unused).
 
     ``forward`` accepts a batch of observations ``[*B, *obs_shape]`` in the env's dtype and
     returns ``[*B, out_features]``.
@@ -91,12 +98,16 @@ class MLP(nn.Module):
         hidden: Sequence[int] = (64, 64),
         out_std: float = 1.0,
         activation: str = "tanh",
+        init: str = "orthogonal",
     ) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise InvalidConfigError(
                 f"activation ({activation!r}) must be one of {', '.join(_ACTIVATIONS)}"
             )
+        if init not in INITS:
+            raise InvalidConfigError(f"init ({init!r}) must be one of {', '.join(INITS)}")
+        orthogonal = init == "orthogonal"
         if isinstance(observation_space, gym.spaces.Box):
             self.obs_shape: tuple[int, ...] = tuple(observation_space.shape)
             self.num_categories: int | None = None
@@ -116,9 +127,9 @@ class MLP(nn.Module):
         layers: list[nn.Module] = []
         width = in_features
         for h in widths:
-            layers += [_layer(width, h, math.sqrt(2)), _ACTIVATIONS[activation]()]
+            layers += [_layer(width, h, math.sqrt(2), orthogonal), _ACTIVATIONS[activation]()]
             width = h
-        layers.append(_layer(width, out_features, out_std))
+        layers.append(_layer(width, out_features, out_std, orthogonal))
         self.net = nn.Sequential(*layers)
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
@@ -202,9 +213,10 @@ class DuelingQ(nn.Module):
         num_actions: int,
         hidden: Sequence[int] = (64, 64),
         activation: str = "tanh",
+        init: str = "orthogonal",
     ) -> None:
         super().__init__()
-        self.mlp = MLP(observation_space, 1 + num_actions, hidden, 1.0, activation)
+        self.mlp = MLP(observation_space, 1 + num_actions, hidden, 1.0, activation, init)
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
         out = self.mlp(observation)
@@ -218,13 +230,15 @@ def mlp_q(
     hidden: Sequence[int] = (64, 64),
     dueling: bool = False,
     activation: str = "tanh",
+    init: str = "orthogonal",
 ) -> MLP | DuelingQ:
     """Action values ``Q(s, ·)``, ``[..., n]`` for a ``Discrete(n)`` action space (an actor
     factory: act with ``deterministic=True`` and epsilon-greedy exploration); a
-    :class:`DuelingQ` with ``dueling``; ``activation`` between the layers (see :class:`MLP`)."""
+    :class:`DuelingQ` with ``dueling``; ``activation`` between the layers and ``init`` their
+    initial weights (see :class:`MLP`)."""
     if dueling:
-        return DuelingQ(observation_space, _num_actions(action_space), hidden, activation)
-    return MLP(observation_space, _num_actions(action_space), hidden, 1.0, activation)
+        return DuelingQ(observation_space, _num_actions(action_space), hidden, activation, init)
+    return MLP(observation_space, _num_actions(action_space), hidden, 1.0, activation, init)
 
 
 class NatureCNN(nn.Module):
@@ -353,9 +367,11 @@ def _num_actions(action_space: gym.Space) -> int:
     return int(action_space.n)
 
 
-def _layer(in_features: int, out_features: int, std: float) -> nn.Linear:
-    """A linear layer with orthogonal weights (gain ``std``) and zero bias, as in CleanRL."""
+def _layer(in_features: int, out_features: int, std: float, orthogonal: bool = True) -> nn.Linear:
+    """A linear layer with orthogonal weights (gain ``std``) and zero bias, as in CleanRL's
+    PPO, or (``orthogonal=False``) as ``nn.Linear`` makes it."""
     layer = nn.Linear(in_features, out_features)
-    nn.init.orthogonal_(layer.weight, std)
-    nn.init.zeros_(layer.bias)
+    if orthogonal:
+        nn.init.orthogonal_(layer.weight, std)
+        nn.init.zeros_(layer.bias)
     return layer

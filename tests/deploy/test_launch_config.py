@@ -329,6 +329,29 @@ def test_activation_is_for_dqn_mlp_q_networks(tmp_path):
         )
 
 
+def test_init_is_for_dqn_mlp_q_networks_and_reaches_the_learners_network():
+    import gymnasium as gym
+    from torch import nn
+
+    from millpond.deploy.learner_actor import make_learner
+
+    with pytest.raises(InvalidConfigError, match=r"learner.init: 'xavier' is not one of"):
+        load_config(CONFIGS / "cartpole-dqn.yaml", ["learner.init=xavier"])
+    with pytest.raises(InvalidConfigError, match=r"learner.init: it sets DQN's"):
+        load_config(CONFIGS / "cartpole-ppo.yaml", ["learner.init=torch"])
+    with pytest.raises(InvalidConfigError, match=r"learner.init: it sets DQN's"):
+        overrides = ["learner.init=torch", "learner.activation=tanh", "learner.network=nature_cnn"]
+        load_config(CONFIGS / "cartpole-dqn.yaml", overrides)
+    env = gym.make("CartPole-v1")
+    spaces = env.observation_space, env.action_space
+    env.close()
+    for init, zero_biases in (("orthogonal", True), ("torch", False)):
+        config = load_config(CONFIGS / "cartpole-dqn.yaml", [f"learner.init={init}"])
+        q = make_learner(config, None, "replay", *spaces, version=-1).q_network
+        biases = [m.bias for m in q.modules() if isinstance(m, nn.Linear)]
+        assert all(not b.any() for b in biases) == zero_biases
+
+
 def test_apex_priorities_are_for_dqn_on_a_prioritized_table(tmp_path):
     uniform = (
         "learner: {algorithm: dqn}\nreplay: {table: {name: t, sampler: uniform, capacity: 100}}\n"
