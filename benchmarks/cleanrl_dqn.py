@@ -15,7 +15,11 @@ Written from CleanRL's documented algorithm and defaults (not its code):
 * the Q-network an MLP ``obs -> 120 -> 84 -> actions`` with ReLUs.
 
 Logs the mean return of the last 100 episodes against frames, as CSV rows on stdout
-(``frames,time_s,episodes,mean_return``) and, with ``--csv``, into a file.
+(``frames,time_s,episodes,mean_return``) and, with ``--csv``, into a file. With
+``--target R`` it stops once that mean reaches ``R``; with ``--json`` its last line is the
+run's result for ``benchmarks/train.py`` (as the Stable-Baselines3 references print it),
+its seconds counted from the process's start as a launch's are: the interpreter, the
+imports, the env and the network included.
 ``--q-network millpond`` swaps in millpond's ``mlp_q`` (Tanh layers, orthogonal init), the
 network ``millpond launch`` trains, and changes nothing else::
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import random
 import sys
 import time
@@ -38,6 +43,9 @@ import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _sb3 import process_start
 
 
 @dataclass(frozen=True)
@@ -196,21 +204,52 @@ def main() -> int:
     p.add_argument("--csv", type=Path, help="also write the curve to this CSV file")
     p.add_argument("--q-network", choices=sorted(Q_NETWORKS), default="cleanrl")
     p.add_argument("--every", type=int, default=5000, help="print a row every N frames")
+    p.add_argument("--target", type=float, help="stop once the mean return reaches this")
+    p.add_argument("--window", type=int, default=100, help="episodes the mean return averages")
+    p.add_argument("--json", action="store_true", help="end with the result as a JSON line")
     args = p.parse_args()
+    started = process_start()
     torch.set_num_threads(1)
     cfg = Config(frames=args.frames)
     rows: list[str] = []
     last = [-args.every]
+    reached: list[tuple[int, float]] = []
 
     def on_log(frame: int, t: float, episodes: int, mean: float) -> None:
         row = f"{frame},{t:.1f},{episodes},{mean:.1f}"
         rows.append(row)
+        if args.target is not None and mean >= args.target and not reached:
+            reached.append((frame, time.time() - started))
         if frame - last[0] >= args.every:
             last[0] = frame
             print(row, flush=True)
 
     print("frames,time_s,episodes,mean_return", flush=True)
-    train(cfg, args.seed, on_log, make_q=Q_NETWORKS[args.q_network])
+    make_q = Q_NETWORKS[args.q_network]
+    trained_at = time.time()
+    run = train(cfg, args.seed, on_log, args.target, make_q, args.window)
+    if args.json:
+        curve = run["curve"]
+        print(
+            json.dumps(
+                {
+                    "stopped_by": "return" if reached else "frames",
+                    "frames_to_target": reached[0][0] if reached else None,
+                    "seconds_to_target": reached[0][1] if reached else None,
+                    "startup_s": trained_at - started,  # the interpreter, the imports
+                    "frames": run["frames"],
+                    "wall_s": time.time() - started,
+                    "loop_s": run["wall_s"],
+                    "final_return": curve[-1][1] if curve else None,
+                    "eval_return": None,
+                    "eval_s": 0.0,
+                    "updates": run["updates"],
+                    "curve": curve,
+                    "eval_curve": [],
+                }
+            ),
+            flush=True,
+        )
     if args.csv is not None:
         args.csv.write_text("frames,time_s,episodes,mean_return\n" + "\n".join(rows) + "\n")
     return 0

@@ -24,8 +24,8 @@ sampling 512-step batches in 256-row minibatches: the same global batch (1,024 s
 minibatches (512 rows) as one learner.
 
 ``cleanrl-dqn`` runs the single-process reference of ``benchmarks/cleanrl_dqn.py``
-(CleanRL's DQN: one env, no Ray, no millpond) in this process, with the same seeds, target
-and frame budget (its epsilon schedule spans half of ``--max-frames``, as CleanRL's spans
+(CleanRL's DQN: one env, no Ray, no millpond), one process per seed timed from that
+process's start as a launch is, with the same seeds, target and frame budget (its epsilon schedule spans half of ``--max-frames``, as CleanRL's spans
 half of its ``total_timesteps``), so that millpond's DQN can be read against the algorithm
 it follows; it has no actors or sampling to split, and its learner steps are its gradient
 steps.
@@ -114,10 +114,14 @@ CONFIGS = {  # a config and the overrides of its variant
     "td3": (ROOT / "deploy" / "configs" / "pendulum-td3.yaml", []),
     "halfcheetah-sac": (ROOT / "deploy" / "configs" / "halfcheetah-sac.yaml", []),
 }
-# Single-process references: cleanrl-dqn in this process, the SB3 ones in processes of their
-# own (their scripts).
-SB3 = {"sb3-ppo": "sb3_ppo.py", "sb3-dqn": "sb3_dqn.py", "sb3-sac": "sb3_sac.py"}
-REFERENCES = ("cleanrl-dqn", *SB3)
+# Single-process references, each seed a process of its own (their scripts).
+SCRIPTS = {
+    "cleanrl-dqn": "cleanrl_dqn.py",
+    "sb3-ppo": "sb3_ppo.py",
+    "sb3-dqn": "sb3_dqn.py",
+    "sb3-sac": "sb3_sac.py",
+}
+REFERENCES = tuple(SCRIPTS)
 # The envs a reference trains: the run's millpond configs' env if among them, else the first.
 REFERENCE_ENVS = {
     "cleanrl-dqn": ("CartPole-v1",),
@@ -149,43 +153,6 @@ def env_of(name: str, run_env: str | None = None) -> str:
     import yaml
 
     return yaml.safe_load(CONFIGS[name][0].read_text())["env"]["id"]
-
-
-def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
-    """CleanRL's DQN (``benchmarks/cleanrl_dqn.py``), stopped like a launch at the target."""
-    import torch
-    from cleanrl_dqn import Config, train
-
-    torch.set_num_threads(1)
-    log(f"{name} seed {seed}: running ({_budget(args)})")
-    last, reached_s = [0.0], []
-
-    def on_log(frame: int, t: float, episodes: int, mean: float) -> None:
-        if mean >= args.target and not reached_s:
-            reached_s.append(t)
-        if t - last[0] >= 10:
-            last[0] = t
-            print(f"  {name}/{seed} {frame} frames, {t:.0f} s, mean return {mean:.1f}", flush=True)
-
-    run = train(
-        Config(frames=args.max_frames), seed, on_log, stop_at_return=args.target, window=args.window
-    )
-    curve = run["curve"]
-    reached = next(((f, i) for i, (f, m) in enumerate(curve) if m >= args.target), None)
-    return {
-        "config": name,
-        "seed": seed,
-        "frames_to_target": reached[0] if reached else None,
-        "seconds_to_target": reached_s[0] if reached_s else None,
-        "final_return": curve[-1][1] if curve else None,
-        "eval_return": None,
-        "frames": run["frames"],
-        "wall_s": run["wall_s"],
-        "frames_per_s": run["frames"] / run["wall_s"],
-        **_NO_PIPELINE,
-        "learner_steps": run["updates"],
-        "curve": curve,
-    }
 
 
 def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
@@ -272,14 +239,16 @@ def run_one(name: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     }
 
 
-def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
-    """A Stable-Baselines3 reference (``benchmarks/sb3_ppo.py``, ``sb3_dqn.py``,
-    ``sb3_sac.py``) in a fresh process."""
+def run_reference(name: str, seed: int, args: argparse.Namespace) -> dict:
+    """A single-process reference (``benchmarks/cleanrl_dqn.py``, ``sb3_ppo.py``,
+    ``sb3_dqn.py``, ``sb3_sac.py``) in a fresh process, timed from that process's start."""
     log(f"{name} seed {seed}: running ({_budget(args)})")
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / SB3[name]), "--seed", str(seed),
-        "--max-frames", str(args.max_frames), "--window", str(args.window),
-    ]  # fmt: skip
+    script = str(ROOT / "benchmarks" / SCRIPTS[name])
+    command = [sys.executable, script, "--seed", str(seed), "--window", str(args.window)]
+    if name == "cleanrl-dqn":
+        command += ["--frames", str(args.max_frames), "--json"]
+    else:
+        command += ["--max-frames", str(args.max_frames)]
     if args.target is not None:
         command += ["--target", str(args.target)]
     if args.max_seconds is not None:
@@ -304,7 +273,8 @@ def run_sb3(name: str, seed: int, args: argparse.Namespace) -> dict:
         "frames": run["frames"],
         "wall_s": run["wall_s"],
         "process_s": process_wall,
-        "frames_per_s": run["frames"] / run["wall_s"],
+        # CleanRL's over its training loop (loop_s), as a launch's are; SB3's over wall_s
+        "frames_per_s": run["frames"] / run.get("loop_s", run["wall_s"]),
         **_NO_PIPELINE,
         "learner_steps": run["updates"],
         "curve": run["curve"],
@@ -538,9 +508,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="millpond-train-") as work:
         for name in args.configs:
             for seed in range(args.seeds):
-                if name in SB3:
-                    results.append(run_sb3(name, seed, args))
-                elif name in REFERENCES:
+                if name in REFERENCES:
                     results.append(run_reference(name, seed, args))
                 else:
                     results.append(run_one(name, seed, args, Path(work)))
