@@ -20,8 +20,9 @@ Logs the mean return of the last 100 episodes against frames, as CSV rows on std
 run's result for ``benchmarks/train.py`` (as the Stable-Baselines3 references print it),
 its seconds counted from the process's start as a launch's are: the interpreter, the
 imports, the env and the network included.
-``--q-network millpond`` swaps in millpond's ``mlp_q`` (Tanh layers, orthogonal init), the
-network ``millpond launch`` trains, and changes nothing else::
+``--q-network millpond`` swaps in millpond's ``mlp_q`` with its defaults (Tanh layers,
+orthogonal init; ``cartpole-dqn.yaml`` takes ReLU and ``nn.Linear``'s own weights, this
+network's), and changes nothing else::
 
     python benchmarks/cleanrl_dqn.py --seed 0 --frames 500000
     python benchmarks/cleanrl_dqn.py --seed 0 --frames 500000 --q-network millpond
@@ -76,7 +77,7 @@ def q_network(obs_dim: int, n_actions: int) -> nn.Module:
 
 
 def millpond_q_network(obs_dim: int, n_actions: int) -> nn.Module:
-    """millpond's ``mlp_q`` with the same widths: the layers ``millpond launch`` trains."""
+    """millpond's ``mlp_q`` with the same widths and its defaults (Tanh, orthogonal)."""
     from millpond.learner.networks import mlp_q
 
     obs_space = gym.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
