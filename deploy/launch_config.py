@@ -375,19 +375,19 @@ class LearnerSection:
                 f"learner.network: {self.algorithm}'s networks are MLPs; 'nature_cnn' is for "
                 "ppo and dqn"
             )
-        _choice("learner.activation", self.activation, ("tanh", "relu"))
-        if self.activation != "tanh" and (self.algorithm != "dqn" or self.network == "nature_cnn"):
-            raise InvalidConfigError(
-                "learner.activation: it sets DQN's MLP Q-network, not "
-                f"{self.algorithm} with network {self.network!r}"
-            )
-        _choice("learner.init", self.init, INITS)
-        if self.init != "orthogonal" and (self.algorithm != "dqn" or self.network == "nature_cnn"):
-            raise InvalidConfigError(
-                f"learner.init: it sets DQN's MLP Q-network, not {self.algorithm} with "
-                f"network {self.network!r}"
-            )
-        if self.dueling and (self.algorithm != "dqn" or self.network == "nature_cnn"):
+        # activation and init set DQN's MLP Q-network; the first choice is the default
+        dqn_mlp = self.algorithm == "dqn" and self.network != "nature_cnn"
+        for key, value, choices in (
+            ("activation", self.activation, ("tanh", "relu")),
+            ("init", self.init, INITS),
+        ):
+            _choice(f"learner.{key}", value, choices)
+            if value != choices[0] and not dqn_mlp:
+                raise InvalidConfigError(
+                    f"learner.{key}: it sets DQN's MLP Q-network, not {self.algorithm} with "
+                    f"network {self.network!r}"
+                )
+        if self.dueling and not dqn_mlp:
             raise InvalidConfigError(
                 "learner.dueling: the dueling head is for DQN's MLP Q-network, not "
                 f"{self.algorithm} with network {self.network!r}"
