@@ -64,6 +64,11 @@ sent SIGTERM ``S`` seconds after its process started and stops cleanly (its summ
 ``stopped_by: interrupted``). ``--learning-starts N`` sets ``replay.table.min_size`` of the
 millpond configs and SB3's ``learning_starts`` alike (SAC and TD3 runs only).
 
+The runs go seed by seed, each seed's configs back to back (``--configs`` order), so that a
+machine whose speed drifts during the run weighs on every config alike; with a reference
+(``cleanrl-dqn``, ``sb3-*``) in the run, a table gives each other config's seconds to the
+target over the reference's, seed by seed, and their median.
+
 Every run also gets a budget table (and its medians): frames reached, seconds from the
 process's start to the stop, frames/s and learner updates/s over those seconds (startup
 included), the final training return and the evaluation's. A launch's frames and steps are
@@ -343,8 +348,41 @@ def table(results: list[dict], target: float | None) -> str:
             f"{fmt(r['actors_inserting'], '.0%')} | {fmt(r['learner_sampling'], '.0%')} / "
             f"{fmt(r['learner_learning'], '.0%')} | {r['learner_steps']} |"
         )
-    lines += ["", medians(results, target), "", budget_table(results)]
+    lines += ["", medians(results, target)]
+    pairs = paired(results)
+    if pairs:
+        lines += ["", pairs]
+    lines += ["", budget_table(results)]
     return "\n".join(lines)
+
+
+def paired(results: list[dict]) -> str:
+    """Each config's seconds to the target over the run's reference's, seed by seed (the two
+    ran back to back), and their median: ``""`` where the run has no reference, or no other
+    config."""
+    reference = next((r["config"] for r in results if r["config"] in REFERENCES), None)
+    if reference is None:
+        return ""
+    base = {r["seed"]: r["seconds_to_target"] for r in results if r["config"] == reference}
+    lines = []
+    for name in dict.fromkeys(r["config"] for r in results if r["config"] != reference):
+        ratios = {
+            r["seed"]: r["seconds_to_target"] / base[r["seed"]]
+            for r in results
+            if r["config"] == name
+            and r["seconds_to_target"] is not None
+            and base.get(r["seed"]) is not None
+        }
+        each = ", ".join(f"{seed}: {ratio:.2f}x" for seed, ratio in sorted(ratios.items()))
+        median = f"{statistics.median(ratios.values()):.2f}x" if ratios else "-"
+        lines.append(f"| {name} | {each or '-'} | {median} |")
+    if not lines:
+        return ""
+    head = [
+        f"| config | seconds to the target over {reference}'s, by seed | median |",
+        "| --- | --- | ---: |",
+    ]
+    return "\n".join(head + lines)
 
 
 def _median(runs: list[dict], key: str, spec: str) -> str:
@@ -506,12 +544,16 @@ def main() -> int:
     log(f"code {code_version(['service', 'actors', 'learner', 'deploy'])}")
     results = []
     with tempfile.TemporaryDirectory(prefix="millpond-train-") as work:
-        for name in args.configs:
-            for seed in range(args.seeds):
+        # Seed by seed, every config of a seed back to back: a machine whose speed drifts
+        # over the run (shared hosts do, by a third within minutes) then slows both sides
+        # of a comparison alike, where config after config it would favour one.
+        for seed in range(args.seeds):
+            for name in args.configs:
                 if name in REFERENCES:
                     results.append(run_reference(name, seed, args))
                 else:
                     results.append(run_one(name, seed, args, Path(work)))
+    results.sort(key=lambda r: (args.configs.index(r["config"]), r["seed"]))
     text = table(results, args.target)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
