@@ -449,3 +449,38 @@ def test_one_step_targets_on_a_uniform_sample_bootstrap_unless_terminated(client
     reward = batch["next", "reward"].reshape(-1)
     expected = reward + gamma * torch.where(terminated, 0.0, bootstrap)
     torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("huber", [False, True])
+def test_unweighted_loss_and_its_gradients_are_the_elementwise_mean(client, huber):
+    """An unweighted batch's loss (the mean taken by the loss's own op) and the gradients
+    it gives the Q-network, against the elementwise loss written out: (y - Q)^2 / 2, or
+    Huber's 0.5 d^2 for |d| < 1 and |d| - 0.5 beyond, averaged over the batch."""
+    client.create_table(TABLES["uniform"])
+    write_chunk(client, "uniform", collect(client))
+    batch = client.sample("uniform", 256)
+    learner = make_learner(client, "uniform", DQNConfig(huber=huber, double_dqn=False))
+    with torch.no_grad():
+        for p in learner.target_network.parameters():
+            p.add_(0.5 * torch.randn_like(p))  # TD errors on both sides of Huber's 1
+    loss, td_error, q_value = learner.loss(batch)
+    loss.backward()
+    grads = [p.grad.clone() for p in learner.q_network.parameters()]
+
+    reference = copy.deepcopy(learner.q_network)
+    reference.zero_grad(set_to_none=True)
+    y = learner.target(batch)
+    q = reference(batch["observation"]).gather(-1, batch["action"].reshape(-1, 1)).squeeze(-1)
+    d = y - q
+    if huber:
+        assert (d.abs() > 1).any() and (d.abs() < 1).any()
+        elementwise = torch.where(d.abs() < 1, 0.5 * d**2, d.abs() - 0.5)
+    else:
+        elementwise = 0.5 * d**2
+    expected = elementwise.sum() / len(elementwise)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(td_error, d)
+    torch.testing.assert_close(q_value, q)
+    for got, want in zip(grads, (p.grad for p in reference.parameters()), strict=True):
+        torch.testing.assert_close(got, want)
