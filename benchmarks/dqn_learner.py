@@ -2,8 +2,9 @@
 
 One ``millpond serve`` process holds a uniform table of ~10,000 CartPole transitions (random
 actions) with no rate limit, so the learner never waits for actors. The client process runs
-:class:`~millpond.learner.dqn.DQNLearner` with ``cartpole-dqn.yaml``'s hyperparameters
-(batch 128, ``prefetch`` 2, the MLP of 120 and 84 units) two ways, in turns:
+the :class:`~millpond.learner.dqn.DQNLearner` that ``millpond launch`` builds for
+``deploy/configs/cartpole-dqn.yaml`` (``--config`` to read another; its network, loss, target
+period and ``prefetch``; ``--prefetch`` and ``--publish-every`` change those two) in turns:
 
 * ``service``: ``step()`` as a launch runs it, sampling the shard (colocated reads where the
   shard's files are on this host, the default);
@@ -12,9 +13,9 @@ actions) with no rate limit, so the learner never waits for actors. The client p
   backward pass, optimiser and target copies, no sampling (the floor the issue measures the
   service against: the same update loop run alone).
 
-Neither publishes weights (``publish_every`` is out of reach), so both do the same update
-work. ``--publish-every N`` makes the ``service`` systems publish every ``N`` steps as a
-launch's learner does, on a thread of its own while the next steps run, and adds
+``alone`` does not publish weights. The ``service`` systems publish every ``N`` steps
+(``--publish-every N``, the config's ``publish_every`` by default; 0: never), as a launch's
+learner does, on a thread of its own while the next steps run; ``--publish-every`` adds
 ``service-publish-in-step``: the same learner calling :meth:`~DQNLearner.publish` after
 every ``N``-th step, which returns once the shard has stored the weights (what a
 publication in the step would cost). One torch thread. Prints learner steps/s of each,
@@ -31,7 +32,7 @@ waiting for its batch (``sample_s`` of the step's metrics).
     python benchmarks/dqn_learner.py                 # 5 turns of 300 steps each
     python benchmarks/dqn_learner.py --reps 3 --calls 200 --prefetch 4
     python benchmarks/dqn_learner.py --shape atari --device cuda --calls 500
-    python benchmarks/dqn_learner.py --publish-every 10
+    python benchmarks/dqn_learner.py --publish-every 0   # no publications
 """
 
 from __future__ import annotations
@@ -74,21 +75,13 @@ def fill_atari(client, steps: int, seed: int = 0) -> None:
 
 def _setup(args: argparse.Namespace, client, device: torch.device):
     """The table, its contents, the learner's config and a network factory for ``--shape``."""
-    import gymnasium as gym
-
     from millpond import TableConfig
     from millpond.learner.dqn import DQNConfig
-    from millpond.learner.networks import mlp_q, nature_cnn_q
+    from millpond.learner.networks import nature_cnn_q
 
-    common = {"prefetch": args.prefetch, "publish_every": args.publish_every or NEVER}
     if args.shape == "cartpole":
-        env = gym.make("CartPole-v1")
-        spaces = env.observation_space, env.action_space
-        client.create_table(TableConfig.uniform(TABLE, 11_000, samples_per_insert=None))
-        fill(client, STEPS)
-        config = DQNConfig(batch_size=args.batch_size or 128, lr=2.5e-4, **common)
-        what = f"CartPole MLP (120, 84), batch {config.batch_size}"
-        return config, what, lambda: mlp_q(*spaces, hidden=(120, 84)).to(device)
+        return _setup_from_config(args, client, device)
+    common = {"prefetch": args.prefetch or 2, "publish_every": args.publish_every or NEVER}
     from _common import ATARI_WRAPPERS
 
     from millpond.actors.envs import make_env
@@ -119,18 +112,64 @@ def _setup(args: argparse.Namespace, client, device: torch.device):
     return config, what, lambda: nature_cnn_q(*spaces).to(device)
 
 
+def _setup_from_config(args: argparse.Namespace, client, device: torch.device):
+    """:func:`_setup` for CartPole: the table of ``--config``'s capacity, the learner's
+    config and network as ``millpond launch`` builds them from that file."""
+    from millpond import TableConfig
+    from millpond.deploy.launch_config import load_config
+    from millpond.deploy.preflight import env_spaces
+    from millpond.learner.networks import mlp_q
+
+    overrides = []
+    if args.prefetch is not None:
+        overrides.append(f"learner.dqn.prefetch={args.prefetch}")
+    if args.publish_every is not None:
+        overrides.append(f"learner.dqn.publish_every={args.publish_every or NEVER}")
+    if args.batch_size is not None:
+        overrides.append(f"learner.dqn.batch_size={args.batch_size}")
+    launch = load_config(Path(__file__).resolve().parent.parent / args.config, overrides)
+    if launch.learner.algorithm != "dqn":
+        raise SystemExit(f"{args.config}: learner.algorithm is {launch.learner.algorithm!r}")
+    spaces = env_spaces(launch)
+    table = launch.replay.table_config()
+    client.create_table(TableConfig.uniform(TABLE, table.capacity, samples_per_insert=None))
+    fill(client, STEPS)
+    config = launch.learner.dqn
+    c = launch.learner
+    what = (
+        f"{launch.env.id} MLP {tuple(c.hidden_sizes)} {c.activation}, batch "
+        f"{config.batch_size}, {'Double DQN' if config.double_dqn else 'DQN'}, "
+        f"{'Huber' if config.huber else 'squared'} loss ({args.config})"
+    )
+
+    def network():  # as make_learner builds it for an MLP
+        return mlp_q(*spaces, tuple(c.hidden_sizes), c.dueling, c.activation, c.init).to(device)
+
+    return config, what, network
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="turns of each system")
     parser.add_argument("--calls", type=int, default=300, help="learner steps per turn")
-    parser.add_argument("--prefetch", type=int, default=2, help="sample requests in flight")
+    parser.add_argument(
+        "--config",
+        default="deploy/configs/cartpole-dqn.yaml",
+        help="the launch config whose DQN learner runs (--shape cartpole; relative paths "
+        "from the repository's root)",
+    )
+    parser.add_argument(
+        "--prefetch", type=int, help="batches asked ahead (default: the config's; atari 2)"
+    )
     parser.add_argument("--shape", choices=("cartpole", "atari"), default="cartpole")
     parser.add_argument("--batch-size", type=int, help="default: 128 cartpole, 32 atari")
     parser.add_argument("--device", default="cpu", help="the learner's torch device")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--atari-steps", type=int, default=20_000, help="frames to store")
     parser.add_argument(
-        "--publish-every", type=int, default=0, help="steps between publications (0: none)"
+        "--publish-every",
+        type=int,
+        help="steps between publications (0: none; default: the config's, atari none)",
     )
     args = parser.parse_args()
 
@@ -151,6 +190,7 @@ def main() -> int:
         wire_client = ReplayClient(server.addresses, colocated=False)
         wire = DQNLearner(wire_client, TABLE, config, network())
         unpublished = dataclasses.replace(config, publish_every=NEVER)
+        every = config.publish_every if config.publish_every < NEVER else 0
         alone = DQNLearner(client, TABLE, unpublished, network())
         batches = itertools.cycle([client.sample(TABLE, config.batch_size) for _ in range(64)])
         alone._batches.next = lambda: next(batches)  # the same step, its batches sampled before
@@ -171,11 +211,9 @@ def main() -> int:
             "alone": timed("alone", alone),
         }
         turns = {}
-        if args.publish_every:
+        if every:
             in_step = DQNLearner(client, TABLE, unpublished, network())
-            systems["service-publish-in-step"] = timed(
-                "service-publish-in-step", in_step, args.publish_every
-            )
+            systems["service-publish-in-step"] = timed("service-publish-in-step", in_step, every)
 
             @contextlib.contextmanager
             def publishing(learner: DQNLearner):
@@ -194,7 +232,7 @@ def main() -> int:
         lat, wall, cpu = time_in_turns(
             systems, args.reps, args.calls, turns, servers=[server.proc.pid]
         )
-        for learner in (through, wire, alone, *([in_step] if args.publish_every else [])):
+        for learner in (through, wire, alone, *([in_step] if every else [])):
             learner.close()
         wire_client.close()
         client.close()
@@ -202,8 +240,8 @@ def main() -> int:
     steps = args.reps * args.calls
     rate = {name: steps / wall[name] for name in wall}
     print(
-        f"\nDQN learner steps, {what}, prefetch {args.prefetch}, "
-        + (f"publishing every {args.publish_every} steps, " if args.publish_every else "")
+        f"\nDQN learner steps, {what}, prefetch {config.prefetch}, "
+        + (f"publishing every {every} steps, " if every else "")
         + f"on {device}; "
         f"{args.reps} turns of {args.calls} steps; {platform.processor() or platform.machine()}, "
         f"{args.threads} torch thread(s)"

@@ -414,7 +414,14 @@ def test_prioritized_n_step_targets_weights_and_priorities(client):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"batch_size": 0}, {"gamma": -0.1}, {"target_update_every": 0}, {"huber": 1}, {"lr": 0}],
+    [
+        {"batch_size": 0},
+        {"gamma": -0.1},
+        {"target_update_every": 0},
+        {"huber": 1},
+        {"lr": 0},
+        {"metrics_every": 0},
+    ],
 )
 def test_config_checks_its_values(kwargs):
     with pytest.raises(InvalidConfigError, match=next(iter(kwargs))):
@@ -484,3 +491,28 @@ def test_unweighted_loss_and_its_gradients_are_the_elementwise_mean(client, hube
     torch.testing.assert_close(q_value, q)
     for got, want in zip(grads, (p.grad for p in reference.parameters()), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_metrics_every_reports_every_nth_step_and_trains_the_same(client):
+    """With ``metrics_every=3`` the statistics come on steps 3, 6, 9, equal to those an
+    every-step learner reports on the same batches; the training is unchanged."""
+    chunk = collect(client)
+    for name in ("every", "third"):
+        client.create_table(TableConfig.uniform(name, capacity=4096, seed=1))
+        write_chunk(client, name, chunk)
+    config = DQNConfig(batch_size=32, lr=1e-2, target_update_every=4)
+    every = make_learner(client, "every", config)
+    third = make_learner(client, "third", DQNConfig(**{**vars(config), "metrics_every": 3}))
+    stats = ("loss", "td_error", "q_value", "sample_age_mean", "sample_age_steps_max")
+    for step in range(1, 10):
+        want, got = every.step(), third.step()
+        assert got["updates"] == want["updates"] == step
+        assert got["target_updated"] == want["target_updated"]
+        if step % 3:
+            assert not set(stats) & set(got)
+        else:
+            assert {k: got[k] for k in stats} == {k: want[k] for k in stats}
+    for p, q in zip(every.q_network.parameters(), third.q_network.parameters(), strict=True):
+        assert torch.equal(p, q)
+    every.close()
+    third.close()
