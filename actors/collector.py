@@ -120,7 +120,8 @@ class Collector:
             :class:`~millpond.service.TableSink`, ...); ``None`` to only :meth:`collect`.
         num_envs: ``P``, the number of lanes (required with an env id; checked otherwise).
         chunk_len: ``T``, the real steps each lane contributes to a chunk.
-        vectorization_mode: ``"sync"`` or ``"async"`` (env ids only).
+        vectorization_mode: ``"sync"``, ``"async"`` or ``"vector_entry_point"`` (the vector
+            env the id registers, e.g. CartPole-v1's; env ids only).
         autoreset_mode: ``"same_step"`` or ``"next_step"`` for envs built from an id
             (``None``: the vectorizer's default, NEXT_STEP).
         env_kwargs: keyword arguments for the env constructor (e.g. ``max_episode_steps``).

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import gymnasium as gym
 import numpy as np
 import torch
+from gymnasium.envs.registration import load_env_creator
 from gymnasium.vector import AutoresetMode
 
 from millpond.errors import InvalidConfigError, MillpondError
@@ -41,11 +42,13 @@ from millpond.spec import Key
 from .import_specs import ImportSpec, check_arguments, load_path
 
 __all__ = [
+    "VECTORIZATION_MODES",
     "EnvSpec",
     "WrapperSpec",
     "autoreset_mode_of",
     "build_wrappers",
     "check_observation_space",
+    "check_vector_entry_point",
     "check_wrappers",
     "make_env",
     "make_vector_env",
@@ -201,6 +204,51 @@ def observation_leaves(obs: Any, num_envs: int | None = None) -> dict[Key, torch
     return out
 
 
+#: What ``vectorization_mode`` takes: gymnasium's ``SyncVectorEnv`` of the id's envs, its
+#: ``AsyncVectorEnv`` (one subprocess per lane), or the vector env the id registers.
+VECTORIZATION_MODES = ("sync", "async", "vector_entry_point")
+
+
+def check_vector_entry_point(
+    env_id: str,
+    autoreset_mode: str | AutoresetMode | None,
+    wrappers: Sequence[WrapperSpec | Mapping[str, Any]] | None,
+) -> None:
+    """Raise :class:`InvalidConfigError` unless ``env_id`` registers a vector env that can
+    run as asked: no wrappers (its lanes are not envs of their own) and ``autoreset_mode``
+    ``None`` or its own (CartPole's: NEXT_STEP), which it cannot change."""
+    register_env(env_id)
+    try:
+        spec = gym.spec(env_id)
+    except gym.error.Error as e:
+        raise InvalidConfigError(f"env {env_id!r}: {e}") from None
+    if spec.vector_entry_point is None:
+        raise InvalidConfigError(
+            f"vectorization_mode 'vector_entry_point': env {env_id!r} registers no vector "
+            "env of its own (use 'sync' or 'async')"
+        )
+    if wrappers:
+        raise InvalidConfigError(
+            "vectorization_mode 'vector_entry_point': env wrappers apply to each lane's env, "
+            f"and {env_id!r}'s vector env steps its lanes as one (use 'sync' or 'async')"
+        )
+    if autoreset_mode is None:
+        return
+    creator = spec.vector_entry_point
+    if not callable(creator):
+        creator = load_env_creator(creator)
+    own = parse_autoreset_mode(
+        getattr(creator, "metadata", {}).get("autoreset_mode", AutoresetMode.NEXT_STEP)
+    )
+    if parse_autoreset_mode(autoreset_mode) != own:
+        name = own.value if own is not None else "unknown"
+        raise InvalidConfigError(
+            f"vectorization_mode 'vector_entry_point': {env_id!r}'s vector env resets its "
+            f"lanes in its own autoreset mode ({name}); autoreset_mode {autoreset_mode!r} "
+            "cannot change it (leave it unset, or use 'sync' or 'async')"
+        )
+
+
 def make_vector_env(
     env: EnvSpec,
     num_envs: int | None = None,
@@ -215,6 +263,12 @@ def make_vector_env(
     vector_kwargs={"autoreset_mode": ...}, wrappers=..., **env_kwargs)``, ``wrappers``
     (:class:`WrapperSpec` or ``{"path", "kwargs"}`` mappings) applied in order to every
     lane's env; a ``VectorEnv`` is used as it is (not owned); a callable is called.
+
+    ``vectorization_mode`` ``"vector_entry_point"`` builds the id's own vector env, which
+    steps every lane in one call (CartPole-v1's ``CartPoleVectorEnv``: its 16 lanes in
+    ~0.08 ms a step against ~0.22 ms for 16 ``CartPole-v1`` envs in a ``SyncVectorEnv``):
+    for ids that register one, without wrappers, in its own autoreset mode (CartPole's:
+    NEXT_STEP; ``autoreset_mode`` may only name that one).
     """
     if wrappers and not isinstance(env, str):
         raise InvalidConfigError(
@@ -226,11 +280,15 @@ def make_vector_env(
     if isinstance(env, str):
         if num_envs is None:
             raise InvalidConfigError(f"num_envs is needed to build env {env!r}")
-        if vectorization_mode not in ("sync", "async"):
+        if vectorization_mode not in VECTORIZATION_MODES:
             raise InvalidConfigError(
-                f"vectorization_mode ({vectorization_mode!r}) must be 'sync' or 'async'"
+                f"vectorization_mode ({vectorization_mode!r}) must be one of "
+                f"{', '.join(map(repr, VECTORIZATION_MODES))}"
             )
         vector_kwargs = {}
+        if vectorization_mode == "vector_entry_point":
+            check_vector_entry_point(env, autoreset_mode, wrappers)
+            autoreset_mode = None  # its own, which make_vec cannot pass it
         if autoreset_mode is not None:
             mode = parse_autoreset_mode(autoreset_mode)
             if mode is None or mode == AutoresetMode.DISABLED:

@@ -51,8 +51,8 @@ class ActorConfig:
         table: the replay table the actors write to.
         num_envs: lanes per actor (``P``).
         chunk_len: real steps per lane per chunk (``T``).
-        vectorization_mode: ``"sync"`` or ``"async"``.
-        autoreset_mode: ``"same_step"`` or ``"next_step"``.
+        vectorization_mode: ``"sync"``, ``"async"`` or ``"vector_entry_point"``.
+        autoreset_mode: ``"same_step"``, ``"next_step"`` or ``None`` (the vector env's own).
         env_kwargs: keyword arguments for the env (e.g. ``max_episode_steps``).
         env_wrappers: gymnasium wrappers applied in order to each lane's env (env ids only):
             :class:`~millpond.actors.envs.WrapperSpec` or ``{"path": ..., "kwargs": ...}``
@@ -80,7 +80,7 @@ class ActorConfig:
     num_envs: int = 8
     chunk_len: int = 64
     vectorization_mode: str = "sync"
-    autoreset_mode: str = "same_step"
+    autoreset_mode: str | None = "same_step"
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
     env_wrappers: Sequence[WrapperSpec | Mapping[str, Any]] = ()
     policy: Any = None

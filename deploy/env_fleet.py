@@ -71,6 +71,9 @@ def actor_config(config: LaunchConfig, table: str, network: str) -> ActorConfig:
         num_envs=c.actors.num_envs,
         chunk_len=c.actors.chunk_len,
         vectorization_mode=c.env.vectorization_mode,
+        # SAME_STEP (no step lost to a reset) where the env ids' lanes are vectorised by
+        # gymnasium; a registered vector env resets in its own mode
+        autoreset_mode=(None if c.env.vectorization_mode == "vector_entry_point" else "same_step"),
         env_kwargs=dict(c.env.kwargs),
         env_wrappers=tuple(c.env.wrappers),
         policy=f"millpond.learner.{module}:{factory}",

@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from millpond.actors.action_noise import GaussianNoise, OrnsteinUhlenbeckNoise
-from millpond.actors.envs import WrapperSpec, check_wrappers
+from millpond.actors.envs import (
+    VECTORIZATION_MODES,
+    WrapperSpec,
+    check_vector_entry_point,
+    check_wrappers,
+)
 from millpond.actors.processor_specs import ProcessorSpec, check_processors
 from millpond.config import TableConfig
 from millpond.deploy.algorithms import ALGORITHMS, check_sections
@@ -60,7 +65,9 @@ class EnvSection:
         id: a registered gymnasium id (``ALE/...`` ids need ``pip install 'millpond[atari]'``).
         kwargs: keyword arguments of ``gymnasium.make_vec`` (e.g. ``max_episode_steps``,
             ``frameskip``), passed to every lane's ``gymnasium.make``.
-        vectorization_mode: ``"sync"`` or ``"async"`` (one subprocess per lane).
+        vectorization_mode: ``"sync"``, ``"async"`` (one subprocess per lane) or
+            ``"vector_entry_point"`` (the vector env the id registers, which steps its lanes
+            in one call, e.g. CartPole-v1's; no wrappers).
         wrappers: gymnasium wrappers applied in order to every lane's env, each a mapping of
             ``path`` (``"package.module:Name"`` of a wrapper class, or of a callable taking
             the env first) and ``kwargs`` (its other keyword arguments), e.g.
@@ -75,8 +82,13 @@ class EnvSection:
     wrappers: list[WrapperSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _choice("env.vectorization_mode", self.vectorization_mode, ("sync", "async"))
+        _choice("env.vectorization_mode", self.vectorization_mode, VECTORIZATION_MODES)
         check_wrappers(self.wrappers, "env.wrappers")  # bad specs fail before Ray
+        if self.vectorization_mode == "vector_entry_point":
+            try:
+                check_vector_entry_point(self.id, None, self.wrappers)
+            except InvalidConfigError as e:
+                raise InvalidConfigError(f"env.{e}") from None
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,98 @@ def test_cartpole_every_stored_step_is_exact(make_table, tmp_path, mode, max_ste
         assert all(not s.any() for s in surpluses)
 
 
+def single_cartpole_step(obs: torch.Tensor, action: int) -> tuple[np.ndarray, float, bool]:
+    """One step of gymnasium's single CartPole from ``obs``: (next obs, reward, terminated)."""
+    env = gym.make("CartPole-v1").unwrapped
+    env.reset(seed=0)
+    env.state = tuple(float(x) for x in obs)
+    next_obs, reward, terminated, _, _ = env.step(action)
+    env.close()
+    return next_obs, float(reward), bool(terminated)
+
+
+def test_cartpole_vector_entry_point_stores_single_env_steps(make_table, tmp_path):
+    """CartPole-v1's own vector env (``vectorization_mode="vector_entry_point"``), whose
+    lanes share one generator, so no lane replays on a seeded single env: instead every
+    stored transition is re-stepped from its observation on gymnasium's single CartPole
+    (its next observation to float32 rounding, its reward and termination exactly), every
+    episode starts in the reset range, runs on (``next`` is the following step's
+    observation, bit for bit) and is truncated at ``max_episode_steps``; no reset step of
+    the NEXT_STEP vector env is stored, and the table holds what was collected."""
+    num_envs, chunk_len, chunks, max_steps = 4, 40, 3, 15
+    table = make_table(TableConfig.uniform("vec", capacity=4096))
+    collector = Collector(
+        "CartPole-v1",
+        TableSink(table),
+        num_envs=num_envs,
+        chunk_len=chunk_len,
+        vectorization_mode="vector_entry_point",
+        autoreset_mode=None,  # its own: NEXT_STEP
+        env_kwargs={"max_episode_steps": max_steps},
+        seed=2,
+    )
+    assert type(collector.env.unwrapped).__name__ == "CartPoleVectorEnv"
+    assert collector.autoreset_mode == AutoresetMode.NEXT_STEP
+    lanes, _ = collect_and_store(collector, chunks)
+    collector.close()
+
+    obs, nxt = lanes["observation"], lanes["next", "observation"]
+    steps = lanes["collector", "step_count"]
+    ids = lanes["collector", "traj_ids"]
+    assert (steps == 0).sum() >= 8, "the test needs episode starts"
+    assert lanes["next", "terminated"].any() and lanes["next", "truncated"].any()
+    for p in range(num_envs):
+        for t in range(lanes.shape[1]):
+            want_obs, want_reward, want_terminated = single_cartpole_step(
+                obs[p, t], int(lanes["action"][p, t])
+            )
+            torch.testing.assert_close(nxt[p, t], torch.from_numpy(want_obs), rtol=0, atol=1e-5)
+            assert float(lanes["next", "reward"][p, t]) == want_reward
+            assert bool(lanes["next", "terminated"][p, t]) == want_terminated
+            step = int(steps[p, t])
+            assert bool(lanes["next", "truncated"][p, t]) == (step + 1 == max_steps)
+            if step == 0:
+                assert obs[p, t].abs().max() <= 0.05  # the reset range
+            elif t > 0:
+                assert ids[p, t] == ids[p, t - 1] and int(steps[p, t - 1]) == step - 1
+                assert_same(obs[p, t], nxt[p, t - 1], f"lane {p} step {t}")
+    stored = export_ted(table, tmp_path / "export")
+    assert len(stored) == num_envs * chunk_len * chunks == table.size
+    flat = lanes.reshape(-1)
+    order = {k: i for i, k in enumerate(zip(ids.reshape(-1).tolist(), steps.reshape(-1).tolist()))}
+    index = torch.tensor(
+        [order[k] for k in zip(stored["episode_id"].tolist(), stored["step"].tolist())]
+    )
+    for key in ("observation", ("next", "observation"), "action", ("next", "reward")):
+        assert_same(stored[key], flat[key][index], f"stored {key}")
+
+
+def test_vector_entry_point_is_refused_where_it_cannot_run():
+    with pytest.raises(InvalidConfigError, match="registers no vector env"):
+        Collector(
+            "Acrobot-v1", None, num_envs=2, chunk_len=4, vectorization_mode="vector_entry_point"
+        )
+    wrappers = [{"path": "gymnasium.wrappers:ClipReward", "kwargs": {"min_reward": 0}}]
+    with pytest.raises(InvalidConfigError, match="wrappers"):
+        Collector(
+            "CartPole-v1",
+            None,
+            num_envs=2,
+            chunk_len=4,
+            vectorization_mode="vector_entry_point",
+            env_wrappers=wrappers,
+        )
+    with pytest.raises(InvalidConfigError, match=r"own autoreset mode \(NextStep\)"):
+        Collector(
+            "CartPole-v1",
+            None,
+            num_envs=2,
+            chunk_len=4,
+            vectorization_mode="vector_entry_point",
+            autoreset_mode="same_step",
+        )
+
+
 def counting_vector_env(num_envs: int, mode: AutoresetMode, stride: int = 1000):
     return gym.vector.SyncVectorEnv(
         [
@@ -298,7 +390,7 @@ def test_disabled_autoreset_is_rejected():
     [
         ({"num_envs": None}, "num_envs is needed"),
         ({"chunk_len": 0}, "chunk_len"),
-        ({"vectorization_mode": "vector_entry_point"}, "vectorization_mode"),
+        ({"vectorization_mode": "threads"}, "vectorization_mode"),
         ({"autoreset_mode": "disabled"}, "autoreset_mode"),
         ({"sink": object()}, "write_segment"),
         ({"weight_source": object()}, "get_weights"),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from millpond.actors import ApexPriorities, GaussianNoise, OrnsteinUhlenbeckNoise
+from millpond.actors import ApexPriorities, Collector, GaussianNoise, OrnsteinUhlenbeckNoise
 from millpond.deploy.config_files import apply_override
 from millpond.deploy.config_mapping import to_mapping
 from millpond.deploy.env_fleet import actor_config, fleet_options
@@ -47,6 +47,29 @@ def test_rainbow_config_is_prioritized_n_step_double_dueling():
     dqn, table = config.learner.dqn, config.replay.table_config()
     assert dqn.prioritized and dqn.n_step == 3 and dqn.double_dqn and config.learner.dueling
     assert table.has_priorities and table.slice_len >= dqn.n_step and not table.strict_length
+
+
+def test_env_actors_reset_same_step_unless_the_env_registers_its_own_vector_env():
+    """Lanes gymnasium vectorises reset in the same step; a registered vector env (CartPole's,
+    NEXT_STEP) keeps its own mode, and the actor's collector builds it."""
+    config = load_config(CONFIGS / "cartpole-dqn.yaml")
+    assert actor_config(config, "replay", "mlp").autoreset_mode == "same_step"
+    config = load_config(
+        CONFIGS / "cartpole-dqn.yaml", ["env.vectorization_mode=vector_entry_point"]
+    )
+    actor = actor_config(config, "replay", "mlp")
+    assert (actor.vectorization_mode, actor.autoreset_mode) == ("vector_entry_point", None)
+    collector = Collector(
+        actor.env,
+        None,
+        num_envs=2,
+        chunk_len=4,
+        vectorization_mode=actor.vectorization_mode,
+        autoreset_mode=actor.autoreset_mode,
+    )
+    assert type(collector.env.unwrapped).__name__ == "CartPoleVectorEnv"
+    assert collector.autoreset_mode.name == "NEXT_STEP"
+    collector.close()
 
 
 def test_dueling_is_for_dqn_mlp_q_networks(tmp_path):
@@ -105,6 +128,22 @@ def test_overrides_apply_before_checking(tmp_path):
         ("", ["run.frames"], "expected KEY=VALUE"),
         ("", ["run.frames.x=1"], "run.frames: expected an integer"),
         ("run: {frames: 5}\n", ["run.frames.x=1"], "run.frames is not a section"),
+        (
+            "env: {vectorization_mode: threads}\n",
+            [],
+            "env.vectorization_mode: 'threads' is not one of sync, async, vector_entry_point",
+        ),
+        (
+            "env: {id: Acrobot-v1, vectorization_mode: vector_entry_point}\n",
+            [],
+            "env.vectorization_mode 'vector_entry_point': env 'Acrobot-v1' registers no vector",
+        ),
+        (
+            "env: {vectorization_mode: vector_entry_point, wrappers: "
+            "[{path: 'gymnasium.wrappers:ClipReward', kwargs: {min_reward: 0}}]}\n",
+            [],
+            "env.vectorization_mode 'vector_entry_point': env wrappers apply to each lane's",
+        ),
     ],
 )
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):
