@@ -229,29 +229,31 @@ def test_cartpole_vector_entry_point_stores_single_env_steps(make_table, tmp_pat
         assert_same(stored[key], flat[key][index], f"stored {key}")
 
 
-def test_vector_entry_point_is_refused_where_it_cannot_run():
-    with pytest.raises(InvalidConfigError, match="registers no vector env"):
-        Collector(
-            "Acrobot-v1", None, num_envs=2, chunk_len=4, vectorization_mode="vector_entry_point"
-        )
-    wrappers = [{"path": "gymnasium.wrappers:ClipReward", "kwargs": {"min_reward": 0}}]
-    with pytest.raises(InvalidConfigError, match="wrappers"):
-        Collector(
+@pytest.mark.parametrize(
+    ("env_id", "kwargs", "match"),
+    [
+        ("Acrobot-v1", {}, "registers no vector env"),
+        (
             "CartPole-v1",
+            {
+                "env_wrappers": [
+                    {"path": "gymnasium.wrappers:ClipReward", "kwargs": {"min_reward": 0}}
+                ]
+            },
+            "wrappers",
+        ),
+        ("CartPole-v1", {"autoreset_mode": "same_step"}, r"own autoreset mode \(NextStep\)"),
+    ],
+)
+def test_vector_entry_point_is_refused_where_it_cannot_run(env_id, kwargs, match):
+    with pytest.raises(InvalidConfigError, match=match):
+        Collector(
+            env_id,
             None,
             num_envs=2,
             chunk_len=4,
             vectorization_mode="vector_entry_point",
-            env_wrappers=wrappers,
-        )
-    with pytest.raises(InvalidConfigError, match=r"own autoreset mode \(NextStep\)"):
-        Collector(
-            "CartPole-v1",
-            None,
-            num_envs=2,
-            chunk_len=4,
-            vectorization_mode="vector_entry_point",
-            autoreset_mode="same_step",
+            **kwargs,
         )
 
 
